@@ -1,0 +1,174 @@
+"""Token-in/token-out client for vLLM's HTTP API (and any engine that speaks the same subset).
+
+Invariants:
+- Prompts go out as token ids and sampled tokens come back as token ids with their logprobs: the client
+  never tokenizes model output or re-tokenizes a conversation. The only text it tokenizes is new text the
+  environment adds (the rendered first prompt, observations), through the engine's own /tokenize.
+- Every failure is classified once, here: retryable (transport, timeout, 5xx, unparseable reply),
+  non-retryable (4xx), or context length exceeded (a truncation, not a failure).
+
+Endpoints used: ``POST /inference/v1/generate`` (token ids in, token ids + logprobs + weight-version spans
+out; vLLM needs ``--enable-scale-out``), ``POST /tokenize``, ``POST /detokenize``, ``GET /v1/models``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from activities.errors import ContextLengthExceeded, EngineBadReply, EngineBadRequest, EngineUnavailable
+from workflows.types import SamplingParams
+
+_CONTEXT_MARKERS = ("maximum context length", "max_model_len", "context length", "too long")
+
+
+@dataclass
+class Generation:
+    """What one model call produced."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    policy_versions: list[str | None]
+    finish_reason: str
+    model_s: float
+    queue_s: float
+
+
+class EngineClient:
+    """Async HTTP client for a fleet of engine replicas; one per worker process."""
+
+    def __init__(self, timeout_s: float = 120.0) -> None:
+        self._http = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0))
+        self._max_len: dict[str, int] = {}
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def _post(self, url: str, body: dict[str, Any], timeout_s: float | None = None) -> Any:
+        try:
+            resp = await self._http.post(url, json=body, timeout=timeout_s or httpx.USE_CLIENT_DEFAULT)
+        except httpx.TimeoutException as e:
+            raise EngineUnavailable(f"{url}: timed out ({type(e).__name__})") from e
+        except httpx.TransportError as e:
+            raise EngineUnavailable(f"{url}: {type(e).__name__}: {e}") from e
+        return _classify(url, resp)
+
+    async def max_model_len(self, base_url: str, model: str) -> int:
+        """The engine's context length, read once per replica from /v1/models."""
+        if base_url not in self._max_len:
+            try:
+                resp = await self._http.get(f"{base_url}/v1/models")
+            except httpx.TransportError as e:
+                raise EngineUnavailable(f"{base_url}/v1/models: {type(e).__name__}: {e}") from e
+            data = _classify(f"{base_url}/v1/models", resp)
+            try:
+                entry = next(m for m in data["data"] if m["id"] == model)
+                self._max_len[base_url] = int(entry["max_model_len"])
+            except (KeyError, TypeError, ValueError, StopIteration) as e:
+                raise EngineBadReply(f"{base_url}/v1/models: no max_model_len for model {model!r}") from e
+        return self._max_len[base_url]
+
+    async def tokenize_chat(self, base_url: str, model: str, messages: list[dict[str, str]]) -> list[int]:
+        """Render messages through the model's chat template once and return the token ids."""
+        body = {"model": model, "messages": messages, "add_generation_prompt": True}
+        return _tokens(base_url, await self._post(f"{base_url}/tokenize", body))
+
+    async def tokenize_text(self, base_url: str, model: str, text: str) -> list[int]:
+        """Token ids of new text (special-token markers included), without adding a BOS."""
+        body = {"model": model, "prompt": text, "add_special_tokens": False}
+        return _tokens(base_url, await self._post(f"{base_url}/tokenize", body))
+
+    async def detokenize(self, base_url: str, model: str, token_ids: list[int]) -> str:
+        data = await self._post(f"{base_url}/detokenize", {"model": model, "tokens": token_ids})
+        if not isinstance(data, dict) or not isinstance(data.get("prompt"), str):
+            raise EngineBadReply(f"{base_url}/detokenize: reply has no 'prompt' text")
+        return data["prompt"]
+
+    async def generate(
+        self,
+        base_url: str,
+        model: str,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        max_tokens: int,
+        request_id: str,
+    ) -> Generation:
+        """Sample up to max_tokens after prompt_ids; raises ContextLengthExceeded if the prompt cannot fit."""
+        limit = await self.max_model_len(base_url, model)
+        room = limit - len(prompt_ids)
+        if room < 1:
+            raise ContextLengthExceeded(f"prompt of {len(prompt_ids)} tokens leaves no room in {limit}")
+        params: dict[str, Any] = {
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "top_k": max(sampling.top_k, 0),
+            "max_tokens": min(max_tokens, room),
+            "logprobs": 0,
+            "detokenize": False,
+        }
+        if sampling.seed is not None:
+            params["seed"] = sampling.seed
+        body = {
+            "model": model,
+            "request_id": request_id,
+            "token_ids": prompt_ids,
+            "sampling_params": params,
+            "output_mode": "tokens",
+        }
+        t0 = time.monotonic()
+        data = await self._post(f"{base_url}/inference/v1/generate", body)
+        elapsed = time.monotonic() - t0
+        return _parse_generation(base_url, data, elapsed)
+
+
+def _classify(url: str, resp: httpx.Response) -> Any:
+    """Map an HTTP reply to its JSON body or to the right error class."""
+    if resp.status_code >= 500:
+        raise EngineUnavailable(f"{url}: HTTP {resp.status_code}: {resp.text[:200]}")
+    if resp.status_code >= 400:
+        text = resp.text[:300]
+        if resp.status_code == 400 and any(m in text.lower() for m in _CONTEXT_MARKERS):
+            raise ContextLengthExceeded(f"{url}: {text}")
+        raise EngineBadRequest(f"{url}: HTTP {resp.status_code}: {text}")
+    try:
+        return resp.json()
+    except ValueError as e:
+        raise EngineBadReply(f"{url}: reply is not JSON: {resp.text[:120]!r}") from e
+
+
+def _tokens(base_url: str, data: Any) -> list[int]:
+    toks = data.get("tokens") if isinstance(data, dict) else None
+    if not isinstance(toks, list) or not all(isinstance(t, int) for t in toks):
+        raise EngineBadReply(f"{base_url}/tokenize: reply has no integer 'tokens' list")
+    return toks
+
+
+def _parse_generation(base_url: str, data: Any, elapsed: float) -> Generation:
+    url = f"{base_url}/inference/v1/generate"
+    try:
+        choice = data["choices"][0]
+        token_ids = [int(t) for t in choice["token_ids"]]
+        content = (choice.get("logprobs") or {}).get("content") or []
+        logprobs = [float(c["logprob"]) for c in content]
+        ids_from_logprobs = [int(c["token_id"]) for c in content]
+        finish = str(choice.get("finish_reason") or "stop")
+    except (KeyError, IndexError, TypeError, ValueError) as e:
+        raise EngineBadReply(f"{url}: malformed reply ({type(e).__name__}: {e})") from e
+    if ids_from_logprobs != token_ids:
+        raise EngineBadReply(f"{url}: {len(logprobs)} logprobs do not match {len(token_ids)} sampled tokens")
+    versions = _expand_spans(choice.get("weight_versions"), len(token_ids))
+    metrics = data.get("metrics") or {}
+    queue_s = float(metrics.get("queued_time") or 0.0) if isinstance(metrics, dict) else 0.0
+    return Generation(token_ids, logprobs, versions, finish, elapsed, queue_s)
+
+
+def _expand_spans(spans: Any, n: int) -> list[str | None]:
+    """Per-token versions from the engine's ``[start, end) sampled by version V`` spans."""
+    out: list[str | None] = [None] * n
+    for span in spans or []:
+        start, end = max(int(span["start"]), 0), min(int(span["end"]), n)
+        out[start:end] = [str(span["version"])] * (end - start)
+    return out

@@ -1,0 +1,268 @@
+"""Activities of a rollout: every side effect of the pipeline (engine HTTP, the run store, task files).
+
+Invariants:
+- Idempotent on keys that survive retries: the run id, the rollout id, and (rollout id, turn). A retried
+  activity finds what an earlier attempt wrote and returns it, so no sample is produced twice or lost.
+- Inputs and results are small (keys, counts, scalars); token arrays go to the store, never to history.
+- Errors leave as ``ApplicationError`` whose type names the boundary (see ``activities.errors``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable
+from typing import TypeVar
+
+from temporalio import activity
+
+from activities.engine_client import EngineClient
+from activities.errors import ContextLengthExceeded, EnvironmentFailure, RolloutError
+from activities.store import RunStore, Segment
+from envs import math as math_env
+from envs.tasks import load_tasks
+from workflows.types import (
+    EnvStepInput,
+    EnvStepResult,
+    FinalizeGroupInput,
+    FinalizeRolloutInput,
+    GenerateInput,
+    LoadRunInput,
+    PrepareInput,
+    PrepareResult,
+    TruncationReason,
+    TurnResult,
+)
+
+T = TypeVar("T")
+HEARTBEAT_EVERY_S = 2.0
+
+
+async def _heartbeating(aw: Awaitable[T]) -> T:
+    """Await aw while heartbeating, so a dead worker is noticed within the heartbeat timeout."""
+    task = asyncio.ensure_future(aw)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=HEARTBEAT_EVERY_S)
+            if done:
+                return task.result()
+            activity.heartbeat()
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+
+
+def _edge(e: RolloutError) -> Exception:
+    return e.to_application_error()
+
+
+def _model_segment(turn: int) -> str:
+    return f"t{turn:05d}.model"
+
+
+def _obs_segment(turn: int) -> str:
+    return f"t{turn:05d}.obs"
+
+
+class RolloutActivities:
+    """The activities a worker registers; holds the worker's store and engine client."""
+
+    def __init__(self, store: RunStore, engine: EngineClient) -> None:
+        self.store = store
+        self.engine = engine
+
+    @activity.defn(name="load_run")
+    async def load_run(self, inp: LoadRunInput) -> int:
+        """Record the run with its resolved config and store its tasks; returns the number of tasks."""
+        try:
+            tasks = await asyncio.to_thread(load_tasks, inp.task_file, inp.env)
+        except RolloutError as e:
+            raise _edge(e) from e
+        await asyncio.to_thread(self.store.register_run, inp.run_id, inp.config_json, inp.config_hash)
+        return await asyncio.to_thread(self.store.put_tasks, inp.run_id, tasks)
+
+    @activity.defn(name="task_id_at")
+    async def task_id_at(self, run_id: str, idx: int) -> str:
+        """The id of the run's idx-th task (a local activity of the run workflow)."""
+        task = await asyncio.to_thread(self.store.task_at, run_id, idx)
+        return task["id"]
+
+    @activity.defn(name="prepare_rollout")
+    async def prepare_rollout(self, inp: PrepareInput) -> PrepareResult:
+        """Render the task prompt through the chat template once and store it as segment 'prompt'."""
+        existing = await asyncio.to_thread(self.store.get_segment, inp.rollout_id, "prompt")
+        if existing is None:
+            task = await asyncio.to_thread(self.store.get_task, inp.run_id, inp.task_id)
+            try:
+                ids = await self.engine.tokenize_chat(
+                    inp.engine_url, inp.model, [{"role": "user", "content": task["prompt"]}]
+                )
+            except RolloutError as e:
+                raise _edge(e) from e
+            seg = Segment(name="prompt", kind="prompt", turn=None, start=0, token_ids=ids)
+            existing = await asyncio.to_thread(self.store.put_segment, inp.rollout_id, seg)
+        return PrepareResult(prompt_tokens=len(existing.token_ids), engine=inp.engine_url)
+
+    @activity.defn(name="generate_turn")
+    async def generate_turn(self, inp: GenerateInput) -> TurnResult:
+        """One model call on the rollout's stored context; the sampled tokens are stored, not returned."""
+        name = _model_segment(inp.turn)
+        seg = await asyncio.to_thread(self.store.get_segment, inp.rollout_id, name)
+        if seg is None:
+            context = await asyncio.to_thread(self.store.token_ids, inp.rollout_id)
+            info = activity.info()
+            queued = max(0.0, (info.started_time - info.current_attempt_scheduled_time).total_seconds())
+            request_id = f"{inp.rollout_id}/{inp.turn}/{info.attempt}"
+            try:
+                gen = await _heartbeating(
+                    self.engine.generate(
+                        inp.engine_url, inp.model, context, inp.sampling, inp.max_tokens, request_id
+                    )
+                )
+            except ContextLengthExceeded as e:
+                activity.logger.info("rollout %s turn %d: %s", inp.rollout_id, inp.turn, e)
+                return TurnResult(
+                    turn=inp.turn,
+                    start=len(context),
+                    end=len(context),
+                    finish_reason="context_length",
+                    engine=inp.engine_url,
+                    policy_version=None,
+                    truncated_reason=TruncationReason.CONTEXT_LENGTH,
+                    queue_s=queued,
+                )
+            except RolloutError as e:
+                raise _edge(e) from e
+            meta = {
+                "engine": inp.engine_url,
+                "finish_reason": gen.finish_reason,
+                "queue_s": queued + gen.queue_s,
+                "model_s": gen.model_s,
+                "attempt": info.attempt,
+            }
+            seg = Segment(
+                name=name,
+                kind="model",
+                turn=inp.turn,
+                start=len(context),
+                token_ids=gen.token_ids,
+                logprobs=gen.logprobs,
+                policy_versions=gen.policy_versions,
+                meta=meta,
+            )
+            seg = await asyncio.to_thread(self.store.put_segment, inp.rollout_id, seg)
+        versions = [v for v in seg.policy_versions or [] if v is not None]
+        return TurnResult(
+            turn=inp.turn,
+            start=seg.start,
+            end=seg.end,
+            finish_reason=seg.meta["finish_reason"],
+            engine=seg.meta["engine"],
+            policy_version=versions[-1] if versions else None,
+            queue_s=seg.meta["queue_s"],
+            model_s=seg.meta["model_s"],
+        )
+
+    @activity.defn(name="env_step")
+    async def env_step(self, inp: EnvStepInput) -> EnvStepResult:
+        """Score the turn, or store the observation that continues the rollout."""
+        if inp.env != "math":
+            raise _edge(EnvironmentFailure(f"rollout {inp.rollout_id}: unknown env {inp.env!r}"))
+        t0 = time.monotonic()
+        seg = await asyncio.to_thread(self._turn_to_score, inp)
+        task = await asyncio.to_thread(self.store.get_task, inp.run_id, inp.task_id)
+        if seg is None:
+            if inp.score_only:
+                return EnvStepResult(done=True, reward=None)
+            raise _edge(EnvironmentFailure(f"rollout {inp.rollout_id}: turn {inp.turn} was never stored"))
+        try:
+            text = await self.engine.detokenize(inp.engine_url, inp.model, seg.token_ids)
+            t1 = time.monotonic()
+            reward = math_env.verify(_strip_stop(text), task["answer"])
+            reward_s = time.monotonic() - t1
+            if reward == 1.0 or inp.last_turn or inp.score_only:
+                await asyncio.to_thread(
+                    self.store.update_segment_meta, inp.rollout_id, seg.name, env_s=t1 - t0, reward_s=reward_s
+                )
+                return EnvStepResult(done=True, reward=reward, env_s=t1 - t0, reward_s=reward_s)
+            obs = await self._store_observation(inp, seg.end, math_env.RETRY_PROMPT)
+        except RolloutError as e:
+            raise _edge(e) from e
+        env_s = time.monotonic() - t0
+        await asyncio.to_thread(self.store.update_segment_meta, inp.rollout_id, seg.name, env_s=env_s)
+        return EnvStepResult(done=False, observation_tokens=obs, env_s=env_s)
+
+    def _turn_to_score(self, inp: EnvStepInput) -> Segment | None:
+        if not inp.score_only:
+            return self.store.get_segment(inp.rollout_id, _model_segment(inp.turn))
+        model_turns = [s for s in self.store.segments(inp.rollout_id) if s.kind == "model" and s.token_ids]
+        return model_turns[-1] if model_turns else None
+
+    async def _store_observation(self, inp: EnvStepInput, start: int, content: str) -> int:
+        name = _obs_segment(inp.turn)
+        existing = await asyncio.to_thread(self.store.get_segment, inp.rollout_id, name)
+        if existing is None:
+            ids = await self.engine.tokenize_chat(
+                inp.engine_url, inp.model, [{"role": "user", "content": content}]
+            )
+            seg = Segment(name=name, kind="observation", turn=inp.turn, start=start, token_ids=ids)
+            existing = await asyncio.to_thread(self.store.put_segment, inp.rollout_id, seg)
+        return len(existing.token_ids)
+
+    @activity.defn(name="finalize_rollout")
+    async def finalize_rollout(self, inp: FinalizeRolloutInput) -> bool:
+        """Write the rollout's record once (keyed by rollout id); returns False if it already existed."""
+        segs = await asyncio.to_thread(self.store.segments, inp.rollout_id)
+        prompt_len = segs[0].end if segs and segs[0].kind == "prompt" else 0
+        rec = {
+            "rollout_id": inp.rollout_id,
+            "run_id": inp.run_id,
+            "group_id": inp.group_id,
+            "task_id": inp.task_id,
+            "sample_index": inp.sample_index,
+            "env": inp.env,
+            "outcome": inp.outcome.value,
+            "reason": inp.reason,
+            "reward": inp.reward,
+            "scorable": int(inp.scorable),
+            "advantage": None,
+            "prompt_length": prompt_len,
+            "num_tokens": segs[-1].end if segs else 0,
+            "sampling_json": inp.sampling.model_dump_json(),
+            "extra_json": "{}",
+        }
+        return await asyncio.to_thread(self.store.put_rollout, rec)
+
+    @activity.defn(name="finalize_group")
+    async def finalize_group(self, inp: FinalizeGroupInput) -> bool:
+        """Write the group record and its members' advantages (idempotent on run + group id)."""
+        rec = inp.record
+        await asyncio.to_thread(self.store.set_advantages, inp.advantages)
+        return await asyncio.to_thread(
+            self.store.put_group, rec.run_id, rec.group_id, rec.task_id, rec.model_dump(mode="json")
+        )
+
+    @activity.defn(name="finish_run")
+    async def finish_run(self, run_id: str) -> None:
+        await asyncio.to_thread(self.store.finish_run, run_id)
+
+    def all(self) -> list:
+        """Every activity of this class, for ``Worker(activities=...)``."""
+        return [
+            self.load_run,
+            self.task_id_at,
+            self.prepare_rollout,
+            self.generate_turn,
+            self.env_step,
+            self.finalize_rollout,
+            self.finalize_group,
+            self.finish_run,
+        ]
+
+
+def _strip_stop(text: str) -> str:
+    """The answer is what the model wrote before its end-of-turn marker."""
+    return text.split("<|end|>", 1)[0]

@@ -1,0 +1,311 @@
+"""The run store: SQLite for metadata plus a blob directory for token arrays.
+
+Invariants:
+- Every write is idempotent on a key that survives retries (run id, rollout id, rollout id + segment name),
+  so a retried activity never creates a duplicate and never overwrites data already produced.
+- A rollout's token sequence is append-only: segments are written once, at the offset where the previous
+  segment ended, and read back in order; nothing is ever re-tokenized.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS runs (
+    run_id TEXT PRIMARY KEY, config_json TEXT NOT NULL, config_hash TEXT NOT NULL,
+    created_at REAL NOT NULL, finished_at REAL, status TEXT NOT NULL DEFAULT 'running');
+CREATE TABLE IF NOT EXISTS tasks (
+    run_id TEXT NOT NULL, idx INTEGER NOT NULL, task_id TEXT NOT NULL, data_json TEXT NOT NULL,
+    PRIMARY KEY (run_id, idx));
+CREATE INDEX IF NOT EXISTS tasks_by_id ON tasks (run_id, task_id);
+CREATE TABLE IF NOT EXISTS segments (
+    rollout_id TEXT NOT NULL, name TEXT NOT NULL, kind TEXT NOT NULL, turn INTEGER,
+    start INTEGER NOT NULL, length INTEGER NOT NULL, blob TEXT NOT NULL, meta_json TEXT NOT NULL,
+    PRIMARY KEY (rollout_id, name));
+CREATE TABLE IF NOT EXISTS rollouts (
+    rollout_id TEXT PRIMARY KEY, run_id TEXT NOT NULL, group_id TEXT NOT NULL, task_id TEXT NOT NULL,
+    sample_index INTEGER NOT NULL, env TEXT NOT NULL, outcome TEXT NOT NULL, reason TEXT,
+    reward REAL, scorable INTEGER NOT NULL, advantage REAL, prompt_length INTEGER NOT NULL,
+    num_tokens INTEGER NOT NULL, sampling_json TEXT NOT NULL, extra_json TEXT NOT NULL,
+    finished_at REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS rollouts_by_run ON rollouts (run_id, group_id, sample_index);
+CREATE TABLE IF NOT EXISTS groups (
+    run_id TEXT NOT NULL, group_id TEXT NOT NULL, task_id TEXT NOT NULL, record_json TEXT NOT NULL,
+    finished_at REAL NOT NULL, PRIMARY KEY (run_id, group_id));
+"""
+
+
+class Segment(BaseModel):
+    """A contiguous piece of a rollout's token sequence: the prompt, one model turn, or one observation."""
+
+    name: str
+    kind: str
+    turn: int | None
+    start: int
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    policy_versions: list[str | None] | None = None
+    meta: dict[str, Any] = {}
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.token_ids)
+
+
+class RunStore:
+    """SQLite + blob directory under one root; safe to share between threads and processes."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self.blob_dir = self.root / "blobs"
+        self.blob_dir.mkdir(parents=True, exist_ok=True)
+        self.db_path = self.root / "store.sqlite"
+        self._local = threading.local()
+        self._conn().executescript(_SCHEMA)
+
+    # -- plumbing -------------------------------------------------------------------------------------
+    def _conn(self) -> sqlite3.Connection:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = sqlite3.connect(self.db_path, timeout=30, isolation_level=None)
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=NORMAL")
+            conn.row_factory = sqlite3.Row
+            self._local.conn = conn
+        return conn
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        conn = self._conn()
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield conn
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        conn.execute("COMMIT")
+
+    def _blob_path(self, rollout_id: str, name: str) -> Path:
+        return self.blob_dir / rollout_id / f"{name}.json"
+
+    # -- runs and tasks -------------------------------------------------------------------------------
+    def register_run(self, run_id: str, config_json: str, config_hash: str) -> bool:
+        """Record a run once; returns False if it already existed (the stored config is kept)."""
+        with self._tx() as db:
+            cur = db.execute(
+                "INSERT OR IGNORE INTO runs (run_id, config_json, config_hash, created_at) VALUES (?,?,?,?)",
+                (run_id, config_json, config_hash, time.time()),
+            )
+            return cur.rowcount == 1
+
+    def finish_run(self, run_id: str, status: str = "finished") -> None:
+        with self._tx() as db:
+            db.execute(
+                "UPDATE runs SET status=?, finished_at=COALESCE(finished_at, ?) WHERE run_id=?",
+                (status, time.time(), run_id),
+            )
+
+    def get_run(self, run_id: str) -> dict[str, Any] | None:
+        row = self._conn().execute("SELECT * FROM runs WHERE run_id=?", (run_id,)).fetchone()
+        return dict(row) if row else None
+
+    def put_tasks(self, run_id: str, tasks: list[dict[str, Any]]) -> int:
+        """Store a run's tasks in order (idempotent); returns how many the run has."""
+        with self._tx() as db:
+            db.executemany(
+                "INSERT OR IGNORE INTO tasks (run_id, idx, task_id, data_json) VALUES (?,?,?,?)",
+                [(run_id, i, t["id"], json.dumps(t)) for i, t in enumerate(tasks)],
+            )
+            return db.execute("SELECT COUNT(*) FROM tasks WHERE run_id=?", (run_id,)).fetchone()[0]
+
+    def get_task(self, run_id: str, task_id: str) -> dict[str, Any]:
+        row = (
+            self._conn()
+            .execute("SELECT data_json FROM tasks WHERE run_id=? AND task_id=?", (run_id, task_id))
+            .fetchone()
+        )
+        if row is None:
+            raise KeyError(f"run {run_id}: no task {task_id!r}")
+        return json.loads(row[0])
+
+    def task_at(self, run_id: str, idx: int) -> dict[str, Any]:
+        row = (
+            self._conn()
+            .execute("SELECT data_json FROM tasks WHERE run_id=? AND idx=?", (run_id, idx))
+            .fetchone()
+        )
+        if row is None:
+            raise KeyError(f"run {run_id}: no task at index {idx}")
+        return json.loads(row[0])
+
+    # -- token segments -------------------------------------------------------------------------------
+    def put_segment(self, rollout_id: str, seg: Segment) -> Segment:
+        """Write a segment once. If it already exists (a retried activity), return the stored one."""
+        existing = self.get_segment(rollout_id, seg.name)
+        if existing is not None:
+            return existing
+        path = self._blob_path(rollout_id, seg.name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}.{threading.get_ident()}")
+        payload = {
+            "token_ids": seg.token_ids,
+            "logprobs": seg.logprobs,
+            "policy_versions": seg.policy_versions,
+        }
+        tmp.write_text(json.dumps(payload, separators=(",", ":")))
+        os.replace(tmp, path)
+        with self._tx() as db:
+            db.execute(
+                "INSERT OR IGNORE INTO segments"
+                " (rollout_id, name, kind, turn, start, length, blob, meta_json) VALUES (?,?,?,?,?,?,?,?)",
+                (
+                    rollout_id,
+                    seg.name,
+                    seg.kind,
+                    seg.turn,
+                    seg.start,
+                    len(seg.token_ids),
+                    str(path.relative_to(self.root)),
+                    json.dumps(seg.meta),
+                ),
+            )
+        stored = self.get_segment(rollout_id, seg.name)
+        assert stored is not None
+        return stored
+
+    def update_segment_meta(self, rollout_id: str, name: str, **meta: Any) -> None:
+        with self._tx() as db:
+            row = db.execute(
+                "SELECT meta_json FROM segments WHERE rollout_id=? AND name=?", (rollout_id, name)
+            ).fetchone()
+            if row is None:
+                raise KeyError(f"rollout {rollout_id}: no segment {name!r}")
+            merged = {**json.loads(row[0]), **meta}
+            db.execute(
+                "UPDATE segments SET meta_json=? WHERE rollout_id=? AND name=?",
+                (json.dumps(merged), rollout_id, name),
+            )
+
+    def _load(self, row: sqlite3.Row) -> Segment:
+        payload = json.loads((self.root / row["blob"]).read_text())
+        return Segment(
+            name=row["name"],
+            kind=row["kind"],
+            turn=row["turn"],
+            start=row["start"],
+            meta=json.loads(row["meta_json"]),
+            **payload,
+        )
+
+    def get_segment(self, rollout_id: str, name: str) -> Segment | None:
+        row = (
+            self._conn()
+            .execute("SELECT * FROM segments WHERE rollout_id=? AND name=?", (rollout_id, name))
+            .fetchone()
+        )
+        return self._load(row) if row else None
+
+    def segments(self, rollout_id: str) -> list[Segment]:
+        """The rollout's segments in token order."""
+        rows = (
+            self._conn()
+            .execute("SELECT * FROM segments WHERE rollout_id=? ORDER BY start, name", (rollout_id,))
+            .fetchall()
+        )
+        return [self._load(r) for r in rows]
+
+    def token_ids(self, rollout_id: str) -> list[int]:
+        """The rollout's whole context so far: prompt followed by every turn and observation."""
+        out: list[int] = []
+        for seg in self.segments(rollout_id):
+            if seg.start != len(out):
+                raise ValueError(
+                    f"rollout {rollout_id}: segment {seg.name} starts at {seg.start}, not {len(out)}"
+                )
+            out.extend(seg.token_ids)
+        return out
+
+    # -- records --------------------------------------------------------------------------------------
+    def put_rollout(self, rec: dict[str, Any]) -> bool:
+        """Write a rollout's final record once; returns False if it already existed."""
+        cols = [
+            "rollout_id",
+            "run_id",
+            "group_id",
+            "task_id",
+            "sample_index",
+            "env",
+            "outcome",
+            "reason",
+            "reward",
+            "scorable",
+            "advantage",
+            "prompt_length",
+            "num_tokens",
+            "sampling_json",
+            "extra_json",
+            "finished_at",
+        ]
+        row = {**rec, "finished_at": time.time()}
+        with self._tx() as db:
+            cur = db.execute(
+                f"INSERT OR IGNORE INTO rollouts ({','.join(cols)}) VALUES ({','.join('?' * len(cols))})",
+                [row[c] for c in cols],
+            )
+            return cur.rowcount == 1
+
+    def set_advantages(self, advantages: dict[str, float | None]) -> None:
+        with self._tx() as db:
+            db.executemany(
+                "UPDATE rollouts SET advantage=? WHERE rollout_id=?",
+                [(a, rid) for rid, a in advantages.items()],
+            )
+
+    def put_group(self, run_id: str, group_id: str, task_id: str, record: dict[str, Any]) -> bool:
+        with self._tx() as db:
+            cur = db.execute(
+                "INSERT OR IGNORE INTO groups (run_id, group_id, task_id, record_json, finished_at)"
+                " VALUES (?,?,?,?,?)",
+                (run_id, group_id, task_id, json.dumps(record), time.time()),
+            )
+            return cur.rowcount == 1
+
+    def rollouts(self, run_id: str, group_id: str | None = None) -> list[dict[str, Any]]:
+        q = "SELECT * FROM rollouts WHERE run_id=?"
+        args: list[Any] = [run_id]
+        if group_id is not None:
+            q += " AND group_id=?"
+            args.append(group_id)
+        rows = self._conn().execute(q + " ORDER BY group_id, sample_index", args).fetchall()
+        return [dict(r) for r in rows]
+
+    def rollout(self, rollout_id: str) -> dict[str, Any] | None:
+        row = self._conn().execute("SELECT * FROM rollouts WHERE rollout_id=?", (rollout_id,)).fetchone()
+        return dict(row) if row else None
+
+    def groups(self, run_id: str) -> list[dict[str, Any]]:
+        rows = (
+            self._conn()
+            .execute("SELECT record_json FROM groups WHERE run_id=? ORDER BY group_id", (run_id,))
+            .fetchall()
+        )
+        return [json.loads(r[0]) for r in rows]
+
+    def count_rollouts(self, run_id: str) -> dict[str, int]:
+        rows = (
+            self._conn()
+            .execute("SELECT outcome, COUNT(*) FROM rollouts WHERE run_id=? GROUP BY outcome", (run_id,))
+            .fetchall()
+        )
+        return {r[0]: r[1] for r in rows}

@@ -1,0 +1,87 @@
+"""Load a run config from TOML with command-line overrides.
+
+Invariant: any problem with a config file or an override is a ``ConfigError`` whose message is one line
+naming the file and the field (``file: section.field: problem``); callers print it and exit with code 2.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from config.models import Config
+
+
+class ConfigError(Exception):
+    """A config file or override is invalid; str(e) is one line naming the file and field."""
+
+
+def _one_line(source: str, err: ValidationError) -> str:
+    first = err.errors()[0]
+    loc = ".".join(str(p) for p in first["loc"]) or "(top level)"
+    msg = first["msg"].replace("\n", " ")
+    more = f" (and {err.error_count() - 1} more)" if err.error_count() > 1 else ""
+    return f"{source}: {loc}: {msg}{more}"
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """``section.field=value``; the value is read as a TOML value, else taken as a string."""
+    if "=" not in item:
+        raise ConfigError(f"--set {item}: expected section.field=value")
+    key, raw = item.split("=", 1)
+    path = [p for p in key.strip().split(".") if p]
+    if not path:
+        raise ConfigError(f"--set {item}: empty field name")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return path, value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for item in overrides:
+        path, value = parse_override(item)
+        node = data
+        for part in path[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"--set {item}: {part} is not a section")
+            node = child
+        node[path[-1]] = value
+    return data
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+    """Read ``path`` (or the defaults when None), apply overrides, validate.
+
+    Raises:
+        ConfigError: one line naming the file (or override) and the field.
+    """
+    source = str(path) if path is not None else "(defaults)"
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+        except OSError as e:
+            raise ConfigError(f"{source}: cannot read config: {e.strerror or e}") from e
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{source}: invalid TOML: {e}") from e
+    if overrides:
+        data = apply_overrides(data, overrides)
+        source = f"{source} (with overrides)"
+    try:
+        return Config.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_one_line(source, e)) from e
+
+
+def config_hash(cfg: Config) -> str:
+    """Stable hash of the resolved config (lineage: which config produced a record)."""
+    canon = json.dumps(cfg.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canon.encode()).hexdigest()[:16]

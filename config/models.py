@@ -1,0 +1,130 @@
+"""Run configuration: pydantic v2 models loaded from TOML.
+
+Invariant: every field is documented and bounded, unknown keys are rejected, and a bad file yields one
+line naming the file and the field (see :func:`config.load.load_config`).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TemporalConfig(_Strict):
+    address: str = "127.0.0.1:7233"
+    """host:port of the Temporal frontend."""
+    namespace: str = "default"
+    """Temporal namespace that holds the run's workflows."""
+    task_queue: str = Field("rollouts", min_length=1)
+    """Task queue the workers poll; every workflow and activity of a run uses it."""
+
+
+class EngineConfig(_Strict):
+    urls: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:8000"], min_length=1)
+    """Base URLs of the engine replicas (vLLM's OpenAI-compatible server), one per replica."""
+    model: str = Field("tiny", min_length=1)
+    """Served model name passed in every request."""
+    logprob_mode: Literal["processed_logprobs", "raw_logprobs"] = "processed_logprobs"
+    """Meaning of the logprobs the engines return (vLLM's --logprobs-mode); recorded with every sample."""
+    policy_version: str = Field("v0", min_length=1)
+    """Policy version the engines serve when they do not report one themselves."""
+    request_timeout_s: float = Field(120.0, gt=0, le=3600)
+    """Per-request HTTP timeout for one model call."""
+    max_attempts: int = Field(5, ge=1, le=100)
+    """Attempts of a model-call activity (transport errors and 5xx) before the rollout fails as infra."""
+    retry_initial_s: float = Field(0.5, gt=0, le=60)
+    """First retry back-off of a model call; doubles each attempt up to retry_max_s."""
+    retry_max_s: float = Field(10.0, gt=0, le=600)
+    """Largest back-off between two attempts of a model call."""
+
+
+class SamplingConfig(_Strict):
+    temperature: float = Field(1.0, ge=0, le=10)
+    """Sampling temperature (part of the behaviour policy; recorded in every record)."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling mass; 1 disables it."""
+    top_k: int = Field(-1, ge=-1)
+    """Top-k cut-off; -1 disables it."""
+    max_tokens: int = Field(16, ge=1, le=1_000_000)
+    """Most tokens one model call may sample."""
+    seed: int | None = Field(0, ge=0)
+    """Base seed: each rollout samples with a seed derived from this and its rollout id; None = random."""
+
+
+class RolloutConfig(_Strict):
+    max_turns: int = Field(1, ge=1, le=100_000)
+    """Most model calls in one rollout; reaching it truncates the rollout (reason max_turns)."""
+    max_total_tokens: int = Field(4096, ge=1)
+    """Most tokens (prompt + all turns) in one rollout; reaching it truncates (reason token_budget)."""
+    timeout_s: float = Field(1800.0, gt=0)
+    """Wall-clock limit of one rollout; reaching it truncates (reason timeout)."""
+    score_truncated: bool = False
+    """Whether truncated rollouts get a reward and take part in the group comparison."""
+
+
+class RunConfig(_Strict):
+    task_file: str = Field("envs/data/addition.jsonl", min_length=1)
+    """JSONL task file (id, prompt, answer); a relative path resolves against the working directory."""
+    env: Literal["math"] = "math"
+    """Environment that drives and scores the rollouts."""
+    num_groups: int = Field(8, ge=1, le=10_000_000)
+    """Groups to generate; group i samples task i modulo the number of tasks."""
+    group_size: int = Field(4, ge=1, le=1024)
+    """Rollouts per group (GRPO's G)."""
+    max_inflight_groups: int = Field(8, ge=1, le=1000)
+    """Fixed cap on groups in flight at once."""
+    groups_per_run_segment: int = Field(500, ge=1, le=100_000)
+    """Groups the run workflow starts before it continues-as-new (bounds its history)."""
+    advantage_eps: float = Field(1e-6, gt=0, le=1)
+    """eps in GRPO's (r - mean) / (std + eps)."""
+
+
+class StackConfig(_Strict):
+    """The embedded stack `rollouts stack up` starts: a Temporal dev server, one vLLM engine, one worker."""
+
+    temporal_port: int = Field(7233, ge=1, le=65535)
+    """Temporal frontend port (gRPC) on 127.0.0.1."""
+    ui_port: int = Field(8233, ge=1, le=65535)
+    """Temporal web UI port on 127.0.0.1."""
+    engine_port: int = Field(8000, ge=1, le=65535)
+    """vLLM OpenAI-compatible server port on 127.0.0.1."""
+    model_dir: str = "models/tiny-policy"
+    """Model directory the engine serves (relative paths resolve against the repository root)."""
+    served_model_name: str = "tiny"
+    """Name the engine serves the model under (must match engine.model of the runs)."""
+    max_model_len: int = Field(4096, ge=16)
+    """Engine context length (prompt + generated tokens)."""
+    kv_cache_gib: float = Field(1.0, gt=0, le=1024)
+    """KV-cache space of the CPU engine in GiB (VLLM_CPU_KVCACHE_SPACE)."""
+    logprob_mode: Literal["processed_logprobs", "raw_logprobs"] = "processed_logprobs"
+    """--logprobs-mode of the engine."""
+    policy_version: str = "v0"
+    """Weight version the engine announces for the bundled policy."""
+    task_queue: str = "rollouts"
+    """Task queue of the stack's worker."""
+    start_timeout_s: float = Field(240.0, gt=0)
+    """How long `up` waits for every component to report healthy."""
+
+
+class Config(_Strict):
+    """A whole run: what to generate, how, and where."""
+
+    run: RunConfig = Field(default_factory=RunConfig)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    temporal: TemporalConfig = Field(default_factory=TemporalConfig)
+    stack: StackConfig = Field(default_factory=StackConfig)
+
+    @model_validator(mode="after")
+    def _check(self) -> Config:
+        if self.sampling.max_tokens > self.rollout.max_total_tokens:
+            raise ValueError("sampling.max_tokens exceeds rollout.max_total_tokens")
+        if self.engine.retry_initial_s > self.engine.retry_max_s:
+            raise ValueError("engine.retry_initial_s exceeds engine.retry_max_s")
+        return self

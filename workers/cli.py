@@ -1,0 +1,182 @@
+"""The ``rollouts`` command: run, status, export, worker, stack.
+
+Invariant: user mistakes (config, task file, run id) print one line starting with ``error:`` and exit 2;
+an unreachable service prints one line and exits 1. Heavy imports happen inside commands, so ``--help``
+answers at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Durable rollout generation for agent RL.")
+
+RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def _fail(msg: str, code: int = 2) -> typer.Exit:
+    typer.echo(f"error: {msg}", err=True)
+    return typer.Exit(code)
+
+
+def _new_run_id() -> str:
+    import secrets
+    import time
+
+    return time.strftime("run-%Y%m%d-%H%M%S-") + secrets.token_hex(2)
+
+
+async def _client(address: str, namespace: str = "default"):
+    from workers.client import connect
+
+    try:
+        return await connect(address, namespace)
+    except Exception as e:  # the SDK raises RuntimeError for connection problems
+        hint = "is the stack up? try `rollouts stack up -d`"
+        raise _fail(f"cannot reach Temporal at {address} ({e}); {hint}", 1) from None
+
+
+@app.command()
+def run(
+    config: Annotated[Path | None, typer.Argument(help="Run config (TOML); defaults when omitted.")] = None,
+    run_id: Annotated[str | None, typer.Option("--run-id", help="Run id (existing: attach).")] = None,
+    wait: Annotated[bool, typer.Option("--wait", help="Show progress and a summary to the end.")] = False,
+    task_file: Annotated[str | None, typer.Option("--task-file", help="Override run.task_file.")] = None,
+    groups: Annotated[int | None, typer.Option("--groups", help="Override run.num_groups.")] = None,
+    group_size: Annotated[int | None, typer.Option("--group-size", help="Override run.group_size.")] = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="section.field=value")] = None,
+) -> None:
+    """Start a run (or attach to an existing run id) and print its id."""
+    from activities.errors import TaskFileError
+    from config.load import ConfigError, config_hash, load_config
+    from config.paths import resolve_repo_path
+    from envs.tasks import load_tasks
+
+    overrides = list(set_ or [])
+    if task_file is not None:
+        overrides.append(f"run.task_file={_toml_str(task_file)}")
+    if groups is not None:
+        overrides.append(f"run.num_groups={groups}")
+    if group_size is not None:
+        overrides.append(f"run.group_size={group_size}")
+    try:
+        cfg = load_config(config, overrides)
+    except ConfigError as e:
+        raise _fail(str(e)) from None
+    tasks_path = resolve_repo_path(cfg.run.task_file)
+    cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"task_file": str(tasks_path)})})
+    try:
+        load_tasks(tasks_path, cfg.run.env)
+    except TaskFileError as e:
+        raise _fail(str(e)) from None
+    rid = run_id or _new_run_id()
+    if not RUN_ID_RE.match(rid):
+        raise _fail(f"--run-id {rid!r}: use letters, digits, '.', '_' and '-' (at most 128)")
+    asyncio.run(_submit(cfg, config_hash(cfg), rid, wait))
+
+
+def _toml_str(s: str) -> str:
+    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+async def _submit(cfg, cfg_hash: str, rid: str, wait: bool) -> None:
+    from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
+    from temporalio.service import RPCError, RPCStatusCode
+
+    from workflows.run import RunWorkflow
+    from workflows.types import RunInput
+
+    client = await _client(cfg.temporal.address, cfg.temporal.namespace)
+    handle = client.get_workflow_handle(rid)
+    try:
+        await handle.describe()
+        attached = True
+    except RPCError as e:
+        if e.status != RPCStatusCode.NOT_FOUND:
+            raise _fail(f"run {rid}: {e}", 1) from None
+        attached = False
+        # USE_EXISTING closes the race with a concurrent submit of the same id: still one run.
+        handle = await client.start_workflow(
+            RunWorkflow.run,
+            RunInput(run_id=rid, config=cfg.model_dump(mode="json"), config_hash=cfg_hash),
+            id=rid,
+            task_queue=cfg.temporal.task_queue,
+            id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
+            id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+        )
+    typer.echo(rid)
+    if attached:
+        typer.echo(f"attached to existing run {rid} (its stored config applies)", err=True)
+    if wait:
+        from workers.progress import follow
+
+        await follow(handle)
+
+
+@app.command()
+def status(
+    run_id: str,
+    address: Annotated[str, typer.Option(help="Temporal frontend host:port.")] = "127.0.0.1:7233",
+) -> None:
+    """Show a run's progress (live from the run workflow, or its final result)."""
+    from workers.progress import show_status
+
+    async def go() -> None:
+        client = await _client(address)
+        await show_status(client, run_id)
+
+    asyncio.run(go())
+
+
+@app.command()
+def export(
+    run_id: str,
+    output: Annotated[Path, typer.Option("-o", "--output", help="JSONL file to write.")],
+) -> None:
+    """Write a run's rollout and group records as JSONL (the trainer contract; see README)."""
+    from activities.export import export_run
+    from activities.store import RunStore
+    from config.paths import rollouts_home
+
+    store = RunStore(rollouts_home())
+    if store.get_run(run_id) is None:
+        raise _fail(f"no run {run_id!r} in the store at {store.root}")
+    with output.open("w", encoding="utf-8") as fh:
+        counts = export_run(store, run_id, fh)
+    typer.echo(f"wrote {counts['rollout']} rollouts and {counts['group']} groups to {output}")
+
+
+@app.command()
+def worker(
+    address: Annotated[str, typer.Option(help="Temporal frontend host:port.")] = "127.0.0.1:7233",
+    task_queue: Annotated[str, typer.Option(help="Task queue to poll.")] = "rollouts",
+) -> None:
+    """Start an additional worker (runs until Ctrl-C)."""
+    from workers.worker import main as worker_main
+
+    worker_main(["--address", address, "--task-queue", task_queue])
+
+
+def _mount_stack() -> None:
+    try:
+        from workers.stack_cli import stack_app
+    except ImportError:  # pragma: no cover - only while the stack module is absent
+        return
+    app.add_typer(stack_app, name="stack", help="Start, stop and inspect the embedded stack.")
+
+
+_mount_stack()
+
+
+def main() -> None:
+    app(prog_name="rollouts")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

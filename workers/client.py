@@ -1,0 +1,11 @@
+"""The one place a Temporal client is built (pydantic models cross the wire via the pydantic converter)."""
+
+from __future__ import annotations
+
+from temporalio.client import Client
+from temporalio.contrib.pydantic import pydantic_data_converter
+
+
+async def connect(address: str, namespace: str = "default") -> Client:
+    """Connect to Temporal with the project's data converter."""
+    return await Client.connect(address, namespace=namespace, data_converter=pydantic_data_converter)

@@ -1,0 +1,68 @@
+"""Progress display for the CLI: a live bar (done/total by outcome) and a final summary table."""
+
+from __future__ import annotations
+
+import asyncio
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+from temporalio.client import Client, WorkflowHandle
+from temporalio.service import RPCError
+
+from workflows.run import RunWorkflow
+from workflows.types import RunProgress
+
+console = Console(stderr=True)
+
+
+def _outcomes_text(p: RunProgress) -> str:
+    return " ".join(f"{k}={v}" for k, v in sorted(p.outcomes.items())) or "-"
+
+
+async def _progress(handle: WorkflowHandle) -> RunProgress | None:
+    try:
+        return await handle.query(RunWorkflow.progress)
+    except RPCError:
+        return None
+
+
+async def follow(handle: WorkflowHandle) -> RunProgress:
+    """Show a progress bar until the run ends; print and return the final progress."""
+    result_task = asyncio.ensure_future(handle.result(result_type=RunProgress))
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as bar:
+        task = bar.add_task("rollouts", total=None)
+        while not result_task.done():
+            p = await _progress(handle)
+            if p is not None:
+                done = sum(p.outcomes.values())
+                bar.update(task, total=p.rollouts_total, completed=done, description=_outcomes_text(p))
+            await asyncio.wait({result_task}, timeout=0.5)
+    final = result_task.result()
+    print_summary(final)
+    return final
+
+
+def print_summary(p: RunProgress) -> None:
+    table = Table(title=f"run {p.run_id}")
+    table.add_column("outcome")
+    table.add_column("rollouts", justify="right")
+    for k, v in sorted(p.outcomes.items()):
+        table.add_row(k, str(v))
+    table.add_row("total", f"{sum(p.outcomes.values())}/{p.rollouts_total}")
+    table.add_row("groups", f"{p.groups_done}/{p.total_groups}")
+    Console().print(table)
+
+
+async def show_status(client: Client, run_id: str) -> None:
+    handle = client.get_workflow_handle(run_id)
+    try:
+        desc = await handle.describe()
+    except RPCError as e:
+        console.print(f"error: run {run_id}: {e}")
+        raise SystemExit(2) from None
+    p = await _progress(handle)
+    console.print(f"run {run_id}: workflow {desc.status.name if desc.status else '?'}")
+    if p is not None:
+        print_summary(p)

@@ -1,0 +1,70 @@
+"""A rollout worker process: polls one task queue and runs every workflow and activity of the project.
+
+Run as ``python -m workers.worker --address HOST:PORT --task-queue Q`` or ``rollouts worker``; it stops
+cleanly on SIGTERM or SIGINT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from temporalio.client import Client
+from temporalio.worker import Worker
+
+from activities.engine_client import EngineClient
+from activities.rollout_activities import RolloutActivities
+from activities.store import RunStore
+from config.paths import rollouts_home
+from workers.client import connect
+from workflows.group import GroupWorkflow
+from workflows.rollout import RolloutWorkflow
+from workflows.run import RunWorkflow
+
+WORKFLOWS = [RunWorkflow, GroupWorkflow, RolloutWorkflow]
+
+
+def build_worker(client: Client, task_queue: str, acts: RolloutActivities) -> Worker:
+    """A worker with every workflow and activity registered; activities are I/O bound, so many at once."""
+    return Worker(
+        client,
+        task_queue=task_queue,
+        workflows=WORKFLOWS,
+        activities=acts.all(),
+        activity_executor=ThreadPoolExecutor(max_workers=8),
+        max_concurrent_activities=256,
+        max_concurrent_workflow_tasks=64,
+    )
+
+
+async def serve(address: str, task_queue: str, namespace: str = "default", home: Path | None = None) -> None:
+    """Run a worker until SIGTERM/SIGINT."""
+    client = await connect(address, namespace)
+    store = RunStore(home or rollouts_home())
+    engine = EngineClient()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        async with build_worker(client, task_queue, RolloutActivities(store, engine)):
+            print(f"worker polling {task_queue!r} on {address}", flush=True)
+            await stop.wait()
+    finally:
+        await engine.aclose()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="workers.worker", description=__doc__)
+    parser.add_argument("--address", default="127.0.0.1:7233")
+    parser.add_argument("--task-queue", default="rollouts")
+    parser.add_argument("--namespace", default="default")
+    args = parser.parse_args(argv)
+    asyncio.run(serve(args.address, args.task_queue, args.namespace))
+
+
+if __name__ == "__main__":
+    main()

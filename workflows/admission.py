@@ -1,0 +1,352 @@
+"""Adaptive in-flight cap for rollouts: a pure state machine fed with engine metric readings.
+
+Invariant: `AdmissionController.step` is a deterministic function of (config, state, now, readings, inflight).
+It owns no clients, tasks, clocks or randomness (time arrives with each call), so it runs inside a Temporal
+workflow and replays identically. The cap it returns always lies in [min_inflight, max_inflight]; the rollouts
+it cancels are always the youngest and never more than ``len(inflight) - cap``.
+
+Each poll (the reference polls every 5 s) the caller passes:
+
+- ``readings``: the newest `EngineReading` of every engine it knows, stale ones included (age decides health);
+- ``inflight``: every rollout still holding engine resources, including ones already told to cancel. The
+  controller then names the same ids again, so cancelling a rollout twice must be a no-op for the caller.
+
+Rules, in the order a step applies them (every constant is an `AdmissionConfig` field):
+
+1. Health: an engine whose newest reading is older than ``metrics_max_age_s`` is unhealthy and ignored. With
+   no healthy engine nothing is admitted and the cap stays as it is.
+2. Initial cap: ``initial_cap``, or else the healthy engines' summed KV capacity (tokens) divided by
+   ``max_model_len`` (every rollout may grow to the full context); set once, then carried in the state.
+3. Preemption cut: an engine's preemption counter above its previous value → cap := ``preemption_cut`` ×
+   inflight. An engine's first value, or a counter that went backwards (a restart), only sets the baseline.
+4. Persistent queue cut: a poll where some healthy engine has waiting_capacity > ``queue_ratio`` × running is
+   a queued poll; ``queue_polls`` consecutive queued polls → cap := ``queue_cut`` × inflight.
+5. Drain and repeat: a cut starts a drain that ends once inflight <= cap. Overload seen during a drain is
+   stale (it comes from rollouts admitted before the cut): it cuts nothing and queued polls do not count.
+   A cut within ``repeat_window_polls`` polls after a drain ended uses ``repeat_cut``: the last cut was too
+   small.
+6. Soft trim: worst healthy engine's KV usage > ``soft_trim_usage`` → cap := inflight × ``trim_target_usage``
+   / usage, the size that would hold ``trim_target_usage``. Nothing is cancelled; the excess finishes.
+7. Hard trim: usage > ``hard_trim_usage`` → the same cap, and the excess (inflight - cap) is cancelled,
+   youngest first (least work lost). They end as cancelled with reason `CANCEL_REASON`; `Decision`
+   reports their tokens as wasted.
+8. Grow: only when no rule above fired this poll, no drain runs, every reading is fresh, every engine is
+   below ``grow_below_usage``, nothing waits for capacity, the cap binds (inflight >=
+   ``grow_when_inflight_fraction`` × cap) and ``grow_turnover`` × cap rollouts were admitted since the cap
+   last changed → cap := cap × ``grow_factor`` (at least +1).
+9. Admission: admit := cap - inflight, but at most max(``group_size``, ``admit_window_fraction`` × cap) new
+   rollouts per ``admit_window_s`` window (a whole group always fits).
+
+Cuts and trims never raise the cap and growth never lowers it; every cap is clamped to [min, max]. Fixed mode
+(``min_inflight == max_inflight``) skips rules 3-8: the cap is constant and nothing is cancelled, while health
+and the admission window still apply.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+CANCEL_REASON = "admission"
+"""Reason recorded on rollouts the controller cancels."""
+
+
+class AdmissionConfig(BaseModel):
+    """Constants of the admission controller; defaults follow the prime-rl orchestrator's."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    min_inflight: int = Field(1, ge=1, le=100_000)
+    """Smallest cap; equal to max_inflight gives fixed concurrency (no adaptation, no cancels)."""
+    max_inflight: int = Field(1024, ge=1, le=100_000)
+    """Largest cap."""
+    initial_cap: int | None = Field(None, ge=1, le=100_000)
+    """Starting cap; None derives it from the KV capacity (rule 2)."""
+    max_model_len: int = Field(4096, ge=1)
+    """Engines' context length in tokens: the most KV one rollout can hold (for the initial cap)."""
+    group_size: int = Field(1, ge=1, le=100_000)
+    """Rollouts per group: the admission window always lets at least one whole group in."""
+    grow_factor: float = Field(1.25, gt=1.0, le=4.0)
+    """Multiplicative growth of the cap per turnover while the fleet has headroom."""
+    grow_below_usage: float = Field(0.6, gt=0.0, le=1.0)
+    """Growth needs every engine's KV usage below this."""
+    grow_when_inflight_fraction: float = Field(0.9, gt=0.0, le=1.0)
+    """Growth needs inflight >= this × cap (the cap binds; otherwise a bigger cap changes nothing)."""
+    grow_turnover: float = Field(1.0, ge=0.0, le=100.0)
+    """Growth needs this × cap admissions since the cap last changed (its effect shows); 0 = every poll."""
+    soft_trim_usage: float = Field(0.8, gt=0.0, le=1.0)
+    """KV usage above which the cap is trimmed to the size that would hold trim_target_usage."""
+    trim_target_usage: float = Field(0.7, gt=0.0, le=1.0)
+    """KV usage a trimmed cap aims at."""
+    hard_trim_usage: float = Field(0.9, gt=0.0, le=1.0)
+    """KV usage above which the trim also cancels the excess rollouts, youngest first."""
+    preemption_cut: float = Field(0.8, gt=0.0, lt=1.0)
+    """Cap := this × inflight when an engine reports a new preemption."""
+    queue_ratio: float = Field(0.5, ge=0.0, le=1000.0)
+    """A poll is queued when some engine's capacity-waiting requests exceed this × its running requests."""
+    queue_polls: int = Field(6, ge=1, le=10_000)
+    """Consecutive queued polls that make a persistent queue."""
+    queue_cut: float = Field(0.9, gt=0.0, lt=1.0)
+    """Cap := this × inflight on a persistent queue."""
+    repeat_window_polls: int = Field(6, ge=0, le=10_000)
+    """Polls after a drain ends during which a new overload counts as a repeat."""
+    repeat_cut: float = Field(0.5, gt=0.0, lt=1.0)
+    """Cap := this × inflight for a repeated overload right after a drain."""
+    admit_window_s: float = Field(5.0, ge=0.0, le=3600.0)
+    """Length of the admission-rate window in seconds; 0 disables pacing."""
+    admit_window_fraction: float = Field(0.1, gt=0.0, le=1.0)
+    """New admissions per window: at most max(group_size, ceil(this × cap))."""
+    metrics_max_age_s: float = Field(15.0, gt=0.0, le=3600.0)
+    """An engine whose newest reading is older than this is unhealthy."""
+
+    @model_validator(mode="after")
+    def _check(self) -> AdmissionConfig:
+        if self.min_inflight > self.max_inflight:
+            raise ValueError(f"min_inflight {self.min_inflight} > max_inflight {self.max_inflight}")
+        if self.initial_cap is not None and not self.min_inflight <= self.initial_cap <= self.max_inflight:
+            raise ValueError(f"initial_cap {self.initial_cap} outside [min_inflight, max_inflight]")
+        if not self.trim_target_usage < self.soft_trim_usage <= self.hard_trim_usage:
+            raise ValueError("need trim_target_usage < soft_trim_usage <= hard_trim_usage")
+        if self.grow_below_usage > self.soft_trim_usage:
+            raise ValueError("grow_below_usage must not exceed soft_trim_usage")
+        if self.repeat_cut > min(self.preemption_cut, self.queue_cut):
+            raise ValueError("repeat_cut must cut at least as hard as preemption_cut and queue_cut")
+        return self
+
+    @property
+    def fixed(self) -> bool:
+        """Whether the cap is fixed (min_inflight == max_inflight)."""
+        return self.min_inflight == self.max_inflight
+
+
+class EngineReading(BaseModel):
+    """One engine's load at one poll, from its /metrics."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    engine_id: str = Field(min_length=1)
+    at: float
+    """When the reading was taken (seconds, same clock as `AdmissionController.step`'s ``now``)."""
+    kv_usage: float = Field(ge=0.0, le=1.0)
+    """Fraction of the KV cache in use."""
+    running: int = Field(ge=0)
+    """Requests in the running batch."""
+    waiting_capacity: int = Field(ge=0)
+    """Requests waiting for KV capacity."""
+    preemptions_total: float = Field(ge=0.0)
+    """Cumulative preemptions (a counter; it only resets when the engine restarts)."""
+    kv_capacity_tokens: int = Field(ge=1)
+    """KV cache size in tokens."""
+
+
+class Inflight(BaseModel):
+    """A rollout holding engine resources."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    rollout_id: str
+    admitted_at: float
+    """When it was admitted (same clock as ``now``); the youngest are cancelled first."""
+    tokens: int = Field(0, ge=0)
+    """Tokens generated so far (lost if it is cancelled)."""
+
+
+class Decision(BaseModel):
+    """What the caller should do after one poll."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    cap: int
+    admit: int
+    """New rollouts that may start now."""
+    cancel: list[str] = Field(default_factory=list)
+    """Rollouts to cancel (reason `CANCEL_REASON`), youngest first."""
+    wasted_tokens: int = 0
+    """Tokens generated so far by the rollouts in ``cancel``."""
+    reasons: list[str] = Field(default_factory=list)
+    """What fired this poll, for logs."""
+    healthy: list[str] = Field(default_factory=list)
+    """Engines with fresh metrics, sorted."""
+    kv_usage: float | None = None
+    """Worst healthy engine's KV usage; None without a healthy engine."""
+
+
+class AdmissionState(BaseModel):
+    """Everything the controller remembers; small, so a workflow carries it across continue-as-new."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    cap: int | None = None
+    polls: int = 0
+    last_step_at: float | None = None
+    ties_at_last_step: int = 0
+    """Rollouts seen at the last step with admitted_at == last_step_at (already counted as admitted)."""
+    preemptions: dict[str, float] = Field(default_factory=dict)
+    queue_streak: int = 0
+    draining: bool = False
+    drained_at_poll: int | None = None
+    admitted_since_change: int = 0
+    window_start: float | None = None
+    window_admitted: int = 0
+
+
+class AdmissionController:
+    """Adaptive in-flight cap; see the module docstring for the rules."""
+
+    def __init__(self, config: AdmissionConfig, state: AdmissionState | None = None) -> None:
+        self.config = config
+        self.state = state.model_copy(deep=True) if state is not None else AdmissionState()
+
+    def step(self, now: float, readings: Sequence[EngineReading], inflight: Sequence[Inflight]) -> Decision:
+        """Observe one poll and decide the cap, admissions and cancels."""
+        cfg, st = self.config, self.state
+        newest: dict[str, EngineReading] = {}
+        for r in readings:
+            if r.engine_id not in newest or r.at > newest[r.engine_id].at:
+                newest[r.engine_id] = r
+        healthy = {e: r for e, r in newest.items() if now - r.at <= cfg.metrics_max_age_s}
+        reasons = [f"stale metrics: {e}" for e in sorted(newest) if e not in healthy]
+        self._observe_admissions(now, inflight)
+        n = len(inflight)
+        cap_before = st.cap
+        cancel: list[Inflight] = []
+        usage = max((r.kv_usage for r in healthy.values()), default=None)
+        if healthy:
+            if st.cap is None:
+                st.cap = self._initial_cap(healthy)
+                reasons.append(f"initial cap {st.cap}")
+            if not cfg.fixed:
+                cancel = self._adapt(healthy, n, inflight, reasons, all_fresh=len(healthy) == len(newest))
+        else:
+            reasons.append("no healthy engine")
+        cap = st.cap if st.cap is not None else self._clamp(cfg.initial_cap or cfg.min_inflight)
+        if st.cap != cap_before:
+            st.admitted_since_change = 0
+        admit = self._admit(now, cap, n) if healthy else 0
+        st.polls += 1
+        return Decision(
+            cap=cap,
+            admit=admit,
+            cancel=[i.rollout_id for i in cancel],
+            wasted_tokens=sum(i.tokens for i in cancel),
+            reasons=reasons,
+            healthy=sorted(healthy),
+            kv_usage=usage,
+        )
+
+    def _adapt(
+        self,
+        healthy: dict[str, EngineReading],
+        n: int,
+        inflight: Sequence[Inflight],
+        reasons: list[str],
+        *,
+        all_fresh: bool,
+    ) -> list[Inflight]:
+        """Rules 3-8; returns the rollouts to cancel."""
+        cfg, st = self.config, self.state
+        assert st.cap is not None
+        if st.draining and n <= st.cap:
+            st.draining, st.drained_at_poll = False, st.polls
+            reasons.append("drained")
+        cut = self._cut(healthy, n, reasons)
+        usage = max(r.kv_usage for r in healthy.values())
+        trimmed = usage > cfg.soft_trim_usage
+        if trimmed:
+            target = self._clamp(math.floor(n * cfg.trim_target_usage / usage))
+            hard = usage > cfg.hard_trim_usage
+            reasons.append(
+                f"{'hard' if hard else 'soft'} trim at usage {usage:.3f}: cap {st.cap} -> {target}"
+            )
+            st.cap = min(st.cap, target)
+            if hard:
+                return youngest(inflight, n - st.cap)
+        elif not cut and all_fresh and not st.draining:
+            self._maybe_grow(healthy, n, reasons)
+        return []
+
+    def _cut(self, healthy: dict[str, EngineReading], n: int, reasons: list[str]) -> bool:
+        """Rules 3-5: update counters and apply an overload cut; True when one was applied."""
+        cfg, st = self.config, self.state
+        assert st.cap is not None
+        preempted = []
+        for e, r in sorted(healthy.items()):
+            last = st.preemptions.get(e)
+            if last is not None and r.preemptions_total > last:
+                preempted.append(e)
+            st.preemptions[e] = r.preemptions_total
+        queued = any(r.waiting_capacity > cfg.queue_ratio * r.running for r in healthy.values())
+        st.queue_streak = st.queue_streak + 1 if queued and not st.draining else 0
+        persistent = st.queue_streak >= cfg.queue_polls
+        if not (preempted or persistent):
+            return False
+        what = (
+            f"preemption on {','.join(preempted)}"
+            if preempted
+            else f"capacity queue for {cfg.queue_polls} polls"
+        )
+        if st.draining:
+            reasons.append(f"{what} during drain: ignored")
+            return False
+        factor = cfg.preemption_cut if preempted else cfg.queue_cut
+        if st.drained_at_poll is not None and st.polls - st.drained_at_poll <= cfg.repeat_window_polls:
+            factor, what = cfg.repeat_cut, f"repeat {what}"
+        target = min(st.cap, self._clamp(math.floor(factor * n)))
+        reasons.append(f"{what}: cap {st.cap} -> {target}")
+        st.cap, st.queue_streak = target, 0
+        st.draining = n > target
+        if not st.draining:
+            st.drained_at_poll = st.polls
+        return True
+
+    def _maybe_grow(self, healthy: dict[str, EngineReading], n: int, reasons: list[str]) -> None:
+        cfg, st = self.config, self.state
+        assert st.cap is not None
+        headroom = all(r.kv_usage < cfg.grow_below_usage for r in healthy.values())
+        nothing_waits = all(r.waiting_capacity == 0 for r in healthy.values())
+        binds = n >= cfg.grow_when_inflight_fraction * st.cap
+        turned_over = st.admitted_since_change >= cfg.grow_turnover * st.cap
+        if headroom and nothing_waits and binds and turned_over and st.cap < cfg.max_inflight:
+            target = self._clamp(max(st.cap + 1, math.floor(st.cap * cfg.grow_factor)))
+            reasons.append(f"grow: cap {st.cap} -> {target}")
+            st.cap = target
+
+    def _observe_admissions(self, now: float, inflight: Sequence[Inflight]) -> None:
+        """Count rollouts admitted since the last step (toward growth turnover and the rate window)."""
+        st = self.state
+        ties_now = sum(1 for i in inflight if i.admitted_at == now)
+        if st.last_step_at is not None:
+            later = sum(1 for i in inflight if i.admitted_at > st.last_step_at)
+            at_last = sum(1 for i in inflight if i.admitted_at == st.last_step_at)
+            new = later + max(0, at_last - st.ties_at_last_step)
+            st.admitted_since_change += new
+            st.window_admitted += new
+        st.last_step_at, st.ties_at_last_step = now, ties_now
+
+    def _admit(self, now: float, cap: int, n: int) -> int:
+        cfg, st = self.config, self.state
+        room = max(0, cap - n)
+        if cfg.admit_window_s <= 0:
+            return room
+        if st.window_start is None or now - st.window_start >= cfg.admit_window_s:
+            st.window_start, st.window_admitted = now, 0
+        per_window = max(cfg.group_size, math.ceil(cfg.admit_window_fraction * cap))
+        return max(0, min(room, per_window - st.window_admitted))
+
+    def _initial_cap(self, healthy: dict[str, EngineReading]) -> int:
+        cfg = self.config
+        if cfg.initial_cap is not None:
+            return self._clamp(cfg.initial_cap)
+        return self._clamp(sum(r.kv_capacity_tokens for r in healthy.values()) // cfg.max_model_len)
+
+    def _clamp(self, cap: int) -> int:
+        return min(self.config.max_inflight, max(self.config.min_inflight, cap))
+
+
+def youngest(inflight: Sequence[Inflight], k: int) -> list[Inflight]:
+    """The ``k`` most recently admitted rollouts, youngest first (ties broken by id, descending)."""
+    if k <= 0:
+        return []
+    return sorted(inflight, key=lambda i: (i.admitted_at, i.rollout_id), reverse=True)[:k]

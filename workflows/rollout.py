@@ -1,0 +1,250 @@
+"""RolloutWorkflow: one trajectory from first prompt to termination, returned as one record.
+
+Invariants:
+- Deterministic: every side effect is an activity with an explicit timeout and retry policy.
+- Exactly one record per rollout: whatever ends the rollout (completion, a limit, an infrastructure or
+  environment failure, cancellation), the finalize activity writes its record, keyed by rollout id.
+- Only keys and counters cross history; the token sequence lives in the run store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy
+from temporalio.exceptions import ActivityError, ApplicationError
+
+with workflow.unsafe.imports_passed_through():
+    from activities.errors import ENVIRONMENT_TYPES
+    from workflows import search_attributes as sa
+    from workflows.types import (
+        EnvStepInput,
+        EnvStepResult,
+        FailureKind,
+        FinalizeRolloutInput,
+        GenerateInput,
+        Outcome,
+        Phase,
+        PrepareInput,
+        PrepareResult,
+        RolloutInput,
+        RolloutResult,
+        TruncationReason,
+        TurnResult,
+    )
+
+FINALIZE_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=30))
+ENV_RETRY = RetryPolicy(maximum_attempts=3, non_retryable_error_types=["EnvironmentFailure"])
+
+
+def pick_engine(urls: list[str], key: str) -> str:
+    """Sticky replica choice for a rollout: every turn goes to the same replica (FNV-1a, deterministic)."""
+    h = 0xCBF29CE484222325
+    for b in key.encode():
+        h = ((h ^ b) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+    return urls[h % len(urls)]
+
+
+class _Ended(Exception):
+    """Raised inside the turn loop when a limit or the environment ends the rollout."""
+
+    def __init__(self, outcome: Outcome, reason: str | None = None, reward: float | None = None) -> None:
+        super().__init__(reason)
+        self.outcome, self.reason, self.reward = outcome, reason, reward
+
+
+@workflow.defn(name="RolloutWorkflow")
+class RolloutWorkflow:
+    def __init__(self) -> None:
+        self._phase = Phase.PREPARE
+        self._turn = 0
+        self._tokens = 0
+        self._version: str | None = None
+
+    @workflow.query
+    def state(self) -> dict:
+        """Live state: phase, turn, tokens so far and the policy version of the last turn."""
+        return {
+            "phase": self._phase.value,
+            "turn": self._turn,
+            "tokens": self._tokens,
+            "version": self._version,
+        }
+
+    def _enter(self, phase: Phase) -> None:
+        self._phase = phase
+        updates = [sa.PHASE.value_set(phase.value), sa.TURN.value_set(self._turn)]
+        if self._version is not None:
+            updates.append(sa.POLICY_VERSION.value_set(self._version))
+        workflow.upsert_search_attributes(updates)
+        workflow.set_current_details(
+            f"phase={phase.value} turn={self._turn} tokens={self._tokens} version={self._version}"
+        )
+
+    @workflow.run
+    async def run(self, inp: RolloutInput) -> RolloutResult:
+        self._turn, self._tokens = inp.turns_done, inp.num_tokens
+        started = inp.started_at if inp.started_at is not None else workflow.now().timestamp()
+        engine = pick_engine(inp.engine.urls, inp.rollout_id)
+        remaining = inp.timeout_s - (workflow.now().timestamp() - started)
+        try:
+            if remaining <= 0:
+                raise TimeoutError
+            await asyncio.wait_for(self._loop(inp, engine, started), timeout=remaining)
+            raise AssertionError("turn loop returned without an outcome")
+        except _Ended as end:
+            ended = end
+        except TimeoutError:
+            ended = await self._score_truncated(inp, engine, TruncationReason.TIMEOUT)
+        except asyncio.CancelledError:
+            ended = _Ended(Outcome.CANCELLED, "cancelled")
+        except ActivityError as e:
+            ended = _failure(e)
+        return await self._finalize(inp, ended)
+
+    async def _loop(self, inp: RolloutInput, engine: str, started: float) -> None:
+        if self._turn == 0 and self._tokens == 0:
+            self._enter(Phase.PREPARE)
+            prep: PrepareResult = await workflow.execute_activity(
+                "prepare_rollout",
+                PrepareInput(
+                    run_id=inp.run_id,
+                    rollout_id=inp.rollout_id,
+                    task_id=inp.task_id,
+                    engine_url=engine,
+                    model=inp.engine.model,
+                ),
+                result_type=PrepareResult,
+                start_to_close_timeout=timedelta(seconds=inp.engine.request_timeout_s),
+                retry_policy=_engine_retry(inp),
+            )
+            self._tokens = prep.prompt_tokens
+        while True:
+            if self._turn >= inp.max_turns:
+                raise await self._score_truncated(inp, engine, TruncationReason.MAX_TURNS)
+            budget = inp.max_total_tokens - self._tokens
+            if budget <= 0:
+                raise await self._score_truncated(inp, engine, TruncationReason.TOKEN_BUDGET)
+            turn = await self._generate(inp, engine, min(budget, inp.sampling.max_tokens))
+            if turn.truncated_reason is not None:
+                raise await self._score_truncated(inp, engine, turn.truncated_reason)
+            if turn.finish_reason == "length" and turn.end - turn.start >= budget:
+                raise await self._score_truncated(inp, engine, TruncationReason.TOKEN_BUDGET)
+            step = await self._env_step(inp, engine, last=self._turn + 1 >= inp.max_turns)
+            self._turn += 1
+            if step.done:
+                raise _Ended(Outcome.COMPLETED, None, step.reward)
+            self._tokens += step.observation_tokens
+            if workflow.info().is_continue_as_new_suggested():
+                await workflow.wait_condition(workflow.all_handlers_finished)
+                workflow.continue_as_new(
+                    inp.model_copy(
+                        update={"turns_done": self._turn, "num_tokens": self._tokens, "started_at": started}
+                    )
+                )
+
+    async def _generate(self, inp: RolloutInput, engine: str, max_tokens: int) -> TurnResult:
+        self._enter(Phase.GENERATE)
+        turn: TurnResult = await workflow.execute_activity(
+            "generate_turn",
+            GenerateInput(
+                rollout_id=inp.rollout_id,
+                turn=self._turn,
+                engine_url=engine,
+                model=inp.engine.model,
+                sampling=inp.sampling,
+                max_tokens=max_tokens,
+            ),
+            result_type=TurnResult,
+            start_to_close_timeout=timedelta(seconds=inp.engine.request_timeout_s + 30),
+            heartbeat_timeout=timedelta(seconds=10),
+            retry_policy=_engine_retry(inp),
+        )
+        self._tokens = turn.end
+        if turn.policy_version is not None:
+            self._version = turn.policy_version
+        return turn
+
+    async def _env_step(
+        self, inp: RolloutInput, engine: str, last: bool, score_only: bool = False
+    ) -> EnvStepResult:
+        self._enter(Phase.ENV)
+        return await workflow.execute_activity(
+            "env_step",
+            EnvStepInput(
+                run_id=inp.run_id,
+                rollout_id=inp.rollout_id,
+                task_id=inp.task_id,
+                env=inp.env,
+                turn=self._turn,
+                last_turn=last,
+                score_only=score_only,
+                engine_url=engine,
+                model=inp.engine.model,
+            ),
+            result_type=EnvStepResult,
+            start_to_close_timeout=timedelta(seconds=120),
+            retry_policy=ENV_RETRY,
+        )
+
+    async def _score_truncated(self, inp: RolloutInput, engine: str, reason: TruncationReason) -> _Ended:
+        """A truncated rollout, scored by the environment only if the run asks for it."""
+        if not inp.score_truncated:
+            return _Ended(Outcome.TRUNCATED, reason.value)
+        step = await self._env_step(inp, engine, last=True, score_only=True)
+        return _Ended(Outcome.TRUNCATED, reason.value, step.reward)
+
+    async def _finalize(self, inp: RolloutInput, ended: _Ended) -> RolloutResult:
+        self._enter(Phase.FINALIZE)
+        scorable = ended.reward is not None and ended.outcome in (Outcome.COMPLETED, Outcome.TRUNCATED)
+        await workflow.execute_activity(
+            "finalize_rollout",
+            FinalizeRolloutInput(
+                run_id=inp.run_id,
+                group_id=inp.group_id,
+                rollout_id=inp.rollout_id,
+                task_id=inp.task_id,
+                sample_index=inp.sample_index,
+                env=inp.env,
+                outcome=ended.outcome,
+                reason=ended.reason,
+                reward=ended.reward if scorable else None,
+                scorable=scorable,
+                sampling=inp.sampling,
+                turns=self._turn,
+            ),
+            start_to_close_timeout=timedelta(seconds=60),
+            retry_policy=FINALIZE_RETRY,
+        )
+        workflow.upsert_search_attributes([sa.OUTCOME.value_set(ended.outcome.value)])
+        self._enter(Phase.DONE)
+        return RolloutResult(
+            rollout_id=inp.rollout_id,
+            sample_index=inp.sample_index,
+            outcome=ended.outcome,
+            reason=ended.reason,
+            reward=ended.reward if scorable else None,
+            scorable=scorable,
+            num_tokens=self._tokens,
+            turns=self._turn,
+        )
+
+
+def _engine_retry(inp: RolloutInput) -> RetryPolicy:
+    return RetryPolicy(
+        initial_interval=timedelta(seconds=inp.retry.initial_s),
+        maximum_interval=timedelta(seconds=inp.retry.max_s),
+        maximum_attempts=inp.retry.max_attempts,
+        non_retryable_error_types=["EngineBadRequest", "TaskFileError"],
+    )
+
+
+def _failure(e: ActivityError) -> _Ended:
+    """Attribute a finally-failed activity: environment errors vs everything else (infrastructure)."""
+    cause = e.cause
+    err_type = cause.type if isinstance(cause, ApplicationError) else type(cause).__name__
+    message = cause.message if isinstance(cause, ApplicationError) else str(cause)
+    kind = FailureKind.ENVIRONMENT if err_type in ENVIRONMENT_TYPES else FailureKind.INFRA
+    return _Ended(Outcome.FAILED, f"{kind.value}: {err_type}: {message}"[:500])

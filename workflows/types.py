@@ -1,0 +1,272 @@
+"""Plain data carriers shared by workflows, activities, the store and the CLI.
+
+Invariant: nothing here imports anything heavier than pydantic, and nothing here carries token arrays:
+these objects travel through Temporal history, where only keys, counts and small scalars belong.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Data(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Outcome(StrEnum):
+    """How a rollout ended."""
+
+    COMPLETED = "completed"
+    TRUNCATED = "truncated"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+class TruncationReason(StrEnum):
+    """Why a rollout was cut short; each limit has its own name."""
+
+    MAX_TURNS = "max_turns"
+    TOKEN_BUDGET = "token_budget"
+    CONTEXT_LENGTH = "context_length"
+    TIMEOUT = "timeout"
+    COMMAND_TIMEOUT = "command_timeout"
+
+
+class FailureKind(StrEnum):
+    """Whose fault a failed rollout is: infrastructure (engine, sandbox, worker) or the environment."""
+
+    INFRA = "infra"
+    ENVIRONMENT = "environment"
+
+
+class Phase(StrEnum):
+    """Where a live rollout is; shown as the RolloutPhase search attribute."""
+
+    PREPARE = "prepare"
+    GENERATE = "generate"
+    ENV = "env"
+    REWARD = "reward"
+    FINALIZE = "finalize"
+    DONE = "done"
+
+
+class SamplingParams(_Data):
+    """The behaviour policy's sampling settings; identical for every member of a group."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    max_tokens: int
+    seed: int | None
+    logprob_mode: str
+
+
+class EngineTarget(_Data):
+    """How to reach the engine fleet from an activity."""
+
+    urls: list[str]
+    model: str
+    request_timeout_s: float
+    default_policy_version: str
+
+
+class RetrySettings(_Data):
+    """Retry settings of model calls (transport errors and 5xx)."""
+
+    max_attempts: int
+    initial_s: float
+    max_s: float
+
+
+class RolloutInput(_Data):
+    """Everything a RolloutWorkflow needs; also its continue-as-new carry."""
+
+    run_id: str
+    group_id: str
+    rollout_id: str
+    task_id: str
+    sample_index: int
+    env: str
+    sampling: SamplingParams
+    engine: EngineTarget
+    retry: RetrySettings
+    max_turns: int
+    max_total_tokens: int
+    timeout_s: float
+    score_truncated: bool
+    run_workflow_id: str | None = None
+    # Carry across continue-as-new (keys and counters only).
+    turns_done: int = 0
+    num_tokens: int = 0
+    started_at: float | None = None
+
+
+class PrepareResult(_Data):
+    """The rollout's prompt was rendered and stored."""
+
+    prompt_tokens: int
+    engine: str
+
+
+class TurnResult(_Data):
+    """One model call: the sampled tokens live in the store under (rollout_id, turn)."""
+
+    turn: int
+    start: int
+    end: int
+    finish_reason: str
+    engine: str
+    policy_version: str | None
+    truncated_reason: TruncationReason | None = None
+    queue_s: float = 0.0
+    model_s: float = 0.0
+
+
+class EnvStepResult(_Data):
+    """The environment's answer to one turn: done or an observation (stored) to append."""
+
+    done: bool
+    reward: float | None = None
+    observation_tokens: int = 0
+    env_s: float = 0.0
+    reward_s: float = 0.0
+
+
+class RolloutResult(_Data):
+    """One finished rollout, as its group sees it (the full record lives in the store)."""
+
+    rollout_id: str
+    sample_index: int
+    outcome: Outcome
+    reason: str | None = None
+    reward: float | None = None
+    scorable: bool = False
+    num_tokens: int = 0
+    turns: int = 0
+
+
+class GroupInput(_Data):
+    """A group: N rollouts of one task under a group id separate from the task id."""
+
+    run_id: str
+    group_id: str
+    task_id: str
+    size: int
+    advantage_eps: float
+    template: RolloutInput = Field(description="Rollout input with the per-member fields to be filled in.")
+    run_workflow_id: str | None = None
+
+
+class GroupResult(_Data):
+    """A closed group: counts and reward statistics over its scorable members."""
+
+    run_id: str
+    group_id: str
+    task_id: str
+    size: int
+    scorable: int
+    failed: int
+    reward_mean: float | None
+    reward_std: float | None
+    zero_variance: bool
+    outcomes: dict[str, int] = Field(default_factory=dict)
+
+
+class RunInput(_Data):
+    """A run: dispatch groups under a fixed in-flight cap; also the continue-as-new carry."""
+
+    run_id: str
+    config: dict
+    config_hash: str = ""
+    num_tasks: int = 0
+    next_group: int = 0
+    groups_done: int = 0
+    inflight: list[str] = Field(default_factory=list)
+    outcomes: dict[str, int] = Field(default_factory=dict)
+    segment: int = 0
+
+
+class RunProgress(_Data):
+    """A run's live progress (query result)."""
+
+    run_id: str
+    total_groups: int
+    groups_done: int
+    groups_inflight: int
+    rollouts_total: int
+    outcomes: dict[str, int]
+    segment: int
+    done: bool
+
+
+def rollout_id(run_id: str, group_id: str, index: int) -> str:
+    """Deterministic rollout id (also its workflow id): ``<run>/<group>/<i>``."""
+    return f"{run_id}/{group_id}/{index}"
+
+
+def group_id(index: int) -> str:
+    """Deterministic group id of the run's index-th group."""
+    return f"g{index:06d}"
+
+
+# -- activity inputs --------------------------------------------------------------------------------
+
+
+class LoadRunInput(_Data):
+    run_id: str
+    config_json: str
+    config_hash: str
+    task_file: str
+    env: str
+
+
+class PrepareInput(_Data):
+    run_id: str
+    rollout_id: str
+    task_id: str
+    engine_url: str
+    model: str
+
+
+class GenerateInput(_Data):
+    rollout_id: str
+    turn: int
+    engine_url: str
+    model: str
+    sampling: SamplingParams
+    max_tokens: int
+
+
+class EnvStepInput(_Data):
+    run_id: str
+    rollout_id: str
+    task_id: str
+    env: str
+    turn: int
+    last_turn: bool
+    engine_url: str
+    score_only: bool = False
+    """Score the rollout as it stands (a truncated rollout) instead of stepping the environment."""
+    model: str
+
+
+class FinalizeRolloutInput(_Data):
+    run_id: str
+    group_id: str
+    rollout_id: str
+    task_id: str
+    sample_index: int
+    env: str
+    outcome: Outcome
+    reason: str | None
+    reward: float | None
+    scorable: bool
+    sampling: SamplingParams
+    turns: int
+
+
+class FinalizeGroupInput(_Data):
+    record: GroupResult
+    advantages: dict[str, float | None]
