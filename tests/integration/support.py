@@ -1,0 +1,71 @@
+"""Small factories for integration tests: configs, in-process workers, runs to completion."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from temporalio.client import Client
+
+from activities.engine_client import EngineClient
+from activities.export import iter_run
+from activities.rollout_activities import RolloutActivities
+from activities.store import RunStore
+from config.load import config_hash, load_config
+from config.models import Config
+from config.paths import REPO_ROOT
+from workers.worker import build_worker
+from workflows.run import RunWorkflow
+from workflows.types import RunInput, RunProgress
+
+TASKS = REPO_ROOT / "envs" / "data" / "addition.jsonl"
+
+
+def make_config(engine_urls: list[str], task_queue: str, **sections: dict[str, Any]) -> Config:
+    """A run config for tests: the bundled tasks, quick retries, overridable per section."""
+    overrides = [
+        f"engine.urls={json.dumps(engine_urls)}",
+        f"temporal.task_queue={json.dumps(task_queue)}",
+        f"run.task_file={json.dumps(str(TASKS))}",
+        "engine.retry_initial_s=0.2",
+        "engine.retry_max_s=1.0",
+        "sampling.max_tokens=8",
+    ]
+    for section, fields in sections.items():
+        overrides += [f"{section}.{k}={json.dumps(v)}" for k, v in fields.items()]
+    return load_config(None, overrides)
+
+
+@asynccontextmanager
+async def worker(client: Client, task_queue: str, home: Path) -> AsyncIterator[RunStore]:
+    """An in-process worker with its own store; yields the store."""
+    store = RunStore(home)
+    engine = EngineClient()
+    try:
+        async with build_worker(client, task_queue, RolloutActivities(store, engine)):
+            yield store
+    finally:
+        await engine.aclose()
+
+
+async def start_run(client: Client, cfg: Config, run_id: str):
+    return await client.start_workflow(
+        RunWorkflow.run,
+        RunInput(run_id=run_id, config=cfg.model_dump(mode="json"), config_hash=config_hash(cfg)),
+        id=run_id,
+        task_queue=cfg.temporal.task_queue,
+    )
+
+
+async def run_to_end(client: Client, cfg: Config, run_id: str) -> RunProgress:
+    handle = await start_run(client, cfg, run_id)
+    return await handle.result()
+
+
+def export(store: RunStore, run_id: str) -> tuple[list[dict], list[dict]]:
+    """The run's exported rollout and group records."""
+    records = list(iter_run(store, run_id))
+    return [r for r in records if r["kind"] == "rollout"], [r for r in records if r["kind"] == "group"]

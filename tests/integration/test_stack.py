@@ -1,0 +1,196 @@
+"""The embedded stack against the real Temporal dev server, vLLM engine and worker, on free non-default ports.
+
+Every test stops every process it started, by pid, even when it fails.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from config.models import StackConfig
+from config.paths import resolve_repo_path
+from workers import procs, stack
+from workflows.search_attributes import DEFINITIONS
+
+pytestmark = pytest.mark.integration
+
+HAVE_MODEL = (resolve_repo_path(StackConfig().model_dir) / "config.json").is_file()
+HAVE_WORKER = importlib.util.find_spec("workers.worker") is not None
+needs_model = pytest.mark.skipif(not HAVE_MODEL, reason="models/tiny-policy not built yet")
+needs_worker = pytest.mark.skipif(not HAVE_WORKER, reason="workers/worker.py not written yet")
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _config(**overrides: object) -> StackConfig:
+    t, ui, e = _free_ports(3)
+    return StackConfig(temporal_port=t, ui_port=ui, engine_port=e, **overrides)
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> Iterator[Path]:
+    """A fresh ROLLOUTS_HOME; at teardown every process its pid files still name is stopped, by pid."""
+    home = tmp_path / "home"
+    yield home
+    for name in reversed(stack.COMPONENTS):
+        pid = procs.read_pid(home, name)
+        if pid is not None:
+            procs.stop_pid(pid, timeout=10)
+
+
+def _cli(home: Path, *args: str, timeout: float = 400) -> subprocess.CompletedProcess[str]:
+    code = "from workers.stack_cli import stack_app; stack_app()"
+    env = {**os.environ, "ROLLOUTS_HOME": str(home), "COLUMNS": "200"}
+    return subprocess.run(
+        [sys.executable, "-c", code, *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def _temporal(address: str, *args: str) -> str:
+    res = procs.temporal_cli(*args, "--address", address)
+    assert res.returncode == 0, res.stderr
+    return res.stdout
+
+
+def _custom_attributes(address: str) -> dict[str, str]:
+    out = _temporal(address, "operator", "search-attribute", "list", "-o", "json")
+    return json.loads(out).get("customAttributes") or {}
+
+
+def _expected_attributes() -> dict[str, str]:
+    return {name: f"INDEXED_VALUE_TYPE_{kind.upper()}" for name, kind in DEFINITIONS.items()}
+
+
+@pytest.mark.timeout(120)
+def test_temporal_restart_keeps_workflows_and_search_attributes(home: Path) -> None:
+    cfg = _config()
+    info = stack.up(cfg, home, detach=True, components=("temporal",))
+    rows = {row.name: row for row in stack.status(home)}
+    assert rows["temporal"].healthy and rows["ui"].healthy
+    assert rows["temporal"].pid == info.pids["temporal"]
+    _temporal(
+        info.temporal_address, "workflow", "start", "--type", "Nothing", "--task-queue", "nobody",
+        "--workflow-id", "kept-1", "--search-attribute", 'RolloutRun="it-run"',
+    )  # fmt: skip
+
+    assert stack.down(home) == ["temporal"]
+    assert not procs.pid_alive(info.pids["temporal"])
+    assert not list((home / "pids").iterdir())
+    assert (home / "temporal.sqlite").stat().st_size > 0
+
+    again = stack.up(cfg, home, detach=True, components=("temporal",))
+    assert _custom_attributes(again.temporal_address) == _expected_attributes()
+    listed = _temporal(
+        again.temporal_address, "workflow", "list", "--query", 'RolloutRun="it-run"', "-o", "json"
+    )
+    assert "kept-1" in listed
+    assert stack.down(home) == ["temporal"]
+    assert not procs.pid_alive(again.pids["temporal"])
+
+
+@pytest.mark.timeout(60)
+def test_up_registers_search_attributes_missing_from_an_existing_database(home: Path) -> None:
+    cfg = _config()
+    address = f"127.0.0.1:{cfg.temporal_port}"
+    argv = procs.temporal_argv(home, cfg.temporal_port, cfg.ui_port)
+    bare = [arg for arg in argv if not arg.startswith("Rollout") and arg != "--search-attribute"]
+    pid = procs.spawn("bare", bare, home)
+    try:
+        procs.wait_until(lambda: procs.temporal_healthy(address), 30, "bare temporal", pid)
+        assert not set(_custom_attributes(address)) & set(DEFINITIONS)
+    finally:
+        procs.stop_pid(pid)
+
+    stack.up(cfg, home, detach=True, components=("temporal",))
+    assert _custom_attributes(address) == _expected_attributes()
+    assert stack.down(home) == ["temporal"]
+
+
+@pytest.mark.timeout(60)
+def test_detached_stack_outlives_the_process_that_started_it(home: Path) -> None:
+    cfg = _config()
+    code = (
+        "import sys; from pathlib import Path; from config.models import StackConfig; "
+        "from workers import stack; cfg = StackConfig.model_validate_json(sys.argv[1]); "
+        "stack.up(cfg, Path(sys.argv[2]), True, ('temporal',))"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", code, cfg.model_dump_json(), str(home)],
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    assert res.returncode == 0, res.stderr
+    pid = procs.read_pid(home, "temporal")
+    assert pid is not None
+    assert procs.temporal_healthy(f"127.0.0.1:{cfg.temporal_port}")
+    assert stack.down(home) == ["temporal"]
+    assert not procs.pid_alive(pid)
+
+
+@needs_model
+@pytest.mark.timeout(300)
+def test_engine_becomes_healthy_with_the_configured_weight_version(home: Path) -> None:
+    components = ("temporal", "engine", "worker") if HAVE_WORKER else ("temporal", "engine")
+    info = stack.up(_config(policy_version="v-it"), home, detach=True, components=components)
+    rows = {row.name: row for row in stack.status(home)}
+    assert all(rows[name].healthy for name in components), rows
+    assert rows["engine"].detail == "weight version v-it"
+    assert info.ready_s["engine"] < 240
+    assert stack.down(home) == list(reversed(components))
+    assert not any(procs.pid_alive(pid) for pid in info.pids.values())
+
+
+@needs_model
+@needs_worker
+@pytest.mark.timeout(600)
+def test_cli_up_status_down_up_keeps_the_database(home: Path, tmp_path: Path) -> None:
+    cfg = _config()
+    toml = tmp_path / "stack.toml"
+    toml.write_text("[stack]\n" + "".join(f"{k} = {v}\n" for k, v in cfg.model_dump().items() if "port" in k))
+
+    res = _cli(home, "up", "-d", "--config", str(toml))
+    assert res.returncode == 0, res.stdout + res.stderr
+    pids = {name: procs.read_pid(home, name) for name in stack.COMPONENTS}
+    assert all(pids.values()), pids
+    status = _cli(home, "status", timeout=60)
+    assert status.returncode == 0, status.stdout
+    assert status.stdout.count("healthy") == 4 and "unhealthy" not in status.stdout
+    address = f"127.0.0.1:{cfg.temporal_port}"
+    _temporal(
+        address, "workflow", "start", "--type", "Nothing", "--task-queue", "nobody", "--workflow-id", "kept-2"
+    )
+
+    assert _cli(home, "down", timeout=120).stdout.strip() == "stopped: worker, engine, temporal"
+    assert not any(procs.pid_alive(pid) for pid in pids.values() if pid)
+    db = home / "temporal.sqlite"
+    inode = db.stat().st_ino
+
+    res = _cli(home, "up", "-d", "--config", str(toml))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert db.stat().st_ino == inode
+    assert "kept-2" in _temporal(address, "workflow", "list", "-o", "json")
+    assert _cli(home, "down", timeout=120).returncode == 0
