@@ -1,0 +1,294 @@
+"""Sandbox interface, plain data types and errors.
+
+Invariant: a sandbox failure is always raised as a `SandboxError`; it is never returned as command output.
+What the model's program did (its exit code, its output, a timeout, a process killed for memory) is an
+`ExecResult`; what happened to the sandbox itself (container gone, daemon unreachable) is an exception.
+
+This module imports nothing heavy (no docker), so workflows and other types modules may import it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import posixpath
+from collections.abc import Set as AbstractSet
+from typing import Protocol, runtime_checkable
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+DEFAULT_IMAGE = "durable-rollouts-sandbox:latest"
+"""Tag built by `sandboxes/image/build_image.sh`."""
+
+RESERVED_LABEL_PREFIX = "durable-rollouts"
+"""Label keys the backend owns; user labels may not start with it."""
+
+_MAX_PATH_CHARS = 1024
+"""Longest relative path accepted by `validate_relative_path`."""
+
+
+class SandboxError(Exception):
+    """Base class of every sandbox failure."""
+
+
+class SandboxGone(SandboxError):
+    """The container is dead, removed, OOM-killed as a whole, or frozen: the sandbox is lost.
+
+    Never report this as command output: the rollout's sandbox must be recreated (or the rollout failed as an
+    infrastructure error), not scored.
+    """
+
+
+class SandboxPathError(SandboxError):
+    """A file path was rejected: absolute, with `..`, with NUL, or leaving the workdir through a symlink."""
+
+
+class SandboxNotReady(SandboxError):
+    """The sandbox cannot be used yet: daemon unreachable, image missing, or container failed to start."""
+
+
+class SandboxFileError(SandboxError):
+    """A file operation failed because of the sandbox's contents (missing, not a regular file, too large).
+
+    This is an outcome of the model's actions, not an infrastructure failure.
+    """
+
+
+class SandboxSpec(BaseModel):
+    """Resources and identity of one sandbox. Every limit is enforced by the backend."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    image: str = Field(default=DEFAULT_IMAGE, min_length=1, max_length=255)
+    """Local image tag; never pulled (build it with `sandboxes/image/build_image.sh`)."""
+
+    memory_mb: int = Field(default=1024, ge=64, le=65536)
+    """Memory limit of the whole container in MiB, swap disabled. Files in the tmpfs workdir count too."""
+
+    cpus: float = Field(default=1.0, gt=0.0, le=64.0)
+    """CPU quota in cores (fractional allowed)."""
+
+    pids_limit: int = Field(default=256, ge=16, le=32768)
+    """Most processes and threads alive at once in the container (contains fork bombs)."""
+
+    workdir: str = Field(default="/work")
+    """Absolute path of the writable tmpfs where commands run and files are copied."""
+
+    workdir_size_mb: int = Field(default=512, ge=1, le=65536)
+    """Size cap of the workdir tmpfs in MiB; with `tmp_size_mb` it must stay below `memory_mb`."""
+
+    tmp_size_mb: int = Field(default=64, ge=1, le=65536)
+    """Size cap of the /tmp tmpfs in MiB."""
+
+    user: str = Field(default="1000:1000", pattern=r"^[0-9]+:[0-9]+$")
+    """Non-root `uid:gid` every process runs as."""
+
+    command_timeout_s: float = Field(default=60.0, gt=0.0, le=86400.0)
+    """Default wall-clock limit of one command when `exec` is given none."""
+
+    output_limit_bytes: int = Field(default=65536, ge=1024, le=16 * 1024 * 1024)
+    """Most bytes of stdout+stderr kept per command; the rest is counted and dropped inside the sandbox."""
+
+    labels: dict[str, str] = Field(default_factory=dict)
+    """Extra container labels; keys must not start with `durable-rollouts`."""
+
+    @model_validator(mode="after")
+    def _check_tmpfs_fits_memory(self) -> SandboxSpec:
+        # tmpfs pages are charged to the container's memory cgroup: a full workdir must not starve processes
+        # into OOM kills instead of failing writes with ENOSPC.
+        if self.workdir_size_mb + self.tmp_size_mb >= self.memory_mb:
+            raise ValueError(
+                f"workdir_size_mb + tmp_size_mb ({self.workdir_size_mb + self.tmp_size_mb}) must be below "
+                f"memory_mb ({self.memory_mb}): tmpfs contents count against the memory limit"
+            )
+        return self
+
+    @field_validator("workdir")
+    @classmethod
+    def _check_workdir(cls, value: str) -> str:
+        if not value.startswith("/") or posixpath.normpath(value) != value or value == "/":
+            raise ValueError(f"workdir must be a normalised absolute path other than '/': {value!r}")
+        if value.split("/")[1] in {"proc", "sys", "dev", "etc", "tmp", "usr", "bin", "sbin", "lib"}:
+            raise ValueError(f"workdir may not shadow a system directory: {value!r}")
+        return value
+
+    @field_validator("user")
+    @classmethod
+    def _check_user(cls, value: str) -> str:
+        uid, gid = (int(part) for part in value.split(":"))
+        if uid == 0 or gid == 0:
+            raise ValueError(f"sandbox user must be non-root, got {value!r}")
+        return value
+
+    @field_validator("labels")
+    @classmethod
+    def _check_labels(cls, value: dict[str, str]) -> dict[str, str]:
+        reserved = [key for key in value if key.startswith(RESERVED_LABEL_PREFIX)]
+        if reserved:
+            raise ValueError(f"labels starting with {RESERVED_LABEL_PREFIX!r} are reserved: {reserved}")
+        return value
+
+
+class SandboxHandle(BaseModel):
+    """Reference to one live sandbox; small and serialisable, so it can cross activity boundaries."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    key: str
+    """Caller's idempotency key (unique per sandbox on the daemon, e.g. the rollout's workflow id)."""
+    run_id: str
+    """Run the sandbox belongs to (used by the reaper)."""
+    name: str
+    """Container name, derived deterministically from `key`."""
+    container_id: str
+    """Docker id of the container this handle was created for; a replaced container is a lost sandbox."""
+    spec: SandboxSpec
+    """Spec the container was created with."""
+
+
+class ExecResult(BaseModel):
+    """Outcome of one command in a sandbox (the sandbox itself survived it)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    exit_code: int
+    """Exit status of the command (128+N when killed by signal N; 124 or 137 on timeout)."""
+    output: str
+    """stdout and stderr interleaved in the order written (one pipe), UTF-8 with replacement, capped at
+    `output_limit_bytes` plus the visible notes below."""
+    truncated: bool = False
+    """Output went past the cap; the kept prefix ends with `[output truncated: N bytes omitted]`."""
+    timed_out: bool = False
+    """The wall-clock limit fired and the command's whole process group was killed."""
+    oom_killed: bool = False
+    """A process of the command was killed by the sandbox's memory limit (a note says so in `output`)."""
+    duration_s: float = 0.0
+    """Wall-clock seconds from starting the exec to collecting its status."""
+
+
+class SandboxInfo(BaseModel):
+    """One labelled container as seen by `list_containers`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    container_id: str
+    key: str
+    run_id: str
+    state: str
+    """Docker state: created, running, paused, exited, dead, ..."""
+    created_at: float
+    """Unix time the container was created."""
+
+
+def validate_relative_path(path: str) -> str:
+    """Check a file path meant to be relative to the workdir and return it normalised.
+
+    Only lexical checks; symlinks are checked inside the sandbox by the backend.
+
+    Args:
+        path: Path relative to the workdir, POSIX separators.
+
+    Returns:
+        The path with duplicate slashes and `.` components removed.
+
+    Raises:
+        SandboxPathError: the path is empty, too long, absolute, contains NUL or a `..` component.
+    """
+    if not isinstance(path, str) or not path:
+        raise SandboxPathError(f"rejected path {path!r}: empty")
+    if "\x00" in path:
+        raise SandboxPathError(f"rejected path {path!r}: contains NUL")
+    if len(path) > _MAX_PATH_CHARS:
+        raise SandboxPathError(f"rejected path {path[:40]!r}...: longer than {_MAX_PATH_CHARS} characters")
+    if path.startswith("/"):
+        raise SandboxPathError(f"rejected path {path!r}: absolute (paths are relative to the workdir)")
+    parts = [part for part in path.split("/") if part not in ("", ".")]
+    if ".." in parts:
+        raise SandboxPathError(f"rejected path {path!r}: contains '..'")
+    if not parts:
+        raise SandboxPathError(f"rejected path {path!r}: names the workdir itself")
+    if "\n" in path or "\r" in path:
+        raise SandboxPathError(f"rejected path {path!r}: contains a newline")
+    return "/".join(parts)
+
+
+@runtime_checkable
+class SandboxBackend(Protocol):
+    """Synchronous, thread-safe sandbox backend. Every method may block; see `AsyncSandboxBackend`."""
+
+    def create(self, key: str, run_id: str, spec: SandboxSpec) -> SandboxHandle:
+        """Create the sandbox for `key`, or reattach to the running one (idempotent on key)."""
+        ...
+
+    def exec(self, handle: SandboxHandle, cmd: str, timeout_s: float | None = None) -> ExecResult:
+        """Run a shell command as the sandbox user in the workdir."""
+        ...
+
+    def write_file(self, handle: SandboxHandle, path: str, content: bytes | str) -> None:
+        """Write a file at a path relative to the workdir, creating parent directories."""
+        ...
+
+    def read_file(self, handle: SandboxHandle, path: str, max_bytes: int = 1 << 20) -> bytes:
+        """Read a regular file at a path relative to the workdir."""
+        ...
+
+    def destroy(self, key: str) -> None:
+        """Remove the sandbox for `key`; absent is fine."""
+        ...
+
+    def list_containers(self, run_id: str | None = None) -> list[SandboxInfo]:
+        """List the project's containers, optionally of one run."""
+        ...
+
+    def reap(
+        self,
+        run_id: str | None = None,
+        older_than_s: float | None = None,
+        keep: AbstractSet[str] = frozenset(),
+    ) -> list[str]:
+        """Remove labelled containers whose key is not in `keep`; return the removed names."""
+        ...
+
+
+class AsyncSandboxBackend:
+    """Runs each call of a synchronous backend in a worker thread, for use from asyncio code.
+
+    Args:
+        backend: The synchronous backend; it must be thread-safe (the Docker backend is).
+    """
+
+    def __init__(self, backend: SandboxBackend) -> None:
+        self.backend = backend
+
+    async def create(self, key: str, run_id: str, spec: SandboxSpec) -> SandboxHandle:
+        """See `SandboxBackend.create`."""
+        return await asyncio.to_thread(self.backend.create, key, run_id, spec)
+
+    async def exec(self, handle: SandboxHandle, cmd: str, timeout_s: float | None = None) -> ExecResult:
+        """See `SandboxBackend.exec`."""
+        return await asyncio.to_thread(self.backend.exec, handle, cmd, timeout_s)
+
+    async def write_file(self, handle: SandboxHandle, path: str, content: bytes | str) -> None:
+        """See `SandboxBackend.write_file`."""
+        await asyncio.to_thread(self.backend.write_file, handle, path, content)
+
+    async def read_file(self, handle: SandboxHandle, path: str, max_bytes: int = 1 << 20) -> bytes:
+        """See `SandboxBackend.read_file`."""
+        return await asyncio.to_thread(self.backend.read_file, handle, path, max_bytes)
+
+    async def destroy(self, key: str) -> None:
+        """See `SandboxBackend.destroy`."""
+        await asyncio.to_thread(self.backend.destroy, key)
+
+    async def list_containers(self, run_id: str | None = None) -> list[SandboxInfo]:
+        """See `SandboxBackend.list_containers`."""
+        return await asyncio.to_thread(self.backend.list_containers, run_id)
+
+    async def reap(
+        self,
+        run_id: str | None = None,
+        older_than_s: float | None = None,
+        keep: AbstractSet[str] = frozenset(),
+    ) -> list[str]:
+        """See `SandboxBackend.reap`."""
+        return await asyncio.to_thread(self.backend.reap, run_id, older_than_s, keep)
