@@ -22,7 +22,7 @@ import httpx
 from activities.errors import ContextLengthExceeded, EngineBadReply, EngineBadRequest, EngineUnavailable
 from workflows.types import SamplingParams
 
-_CONTEXT_MARKERS = ("maximum context length", "max_model_len", "context length", "too long")
+_CONTEXT_MARKERS = ("maximum context length", "maximum model length", "max_model_len", "context length")
 
 
 @dataclass

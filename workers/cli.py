@@ -93,7 +93,7 @@ async def _submit(cfg, cfg_hash: str, rid: str, wait: bool) -> None:
     from workflows.types import RunInput
 
     client = await _client(cfg.temporal.address, cfg.temporal.namespace)
-    handle = client.get_workflow_handle(rid)
+    handle = client.get_workflow_handle_for(RunWorkflow.run, rid)
     try:
         await handle.describe()
         attached = True

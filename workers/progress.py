@@ -29,7 +29,7 @@ async def _progress(handle: WorkflowHandle) -> RunProgress | None:
 
 async def follow(handle: WorkflowHandle) -> RunProgress:
     """Show a progress bar until the run ends; print and return the final progress."""
-    result_task = asyncio.ensure_future(handle.result(result_type=RunProgress))
+    result_task = asyncio.ensure_future(handle.result())
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as bar:
         task = bar.add_task("rollouts", total=None)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import signal
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from temporalio.client import Client
@@ -34,7 +33,6 @@ def build_worker(client: Client, task_queue: str, acts: RolloutActivities) -> Wo
         task_queue=task_queue,
         workflows=WORKFLOWS,
         activities=acts.all(),
-        activity_executor=ThreadPoolExecutor(max_workers=8),
         max_concurrent_activities=256,
         max_concurrent_workflow_tasks=64,
     )

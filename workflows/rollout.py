@@ -10,6 +10,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from datetime import timedelta
 
 from temporalio import workflow
@@ -40,10 +41,8 @@ ENV_RETRY = RetryPolicy(maximum_attempts=3, non_retryable_error_types=["Environm
 
 
 def pick_engine(urls: list[str], key: str) -> str:
-    """Sticky replica choice for a rollout: every turn goes to the same replica (FNV-1a, deterministic)."""
-    h = 0xCBF29CE484222325
-    for b in key.encode():
-        h = ((h ^ b) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+    """Sticky replica choice for a rollout: every turn goes to the same replica (a stable hash of its id)."""
+    h = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big")
     return urls[h % len(urls)]
 
 

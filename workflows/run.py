@@ -71,27 +71,29 @@ def rollout_template(cfg: Config, run_id: str) -> RolloutInput:
 
 @workflow.defn(name="RunWorkflow")
 class RunWorkflow:
-    def __init__(self) -> None:
-        self._inp: RunInput | None = None
-        self._inflight: set[str] = set()
-        self._total = 0
-        self._group_size = 0
+    @workflow.init
+    def __init__(self, inp: RunInput) -> None:
+        # State comes from the input here, not in run(): signals buffered across continue-as-new are
+        # delivered before run() starts and must find the carried in-flight set.
+        self._inp = inp
+        self._inflight: set[str] = set(inp.inflight)
+        self._cfg = Config.model_validate(inp.config)
+        self._total = self._cfg.run.num_groups
+        self._group_size = self._cfg.run.group_size
 
     @workflow.signal
     def group_done(self, record: GroupResult) -> None:
         """A group closed; duplicate signals for the same group are ignored."""
-        inp = self._inp
-        if inp is None or record.group_id not in self._inflight:
+        if record.group_id not in self._inflight:
             return
         self._inflight.discard(record.group_id)
-        inp.groups_done += 1
+        self._inp.groups_done += 1
         for outcome, n in record.outcomes.items():
-            inp.outcomes[outcome] = inp.outcomes.get(outcome, 0) + n
+            self._inp.outcomes[outcome] = self._inp.outcomes.get(outcome, 0) + n
 
     @workflow.query
     def progress(self) -> RunProgress:
         inp = self._inp
-        assert inp is not None
         return RunProgress(
             run_id=inp.run_id,
             total_groups=self._total,
@@ -105,10 +107,7 @@ class RunWorkflow:
 
     @workflow.run
     async def run(self, inp: RunInput) -> RunProgress:
-        self._inp = inp
-        self._inflight = set(inp.inflight)
-        cfg = Config.model_validate(inp.config)
-        self._total, self._group_size = cfg.run.num_groups, cfg.run.group_size
+        cfg = self._cfg
         if inp.num_tasks == 0:
             inp.num_tasks = await workflow.execute_activity(
                 "load_run",

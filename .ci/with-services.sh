@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Run a command with the services the tests need, then stop exactly what this script started (by pid).
+#   - Docker: Debian's docker.io (and debootstrap for the sandbox image) are installed if missing; dockerd
+#     is started if no daemon answers; the sandbox image is built offline if absent.
+# Temporal and vLLM are started by the test fixtures themselves (tests/conftest.py), by pid.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+state="${ROLLOUTS_HOME:-.rollouts}/ci"
+mkdir -p "$state"
+started_dockerd=""
+
+if ! command -v dockerd >/dev/null || ! command -v debootstrap >/dev/null; then
+  if [ "$(id -u)" = 0 ]; then
+    apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q docker.io debootstrap >/dev/null
+  else
+    echo "docker.io and debootstrap are missing; install them (apt-get install docker.io debootstrap) as root" >&2
+  fi
+fi
+
+if command -v dockerd >/dev/null && ! docker info >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ]; then
+    dockerd >"$state/dockerd.log" 2>&1 &
+    started_dockerd=$!
+    echo "$started_dockerd" >"$state/dockerd.pid"
+    for _ in $(seq 1 60); do docker info >/dev/null 2>&1 && break; sleep 0.5; done
+  fi
+fi
+
+if docker info >/dev/null 2>&1; then
+  bash sandboxes/image/build_image.sh || echo "sandbox image build failed; Docker tests will say why" >&2
+fi
+
+"$@"
+rc=$?
+
+if [ -n "$started_dockerd" ]; then
+  kill "$started_dockerd" 2>/dev/null
+  for _ in $(seq 1 40); do kill -0 "$started_dockerd" 2>/dev/null || break; sleep 0.5; done
+  rm -f "$state/dockerd.pid"
+fi
+exit $rc

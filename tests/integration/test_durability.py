@@ -1,0 +1,89 @@
+"""Durability: a SIGKILLed worker loses no rollout and duplicates none; history stays small per turn."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+from temporalio.client import Client
+from temporalio.testing import WorkflowEnvironment
+
+from activities.store import RunStore
+from tests.conftest import Engine
+from tests.integration.support import export, make_config, run_to_end, start_run, worker
+from workers import procs
+from workflows.types import group_id, rollout_id
+
+
+def spawn_worker(env: WorkflowEnvironment, task_queue: str, home: Path, name: str) -> int:
+    address = env.client.service_client.config.target_host
+    return procs.spawn(name, procs.worker_argv(address, task_queue), home, env={"ROLLOUTS_HOME": str(home)})
+
+
+@pytest.mark.timeout(600)
+async def test_sigkill_worker_mid_run_loses_and_duplicates_nothing(
+    temporal_env: WorkflowEnvironment, client: Client, engine: Engine, task_queue: str, tmp_path: Path
+) -> None:
+    groups, size = 24, 4
+    cfg = make_config(
+        [engine.url], task_queue, run={"num_groups": groups, "group_size": size, "max_inflight_groups": 3}
+    )
+    store = RunStore(tmp_path)
+    first = spawn_worker(temporal_env, task_queue, tmp_path, "worker-1")
+    second = None
+    try:
+        handle = await start_run(client, cfg, "sigkill")
+        for _ in range(1200):
+            if sum(store.count_rollouts("sigkill").values()) >= 8:
+                break
+            await asyncio.sleep(0.05)
+        os.killpg(first, signal.SIGKILL)
+        done_at_kill = sum(store.count_rollouts("sigkill").values())
+        assert 8 <= done_at_kill < groups * size, "the kill must land while rollouts are in flight"
+        second = spawn_worker(temporal_env, task_queue, tmp_path, "worker-2")
+        result = await asyncio.wait_for(handle.result(), timeout=400)
+    finally:
+        procs.stop_pid(first)
+        if second is not None:
+            procs.stop_pid(second)
+    assert result.done and sum(result.outcomes.values()) == groups * size
+    rollouts, group_records = export(store, "sigkill")
+    expected = {rollout_id("sigkill", group_id(g), i) for g in range(groups) for i in range(size)}
+    assert sorted(r["rollout_id"] for r in rollouts) == sorted(expected)  # each exactly once
+    assert len(group_records) == groups
+    assert all(r["outcome"] == "completed" for r in rollouts)
+
+
+def _history_bytes(events) -> int:
+    return sum(e.ByteSize() for e in events)
+
+
+@pytest.mark.timeout(600)
+async def test_history_bytes_per_turn_stay_under_2kb(
+    client: Client, engine: Engine, task_queue: str, tmp_path: Path
+) -> None:
+    tasks = tmp_path / "never.jsonl"  # an answer the policy never gives: every attempt is wrong
+    tasks.write_text(json.dumps({"id": "never", "prompt": "12+34=", "answer": "never"}) + "\n")
+    sizes = {}
+    async with worker(client, task_queue, tmp_path / "store"):
+        for turns in (1, 9):
+            cfg = make_config(
+                [engine.url],
+                task_queue,
+                run={"num_groups": 1, "group_size": 1, "task_file": str(tasks)},
+                rollout={"max_turns": turns, "max_total_tokens": 4096},
+            )
+            await run_to_end(client, cfg, f"history-{turns}")
+            history = await client.get_workflow_handle(
+                rollout_id(f"history-{turns}", group_id(0), 0)
+            ).fetch_history()
+            sizes[turns] = _history_bytes(history.events)
+    per_turn = (sizes[9] - sizes[1]) / 8
+    print(f"history bytes: 1 turn {sizes[1]}, 9 turns {sizes[9]}, marginal {per_turn:.0f} B/turn")
+    assert sizes[9] > sizes[1]
+    assert per_turn < 2048
+    assert sizes[9] / 9 < 2048 * 2  # fixed start/finish overhead amortises quickly
