@@ -51,7 +51,9 @@ def rollout_record(store: RunStore, row: dict[str, Any]) -> dict[str, Any]:
             s.policy_versions if sampled and s.policy_versions is not None else [None] * len(s.token_ids)
         )
         loss_mask.extend([1 if sampled else 0] * len(s.token_ids))
+    extra = json.loads(row["extra_json"] or "{}")
     return {
+        **extra,
         "kind": "rollout",
         "run_id": row["run_id"],
         "group_id": row["group_id"],

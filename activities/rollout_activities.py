@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import Awaitable
 from typing import TypeVar
@@ -20,6 +21,7 @@ from temporalio import activity
 from activities.engine_client import EngineClient
 from activities.errors import ContextLengthExceeded, EnvironmentFailure, RolloutError
 from activities.store import RunStore, Segment
+from envs import coding as coding_env
 from envs import math as math_env
 from envs.tasks import load_tasks
 from workflows.types import (
@@ -96,10 +98,13 @@ class RolloutActivities:
         existing = await asyncio.to_thread(self.store.get_segment, inp.rollout_id, "prompt")
         if existing is None:
             task = await asyncio.to_thread(self.store.get_task, inp.run_id, inp.task_id)
+            messages = (
+                coding_env.first_messages(task)
+                if inp.env == "coding"
+                else [{"role": "user", "content": task["prompt"]}]
+            )
             try:
-                ids = await self.engine.tokenize_chat(
-                    inp.engine_url, inp.model, [{"role": "user", "content": task["prompt"]}]
-                )
+                ids = await self.engine.tokenize_chat(inp.engine_url, inp.model, messages)
             except RolloutError as e:
                 raise _edge(e) from e
             seg = Segment(name="prompt", kind="prompt", turn=None, start=0, token_ids=ids)
@@ -129,10 +134,8 @@ class RolloutActivities:
                     start=len(context),
                     end=len(context),
                     finish_reason="context_length",
-                    engine=inp.engine_url,
                     policy_version=None,
                     truncated_reason=TruncationReason.CONTEXT_LENGTH,
-                    queue_s=queued,
                 )
             except RolloutError as e:
                 raise _edge(e) from e
@@ -160,10 +163,7 @@ class RolloutActivities:
             start=seg.start,
             end=seg.end,
             finish_reason=seg.meta["finish_reason"],
-            engine=seg.meta["engine"],
             policy_version=versions[-1] if versions else None,
-            queue_s=seg.meta["queue_s"],
-            model_s=seg.meta["model_s"],
         )
 
     @activity.defn(name="env_step")
@@ -232,7 +232,7 @@ class RolloutActivities:
             "prompt_length": prompt_len,
             "num_tokens": segs[-1].end if segs else 0,
             "sampling_json": inp.sampling.model_dump_json(),
-            "extra_json": "{}",
+            "extra_json": json.dumps(inp.extra),
         }
         return await asyncio.to_thread(self.store.put_rollout, rec)
 

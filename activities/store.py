@@ -40,6 +40,8 @@ CREATE TABLE IF NOT EXISTS rollouts (
     num_tokens INTEGER NOT NULL, sampling_json TEXT NOT NULL, extra_json TEXT NOT NULL,
     finished_at REAL NOT NULL);
 CREATE INDEX IF NOT EXISTS rollouts_by_run ON rollouts (run_id, group_id, sample_index);
+CREATE TABLE IF NOT EXISTS sandboxes (
+    rollout_id TEXT PRIMARY KEY, handle_json TEXT NOT NULL, updated_at REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS groups (
     run_id TEXT NOT NULL, group_id TEXT NOT NULL, task_id TEXT NOT NULL, record_json TEXT NOT NULL,
     finished_at REAL NOT NULL, PRIMARY KEY (run_id, group_id));
@@ -235,6 +237,26 @@ class RunStore:
                 )
             out.extend(seg.token_ids)
         return out
+
+    # -- sandboxes ------------------------------------------------------------------------------------
+    def put_sandbox(self, rollout_id: str, handle: BaseModel) -> None:
+        """Remember the rollout's current sandbox (replaced when a dead one is recovered)."""
+        with self._tx() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO sandboxes (rollout_id, handle_json, updated_at) VALUES (?,?,?)",
+                (rollout_id, handle.model_dump_json(), time.time()),
+            )
+
+    def get_sandbox(self, rollout_id: str) -> Any:
+        """The rollout's current sandbox handle, or None."""
+        from sandboxes import SandboxHandle
+
+        row = (
+            self._conn()
+            .execute("SELECT handle_json FROM sandboxes WHERE rollout_id=?", (rollout_id,))
+            .fetchone()
+        )
+        return SandboxHandle.model_validate_json(row[0]) if row else None
 
     # -- records --------------------------------------------------------------------------------------
     def put_rollout(self, rec: dict[str, Any]) -> bool:

@@ -10,6 +10,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from sandboxes.base import SandboxSpec
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -70,8 +72,8 @@ class RolloutConfig(_Strict):
 class RunConfig(_Strict):
     task_file: str = Field("envs/data/addition.jsonl", min_length=1)
     """JSONL task file (id, prompt, answer); a relative path resolves against the working directory."""
-    env: Literal["math"] = "math"
-    """Environment that drives and scores the rollouts."""
+    env: Literal["math", "coding"] = "math"
+    """Environment that drives and scores the rollouts: math (verifier) or coding (Docker sandbox)."""
     num_groups: int = Field(8, ge=1, le=10_000_000)
     """Groups to generate; group i samples task i modulo the number of tasks."""
     group_size: int = Field(4, ge=1, le=1024)
@@ -119,6 +121,8 @@ class Config(_Strict):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
     temporal: TemporalConfig = Field(default_factory=TemporalConfig)
+    sandbox: SandboxSpec = Field(default_factory=SandboxSpec)
+    """Image and limits of the coding environment's sandboxes (hardened; see sandboxes/base.py)."""
     stack: StackConfig = Field(default_factory=StackConfig)
 
     @model_validator(mode="after")

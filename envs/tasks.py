@@ -22,6 +22,10 @@ def load_tasks(path: str | Path, env: str) -> list[dict[str, Any]]:
         TaskFileError: one line naming the file, line and field at fault.
     """
     p = Path(path)
+    if env == "coding":
+        from envs.coding_tasks import load_coding_tasks
+
+        return [t.model_dump(mode="json") for t in load_coding_tasks(p)]
     try:
         lines = p.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as e:

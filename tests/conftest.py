@@ -7,6 +7,7 @@ vLLM: one CPU engine per session on a free port (about 40 s to start), stopped b
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 from collections.abc import AsyncIterator, Iterator
@@ -64,7 +65,8 @@ async def client(temporal_env: WorkflowEnvironment) -> Client:
 @pytest.fixture
 def task_queue(request: pytest.FixtureRequest) -> str:
     """A unique task queue per test, so workers of different tests never share work."""
-    return f"tq-{request.node.name}-{os.getpid()}"[:200]
+    digest = hashlib.sha256(f"{request.node.nodeid}-{os.getpid()}".encode()).hexdigest()[:10]
+    return f"tq-{digest}"
 
 
 @dataclass

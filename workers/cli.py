@@ -153,6 +153,27 @@ def export(
 
 
 @app.command()
+def reap(
+    run_id: Annotated[str | None, typer.Option("--run-id", help="Only this run's sandboxes.")] = None,
+    address: Annotated[str, typer.Option(help="Temporal frontend host:port.")] = "127.0.0.1:7233",
+) -> None:
+    """Remove sandboxes whose rollout workflow is no longer running (terminated, finished, unknown)."""
+    from activities.reaper import reap_orphans
+    from sandboxes import SandboxError
+    from workers.worker import docker_sandboxes
+
+    async def go() -> list[str]:
+        client = await _client(address)
+        return await reap_orphans(client, docker_sandboxes(), run_id, min_age_s=0)
+
+    try:
+        removed = asyncio.run(go())
+    except SandboxError as e:
+        raise _fail(str(e), 1) from None
+    typer.echo(f"removed {len(removed)} sandboxes" + (f": {', '.join(removed)}" if removed else ""))
+
+
+@app.command()
 def worker(
     address: Annotated[str, typer.Option(help="Temporal frontend host:port.")] = "127.0.0.1:7233",
     task_queue: Annotated[str, typer.Option(help="Task queue to poll.")] = "rollouts",

@@ -9,15 +9,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 from temporalio.client import Client
 from temporalio.worker import Worker
 
 from activities.engine_client import EngineClient
+from activities.reaper import reap_forever
 from activities.rollout_activities import RolloutActivities
+from activities.sandbox_activities import SandboxActivities
 from activities.store import RunStore
 from config.paths import rollouts_home
+from sandboxes import AsyncSandboxBackend, DockerBackend, SandboxError
 from workers.client import connect
 from workflows.group import GroupWorkflow
 from workflows.rollout import RolloutWorkflow
@@ -26,13 +30,24 @@ from workflows.run import RunWorkflow
 WORKFLOWS = [RunWorkflow, GroupWorkflow, RolloutWorkflow]
 
 
-def build_worker(client: Client, task_queue: str, acts: RolloutActivities) -> Worker:
+def docker_sandboxes() -> AsyncSandboxBackend:
+    """The default sandbox backend: the local Docker daemon."""
+    return AsyncSandboxBackend(DockerBackend())
+
+
+def build_worker(
+    client: Client,
+    task_queue: str,
+    acts: RolloutActivities,
+    sandboxes: Callable[[], AsyncSandboxBackend] = docker_sandboxes,
+) -> Worker:
     """A worker with every workflow and activity registered; activities are I/O bound, so many at once."""
+    sandbox_acts = SandboxActivities(acts.store, acts.engine, sandboxes)
     return Worker(
         client,
         task_queue=task_queue,
         workflows=WORKFLOWS,
-        activities=acts.all(),
+        activities=acts.all() + sandbox_acts.all(),
         max_concurrent_activities=256,
         max_concurrent_workflow_tasks=64,
     )
@@ -47,12 +62,24 @@ async def serve(address: str, task_queue: str, namespace: str = "default", home:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    reaper = _start_reaper(client)
     try:
         async with build_worker(client, task_queue, RolloutActivities(store, engine)):
             print(f"worker polling {task_queue!r} on {address}", flush=True)
             await stop.wait()
     finally:
+        if reaper is not None:
+            reaper.cancel()
         await engine.aclose()
+
+
+def _start_reaper(client: Client) -> asyncio.Task | None:
+    """Reap orphaned sandboxes in the background where a Docker daemon answers."""
+    try:
+        backend = docker_sandboxes()
+    except SandboxError:
+        return None
+    return asyncio.create_task(reap_forever(client, backend))
 
 
 def main(argv: list[str] | None = None) -> None:

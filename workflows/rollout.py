@@ -20,6 +20,7 @@ from temporalio.exceptions import ActivityError, ApplicationError
 with workflow.unsafe.imports_passed_through():
     from activities.errors import ENVIRONMENT_TYPES
     from workflows import search_attributes as sa
+    from workflows.coding import CodingSteps
     from workflows.types import (
         EnvStepInput,
         EnvStepResult,
@@ -61,6 +62,8 @@ class RolloutWorkflow:
         self._turn = 0
         self._tokens = 0
         self._version: str | None = None
+        self._coding: CodingSteps | None = None
+        self._indexed: dict[str, object] = {}
 
     @workflow.query
     def state(self) -> dict:
@@ -72,12 +75,19 @@ class RolloutWorkflow:
             "version": self._version,
         }
 
-    def _enter(self, phase: Phase) -> None:
+    def _enter(self, phase: Phase, index: bool = True) -> None:
+        """Show the phase live; with index, also upsert the search attributes that changed.
+
+        Upserts cost history bytes, so only changed keys are sent, and instant phases (a math env step)
+        show in the current-details text only.
+        """
         self._phase = phase
-        updates = [sa.PHASE.value_set(phase.value), sa.TURN.value_set(self._turn)]
-        if self._version is not None:
-            updates.append(sa.POLICY_VERSION.value_set(self._version))
-        workflow.upsert_search_attributes(updates)
+        if index:
+            wanted = {sa.PHASE: phase.value, sa.TURN: self._turn, sa.POLICY_VERSION: self._version}
+            changed = {k: v for k, v in wanted.items() if v is not None and self._indexed.get(k.name) != v}
+            if changed:
+                workflow.upsert_search_attributes([k.value_set(v) for k, v in changed.items()])  # type: ignore[attr-defined]
+                self._indexed.update({k.name: v for k, v in changed.items()})
         workflow.set_current_details(
             f"phase={phase.value} turn={self._turn} tokens={self._tokens} version={self._version}"
         )
@@ -87,6 +97,9 @@ class RolloutWorkflow:
         self._turn, self._tokens = inp.turns_done, inp.num_tokens
         started = inp.started_at if inp.started_at is not None else workflow.now().timestamp()
         engine = pick_engine(inp.engine.urls, inp.rollout_id)
+        if inp.env == "coding":
+            self._coding = CodingSteps(inp, engine)
+            self._coding.replays = inp.sandbox_replays
         remaining = inp.timeout_s - (workflow.now().timestamp() - started)
         try:
             if remaining <= 0:
@@ -106,6 +119,8 @@ class RolloutWorkflow:
     async def _loop(self, inp: RolloutInput, engine: str, started: float) -> None:
         if self._turn == 0 and self._tokens == 0:
             self._enter(Phase.PREPARE)
+            if self._coding is not None:
+                await self._coding.create()
             prep: PrepareResult = await workflow.execute_activity(
                 "prepare_rollout",
                 PrepareInput(
@@ -114,9 +129,10 @@ class RolloutWorkflow:
                     task_id=inp.task_id,
                     engine_url=engine,
                     model=inp.engine.model,
+                    env=inp.env,
                 ),
                 result_type=PrepareResult,
-                start_to_close_timeout=timedelta(seconds=inp.engine.request_timeout_s),
+                start_to_close_timeout=timedelta(seconds=30),
                 retry_policy=_engine_retry(inp),
             )
             self._tokens = prep.prompt_tokens
@@ -136,11 +152,18 @@ class RolloutWorkflow:
             if step.done:
                 raise _Ended(Outcome.COMPLETED, None, step.reward)
             self._tokens += step.observation_tokens
+            if step.truncated_reason is not None:
+                raise await self._score_truncated(inp, engine, step.truncated_reason)
             if workflow.info().is_continue_as_new_suggested():
                 await workflow.wait_condition(workflow.all_handlers_finished)
                 workflow.continue_as_new(
                     inp.model_copy(
-                        update={"turns_done": self._turn, "num_tokens": self._tokens, "started_at": started}
+                        update={
+                            "turns_done": self._turn,
+                            "num_tokens": self._tokens,
+                            "started_at": started,
+                            "sandbox_replays": self._coding.replays if self._coding else 0,
+                        }
                     )
                 )
 
@@ -169,8 +192,12 @@ class RolloutWorkflow:
     async def _env_step(
         self, inp: RolloutInput, engine: str, last: bool, score_only: bool = False
     ) -> EnvStepResult:
-        self._enter(Phase.ENV)
-        return await workflow.execute_activity(
+        self._enter(Phase.ENV, index=self._coding is not None)
+        if self._coding is not None:
+            return await self._coding.step(self._turn, score_only=score_only)
+        # The math env step is short (detokenize, verify, maybe one observation): a local activity, which
+        # costs one marker event instead of an activity's three plus a workflow task.
+        return await workflow.execute_local_activity(
             "env_step",
             EnvStepInput(
                 run_id=inp.run_id,
@@ -184,7 +211,7 @@ class RolloutWorkflow:
                 model=inp.engine.model,
             ),
             result_type=EnvStepResult,
-            start_to_close_timeout=timedelta(seconds=120),
+            start_to_close_timeout=timedelta(seconds=30),
             retry_policy=ENV_RETRY,
         )
 
@@ -197,6 +224,10 @@ class RolloutWorkflow:
 
     async def _finalize(self, inp: RolloutInput, ended: _Ended) -> RolloutResult:
         self._enter(Phase.FINALIZE)
+        extra: dict = {}
+        if self._coding is not None:
+            await self._coding.destroy()
+            extra["sandbox_replays"] = self._coding.replays
         scorable = ended.reward is not None and ended.outcome in (Outcome.COMPLETED, Outcome.TRUNCATED)
         await workflow.execute_activity(
             "finalize_rollout",
@@ -213,6 +244,7 @@ class RolloutWorkflow:
                 scorable=scorable,
                 sampling=inp.sampling,
                 turns=self._turn,
+                extra=extra,
             ),
             start_to_close_timeout=timedelta(seconds=60),
             retry_policy=FINALIZE_RETRY,

@@ -66,6 +66,7 @@ def rollout_template(cfg: Config, run_id: str) -> RolloutInput:
         max_total_tokens=cfg.rollout.max_total_tokens,
         timeout_s=cfg.rollout.timeout_s,
         score_truncated=cfg.rollout.score_truncated,
+        sandbox_spec_json=cfg.sandbox.model_dump_json() if cfg.run.env == "coding" else "",
     )
 
 

@@ -7,6 +7,7 @@ these objects travel through Temporal history, where only keys, counts and small
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -96,11 +97,14 @@ class RolloutInput(_Data):
     max_total_tokens: int
     timeout_s: float
     score_truncated: bool
+    sandbox_spec_json: str = ""
+    """The coding environment's sandbox spec (JSON); empty for environments without a sandbox."""
     run_workflow_id: str | None = None
     # Carry across continue-as-new (keys and counters only).
     turns_done: int = 0
     num_tokens: int = 0
     started_at: float | None = None
+    sandbox_replays: int = 0
 
 
 class PrepareResult(_Data):
@@ -117,11 +121,8 @@ class TurnResult(_Data):
     start: int
     end: int
     finish_reason: str
-    engine: str
     policy_version: str | None
     truncated_reason: TruncationReason | None = None
-    queue_s: float = 0.0
-    model_s: float = 0.0
 
 
 class EnvStepResult(_Data):
@@ -132,6 +133,7 @@ class EnvStepResult(_Data):
     observation_tokens: int = 0
     env_s: float = 0.0
     reward_s: float = 0.0
+    truncated_reason: TruncationReason | None = None
 
 
 class RolloutResult(_Data):
@@ -228,6 +230,7 @@ class PrepareInput(_Data):
     task_id: str
     engine_url: str
     model: str
+    env: str = "math"
 
 
 class GenerateInput(_Data):
@@ -265,8 +268,33 @@ class FinalizeRolloutInput(_Data):
     scorable: bool
     sampling: SamplingParams
     turns: int
+    extra: dict[str, Any] = Field(default_factory=dict)
+    """Additional record fields (e.g. sandbox_replays), exported beside the contract's fields."""
 
 
 class FinalizeGroupInput(_Data):
     record: GroupResult
     advantages: dict[str, float | None]
+
+
+class SandboxStepInput(_Data):
+    """One sandbox operation of a coding rollout; the action itself is read from the store."""
+
+    run_id: str
+    rollout_id: str
+    task_id: str
+    turn: int
+    engine_url: str
+    model: str
+    spec_json: str = ""
+
+
+class ActionResult(_Data):
+    """What one tool call did: the observation (stored) length, or the reward after submit()."""
+
+    tool: str | None
+    observation_tokens: int = 0
+    truncated_reason: TruncationReason | None = None
+    done: bool = False
+    reward: float | None = None
+    reward_s: float = 0.0

@@ -82,6 +82,12 @@ async def test_history_bytes_per_turn_stay_under_2kb(
                 rollout_id(f"history-{turns}", group_id(0), 0)
             ).fetch_history()
             sizes[turns] = _history_bytes(history.events)
+            if turns == 9:
+                by_type: dict[str, int] = {}
+                for e in history.events:
+                    name = e.WhichOneof("attributes") or "?"
+                    by_type[name] = by_type.get(name, 0) + e.ByteSize()
+                print(sorted(by_type.items(), key=lambda kv: -kv[1]))
     per_turn = (sizes[9] - sizes[1]) / 8
     print(f"history bytes: 1 turn {sizes[1]}, 9 turns {sizes[9]}, marginal {per_turn:.0f} B/turn")
     assert sizes[9] > sizes[1]

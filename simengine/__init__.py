@@ -1,0 +1,72 @@
+"""simengine: a simulated vLLM engine, serving over HTTP the exact API subset the project uses.
+
+It answers ``POST /inference/v1/generate`` (token ids in; token ids, logprobs and weight-version spans
+out), ``POST /tokenize`` and ``POST /detokenize`` with the bundled policy's own tokenizer (so token ids
+match real vLLM), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (vLLM's Prometheus names),
+``POST /update_weight_version`` and ``GET /weight_info``; plus its own ``GET``/``POST /fault`` (fault
+injection) and ``POST /mode`` (scripted mode and rules at runtime).
+
+Tokens come from a pluggable policy instead of a model: a scripted coding agent that solves (or fails, or
+fumbles) the task named in the conversation, or random bytes. Delays, capacity and faults are configurable,
+so it serves scripted end-to-end tests, fault-injection tests and scale benchmarks on machines with no
+accelerator.
+
+Details copied from vLLM 0.32 as recorded against the bundled policy: the EOS token ``<|end|>`` (258) is
+the last of the returned token ids when ``finish_reason`` is "stop"; ``/detokenize`` keeps special tokens;
+the reply's ``request_id`` is ``generate-tokens-<request_id>``; a prompt of ``max_model_len`` tokens or
+more is a 400 whose message says "longer than the maximum model length"; an unknown model is a 404.
+
+It is NOT a replacement for tests against real vLLM: it has no model, no sampling, no real batching or
+preemption, and reproduces only the parts of vLLM's behaviour listed above. Anything that depends on how
+vLLM actually behaves must also be tested against vLLM.
+
+Start it with ``python -m simengine --port P --model tiny --tasks envs/data/coding.jsonl --policy scripted
+--mode reference``, or in process::
+
+    async with SimEngine(SimSettings(tasks=...)).serve(port=0) as url:
+        ...
+
+Invariant: a request the real engine would accept gets a reply of the shape the real engine gives, and
+the same request in the same state gets the same tokens (the scripted policy is deterministic).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from simengine.engine import SimEngine
+    from simengine.faults import Faults, FaultUpdate
+    from simengine.policies import SCRIPTED_LOGPROB
+    from simengine.settings import Mode, ModeRule, PolicyName, SimSettings
+
+__all__ = [
+    "SCRIPTED_LOGPROB",
+    "FaultUpdate",
+    "Faults",
+    "Mode",
+    "ModeRule",
+    "PolicyName",
+    "SimEngine",
+    "SimSettings",
+]
+
+# Imported on first use, so `python -m simengine --help` answers before aiohttp and tokenizers load.
+_HOMES = {
+    "SimEngine": "simengine.engine",
+    "Faults": "simengine.faults",
+    "FaultUpdate": "simengine.faults",
+    "SCRIPTED_LOGPROB": "simengine.policies",
+    "Mode": "simengine.settings",
+    "ModeRule": "simengine.settings",
+    "PolicyName": "simengine.settings",
+    "SimSettings": "simengine.settings",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'simengine' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(_HOMES[name]), name)

@@ -1,0 +1,118 @@
+"""Policies of the simulated engine: a prompt (token ids) in, one whole turn (token ids + logprobs) out.
+
+Invariant: a policy decides the complete turn, ending with the end token, before any of it is sent; the
+server only cuts it short (``max_tokens``, context length) and paces it. Policies own no I/O.
+
+- `ScriptedPolicy`: for coding tasks. It reads the task id from the ``Task id: <id>`` line of the first user
+  message and the turn number from the ``<|assistant|>`` markers already in the context, and plays the
+  scripted turn of its mode (see `simengine.scripts`), each token with logprob `SCRIPTED_LOGPROB`.
+- `RandomPolicy`: random bytes then the end token, logprobs near ``-log(256)``; seeded requests (and
+  temperature 0) are reproducible.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+import re
+from dataclasses import dataclass
+from typing import Protocol
+
+from envs.coding_tasks import CodingTask, load_coding_tasks
+from simengine.scripts import script
+from simengine.settings import Mode, PolicyName, SimSettings
+from simengine.tokenizer import ASSISTANT, SimTokenizer
+
+SCRIPTED_LOGPROB = -0.01
+"""Logprob reported for every scripted token."""
+_TASK_ID = re.compile(r"Task id: (\S+?)(?=\s|<\||$)")
+
+
+class PolicyError(Exception):
+    """The request cannot be served by this policy; the server answers HTTP 400 with the message."""
+
+
+@dataclass(frozen=True)
+class PolicyRequest:
+    """What a policy sees of one generate request."""
+
+    prompt_ids: list[int]
+    request_id: str
+    temperature: float
+    seed: int | None
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One whole model turn, ending with the end token."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+
+
+class Policy(Protocol):
+    def turn(self, req: PolicyRequest) -> Turn: ...
+
+
+class ScriptedPolicy:
+    """Plays the scripted agent of `simengine.scripts` on the coding task named in the conversation."""
+
+    def __init__(self, tasks: list[CodingTask], tokenizer: SimTokenizer, settings: SimSettings) -> None:
+        self._tasks = {t.id: t for t in tasks}
+        self._tok = tokenizer
+        self._settings = settings
+        self._assistant_id = tokenizer.encode(ASSISTANT)[0]
+        self._cache: dict[tuple[str, Mode], list[list[int]]] = {}
+
+    def turn(self, req: PolicyRequest) -> Turn:
+        ids = req.prompt_ids
+        first_reply = ids.index(self._assistant_id) if self._assistant_id in ids else len(ids)
+        match = _TASK_ID.search(self._tok.decode(ids[:first_reply], skip_special_tokens=False))
+        if match is None:
+            raise PolicyError("scripted policy: no 'Task id: <id>' line before the first assistant turn")
+        task = self._tasks.get(match.group(1))
+        if task is None:
+            raise PolicyError(f"scripted policy: unknown task id {match.group(1)[:80]!r}")
+        done = ids.count(self._assistant_id) - (1 if ids and ids[-1] == self._assistant_id else 0)
+        steps = self._steps(task, self._settings.mode_for(task.id, req.request_id))
+        token_ids = steps[min(done, len(steps) - 1)]
+        return Turn(token_ids, [SCRIPTED_LOGPROB] * len(token_ids))
+
+    def _steps(self, task: CodingTask, mode: Mode) -> list[list[int]]:
+        key = (task.id, mode)
+        if key not in self._cache:
+            self._cache[key] = [[*self._tok.encode(text), self._tok.eos_id] for text in script(task, mode)]
+        return self._cache[key]
+
+
+class RandomPolicy:
+    """Random byte tokens, then the end token."""
+
+    def __init__(self, tokenizer: SimTokenizer, settings: SimSettings) -> None:
+        self._eos = tokenizer.eos_id
+        self._settings = settings
+
+    def turn(self, req: PolicyRequest) -> Turn:
+        rng = random.Random(_seed(req))
+        n = rng.randint(self._settings.random_min_tokens, self._settings.random_max_tokens)
+        token_ids = [rng.randrange(256) for _ in range(n)] + [self._eos]
+        logprobs = [-math.log(256) + rng.uniform(-0.5, 0.5) for _ in token_ids]
+        return Turn(token_ids, logprobs)
+
+
+def make_policy(settings: SimSettings, tokenizer: SimTokenizer) -> Policy:
+    """The policy ``settings`` names (reads the task file for ``scripted``; raises TaskFileError)."""
+    if settings.policy == PolicyName.RANDOM:
+        return RandomPolicy(tokenizer, settings)
+    assert settings.tasks is not None  # checked by SimSettings
+    return ScriptedPolicy(load_coding_tasks(settings.tasks), tokenizer, settings)
+
+
+def _seed(req: PolicyRequest) -> int | None:
+    """Seeded or greedy requests are reproducible from the prompt; others draw fresh randomness."""
+    if req.seed is None and req.temperature > 0:
+        return None
+    h = hashlib.sha256(f"{req.seed}:{req.temperature}:".encode())
+    h.update(b",".join(str(t).encode() for t in req.prompt_ids))
+    return int.from_bytes(h.digest()[:8], "big")

@@ -1,0 +1,120 @@
+"""The simulated engine's settings: one validated model, built from the CLI or directly by tests.
+
+Invariant: a `SimSettings` that validates can be served; nothing is checked later at request time except
+what depends on the request itself.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from config.paths import REPO_ROOT
+
+
+class PolicyName(StrEnum):
+    """Which policy produces the tokens."""
+
+    SCRIPTED = "scripted"
+    RANDOM = "random"
+
+
+class Mode(StrEnum):
+    """What the scripted policy does on a coding task."""
+
+    REFERENCE = "reference"
+    """write_file(reference), then submit()."""
+    WRONG = "wrong"
+    """write_file(wrong solution), then submit()."""
+    MALFORMED = "malformed"
+    """Three malformed tool calls (bad JSON, unknown tool, missing argument), then the reference steps."""
+    LOOP = "loop"
+    """bash("echo step") forever; never submits."""
+    SLEEP = "sleep"
+    """bash("sleep 30") forever; for command-timeout tests."""
+
+
+class ModeRule(BaseModel):
+    """Use ``mode`` for requests whose task id (or request id) starts with ``prefix``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    on: Literal["task", "request"]
+    """Match the task id named in the conversation, or the generate request's ``request_id``."""
+    prefix: str
+    """Prefix to match; the empty prefix matches everything."""
+    mode: Mode
+
+    @classmethod
+    def parse(cls, text: str) -> ModeRule:
+        """Parse ``task:PREFIX=MODE`` or ``request:PREFIX=MODE``.
+
+        Raises:
+            ValueError: the text is not of that shape.
+        """
+        head, sep, mode = text.rpartition("=")
+        on, colon, prefix = head.partition(":")
+        if not sep or not colon or on not in ("task", "request"):
+            raise ValueError(f"mode rule {text!r}: expected task:PREFIX=MODE or request:PREFIX=MODE")
+        return cls(on=on, prefix=prefix, mode=Mode(mode))  # type: ignore[arg-type]
+
+    def matches(self, task_id: str, request_id: str) -> bool:
+        return (task_id if self.on == "task" else request_id).startswith(self.prefix)
+
+
+class SimSettings(BaseModel):
+    """Everything the simulated engine is started with."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    model: str = "tiny"
+    """Served model name: /v1/models lists it and requests naming another model get 404."""
+    model_dir: Path = REPO_ROOT / "models" / "tiny-policy"
+    """Directory holding ``tokenizer.json`` (the bundled policy's byte-level tokenizer)."""
+    max_model_len: int = Field(default=4096, ge=2)
+    """Context length: prompts of this many tokens or more are rejected with HTTP 400."""
+    policy: PolicyName = PolicyName.SCRIPTED
+    tasks: Path | None = None
+    """Coding task file (JSONL) the scripted policy reads its actions from; required for ``scripted``."""
+    mode: Mode = Mode.REFERENCE
+    """Scripted mode for requests no rule matches."""
+    mode_rules: list[ModeRule] = Field(default_factory=list)
+    """Checked in order; the first match decides the mode."""
+    weight_version: str = Field(default="v0", min_length=1)
+    """Version label of the weights at start; /update_weight_version changes it."""
+    prefill_ms: float = Field(default=0.0, ge=0.0)
+    """Delay before the first token of every request."""
+    decode_ms_per_token: float = Field(default=0.0, ge=0.0)
+    """Delay per generated token."""
+    max_num_seqs: int = Field(default=256, ge=1)
+    """Requests running at once; more wait (vllm:num_requests_waiting)."""
+    num_gpu_blocks: int = Field(default=512, ge=1)
+    """KV cache size in blocks; a request reserves prompt + output tokens while it runs."""
+    block_size: int = Field(default=16, ge=1)
+    """Tokens per KV block (also the prefix-cache granularity)."""
+    random_min_tokens: int = Field(default=8, ge=0)
+    """Shortest turn of the random policy, before its end token."""
+    random_max_tokens: int = Field(default=64, ge=0)
+    """Longest turn of the random policy, before its end token."""
+
+    @model_validator(mode="after")
+    def _check(self) -> SimSettings:
+        if self.policy == PolicyName.SCRIPTED and self.tasks is None:
+            raise ValueError("the scripted policy needs a coding task file (tasks)")
+        if self.random_min_tokens > self.random_max_tokens:
+            raise ValueError("random_min_tokens must not exceed random_max_tokens")
+        return self
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.num_gpu_blocks * self.block_size
+
+    def mode_for(self, task_id: str, request_id: str) -> Mode:
+        """The scripted mode of one request: the first matching rule's, else ``mode``."""
+        for rule in self.mode_rules:
+            if rule.matches(task_id, request_id):
+                return rule.mode
+        return self.mode

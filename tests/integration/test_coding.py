@@ -1,0 +1,209 @@
+"""Coding-agent rollouts in real hardened Docker sandboxes, driven by the simulated engine's scripted policy.
+
+Every test checks that no container of its run is left behind. Modes are chosen per run with request-id
+prefix rules (``<run-id>/`` -> mode), so one simulated engine serves every test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from temporalio.client import Client
+
+from config.paths import REPO_ROOT
+from sandboxes import DockerBackend
+from sandboxes.base import DEFAULT_IMAGE
+from simengine import Mode, ModeRule, SimEngine, SimSettings
+from tests.conftest import Engine
+from tests.integration.support import export, make_config, run_to_end, start_run, worker
+from workflows.types import group_id, rollout_id
+
+CODING_TASKS = REPO_ROOT / "envs" / "data" / "coding.jsonl"
+MODES = {
+    "ref": Mode.REFERENCE,
+    "wrong": Mode.WRONG,
+    "malformed": Mode.MALFORMED,
+    "loop": Mode.LOOP,
+    "sleep": Mode.SLEEP,
+}
+
+
+@pytest.fixture(scope="module")
+def docker() -> DockerBackend:
+    try:
+        backend = DockerBackend()
+        backend.client.images.get(DEFAULT_IMAGE)
+    except Exception as e:  # daemon down or image missing: the message says which
+        pytest.skip(f"Docker sandbox unavailable ({e}); `make test` starts dockerd and builds the image")
+    return backend
+
+
+@pytest.fixture(scope="module")
+async def sim() -> AsyncIterator[str]:
+    rules = [ModeRule(on="request", prefix=f"{p}-", mode=m) for p, m in MODES.items()]
+    settings = SimSettings(tasks=CODING_TASKS, mode_rules=rules, max_model_len=4096)
+    async with SimEngine(settings).serve(port=0) as url:
+        yield url
+
+
+def coding_config(url: str, task_queue: str, groups: int = 2, size: int = 2, **sections: dict):
+    rollout = {"max_turns": 12, "max_total_tokens": 4000, **sections.pop("rollout", {})}
+    return make_config(
+        [url],
+        task_queue,
+        run={"env": "coding", "task_file": str(CODING_TASKS), "num_groups": groups, "group_size": size},
+        sampling={"max_tokens": 1024},
+        rollout=rollout,
+        sandbox={"memory_mb": 512, "workdir_size_mb": 64, "tmp_size_mb": 64, "command_timeout_s": 20},
+        **sections,
+    )
+
+
+def assert_no_containers(docker: DockerBackend, run_id: str) -> None:
+    assert docker.list_containers(run_id) == []
+
+
+@pytest.mark.timeout(600)
+async def test_reference_solutions_score_one_and_wrong_ones_less(
+    client: Client, docker: DockerBackend, sim: str, task_queue: str, tmp_path: Path
+) -> None:
+    cfg = coding_config(sim, task_queue, groups=3, size=2)
+    async with worker(client, task_queue, tmp_path) as store:
+        await run_to_end(client, cfg, "ref-run")
+        await run_to_end(client, cfg, "wrong-run")
+    ref, ref_groups = export(store, "ref-run")
+    wrong, _ = export(store, "wrong-run")
+    assert len(ref) == 6 and len(ref_groups) == 3
+    for rec in ref:
+        assert rec["outcome"] == "completed" and rec["reward"] == 1.0, rec["reason"]
+        assert len(rec["turns"]) == 2  # write_file, submit
+        assert rec["sandbox_replays"] == 0
+    assert all(r["outcome"] == "completed" and r["reward"] < 1.0 for r in wrong)
+    assert_no_containers(docker, "ref-run")
+    assert_no_containers(docker, "wrong-run")
+
+
+@pytest.mark.timeout(600)
+async def test_malformed_calls_become_error_observations_and_the_rollout_carries_on(
+    client: Client, docker: DockerBackend, sim: str, task_queue: str, tmp_path: Path
+) -> None:
+    from transformers import AutoTokenizer
+
+    cfg = coding_config(sim, task_queue, groups=1, size=1)
+    async with worker(client, task_queue, tmp_path) as store:
+        await run_to_end(client, cfg, "malformed-run")
+    (rec,), _ = export(store, "malformed-run")
+    assert rec["outcome"] == "completed" and rec["reward"] == 1.0
+    tok = AutoTokenizer.from_pretrained(str(REPO_ROOT / "models" / "tiny-policy"))
+    observations = []
+    for turn, nxt in zip(rec["turns"], [*rec["turns"][1:], None], strict=True):
+        end = nxt["range"][0] if nxt else len(rec["token_ids"])
+        observations.append(tok.decode(rec["token_ids"][turn["range"][1] : end]))
+    assert sum("error:" in o for o in observations[:3]) == 3, observations[:3]
+    assert "wrote" in observations[3]
+    assert_no_containers(docker, "malformed-run")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(
+    ("run_id", "rollout", "sandbox", "reason"),
+    [
+        ("loop-turns", {"max_turns": 4}, {}, "max_turns"),
+        ("loop-budget", {"max_turns": 1000, "max_total_tokens": 700}, {}, "token_budget"),
+        ("sleep-cmd", {}, {"command_timeout_s": 2}, "command_timeout"),
+        ("sleep-wall", {"timeout_s": 6}, {"command_timeout_s": 60}, "timeout"),
+    ],
+)
+async def test_each_limit_has_its_own_truncation_reason(
+    client: Client,
+    docker: DockerBackend,
+    sim: str,
+    task_queue: str,
+    tmp_path: Path,
+    run_id: str,
+    rollout: dict,
+    sandbox: dict,
+    reason: str,
+) -> None:
+    base = {"memory_mb": 512, "workdir_size_mb": 64, "tmp_size_mb": 64, "command_timeout_s": 20}
+    cfg = coding_config(sim, task_queue, groups=1, size=1, rollout=rollout, sandbox={**base, **sandbox})
+    async with worker(client, task_queue, tmp_path) as store:
+        await run_to_end(client, cfg, run_id)
+    (rec,), (group,) = export(store, run_id)
+    assert (rec["outcome"], rec["reason"]) == ("truncated", reason)
+    assert rec["reward"] is None and not rec["scorable"] and group["scorable"] == 0
+    assert_no_containers(docker, run_id)
+
+
+@pytest.mark.timeout(600)
+async def test_context_length_truncates(
+    client: Client, docker: DockerBackend, task_queue: str, tmp_path: Path
+):
+    settings = SimSettings(tasks=CODING_TASKS, mode=Mode.LOOP, max_model_len=600)
+    async with SimEngine(settings).serve(port=0) as url:
+        cfg = coding_config(url, task_queue, groups=1, size=1, rollout={"max_turns": 1000})
+        async with worker(client, task_queue, tmp_path) as store:
+            await run_to_end(client, cfg, "loop-context")
+    (rec,), _ = export(store, "loop-context")
+    assert (rec["outcome"], rec["reason"]) == ("truncated", "context_length")
+    assert len(rec["token_ids"]) <= 600
+    assert_no_containers(docker, "loop-context")
+
+
+@pytest.mark.timeout(600)
+async def test_container_killed_mid_command_is_recovered_by_replay(
+    client: Client, docker: DockerBackend, sim: str, task_queue: str, tmp_path: Path
+) -> None:
+    run_id = "sleep-killed"
+    cfg = coding_config(sim, task_queue, groups=1, size=1, rollout={"max_turns": 2})
+    rid = rollout_id(run_id, group_id(0), 0)
+    async with worker(client, task_queue, tmp_path) as store:
+        handle = await start_run(client, cfg, run_id)
+        for _ in range(600):  # the first `sleep 30` is running in the sandbox
+            seg = store.get_segment(rid, "t00000.model")
+            if seg is not None and "action" in seg.meta and docker.list_containers(run_id):
+                break
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(1.0)
+        (info,) = docker.list_containers(run_id)
+        docker.client.containers.get(info.container_id).kill()
+        await handle.result()
+    (rec,), _ = export(store, run_id)
+    assert rec["sandbox_replays"] >= 1
+    assert rec["outcome"] in ("truncated", "failed")
+    if rec["outcome"] == "failed":
+        assert rec["reason"].startswith("infra: SandboxGone")
+    assert rec["reward"] is None  # never a reward from a dead sandbox
+    assert_no_containers(docker, run_id)
+
+
+def test_coding_task_file_errors_name_the_line(tmp_path: Path) -> None:
+    from activities.errors import TaskFileError
+    from envs.tasks import load_tasks
+
+    bad = tmp_path / "c.jsonl"
+    bad.write_text(json.dumps({"id": "x", "prompt": "p"}) + "\n")
+    with pytest.raises(TaskFileError, match=r"c\.jsonl:1"):
+        load_tasks(bad, "coding")
+
+
+@pytest.mark.timeout(900)
+async def test_coding_run_against_real_vllm_ends_every_rollout_and_leaves_no_container(
+    client: Client, docker: DockerBackend, engine: Engine, task_queue: str, tmp_path: Path
+) -> None:
+    cfg = coding_config(
+        engine.url, task_queue, groups=2, size=2, rollout={"max_turns": 3}, sampling={"max_tokens": 48}
+    )
+    async with worker(client, task_queue, tmp_path) as store:
+        result = await run_to_end(client, cfg, "vllm-coding")
+    rollouts, groups = export(store, "vllm-coding")
+    assert result.done and len(rollouts) == 4 and len(groups) == 2
+    assert {r["outcome"] for r in rollouts} <= {"completed", "truncated"}
+    for rec in rollouts:
+        assert len(rec["token_ids"]) == len(rec["logprobs"]) == len(rec["loss_mask"])
+        assert sum(rec["loss_mask"]) == sum(t["range"][1] - t["range"][0] for t in rec["turns"])
+    assert_no_containers(docker, "vllm-coding")

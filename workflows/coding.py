@@ -1,0 +1,124 @@
+"""The coding environment's steps inside RolloutWorkflow (deterministic: activities only).
+
+Invariants:
+- One sandbox per rollout, keyed by the rollout id; it is destroyed when the rollout ends, however it ends
+  (the workflow's finalize path; a reaper covers terminated workflows).
+- A sandbox that dies is recovered by replaying the rollout's recorded actions into a fresh one (the
+  record counts the replays); if that fails too, the rollout fails as ``infra: SandboxGone``. A dead
+  sandbox is never scored.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy
+from temporalio.exceptions import ActivityError, ApplicationError
+
+with workflow.unsafe.imports_passed_through():
+    from workflows.types import ActionResult, EnvStepResult, RolloutInput, SandboxStepInput
+
+SANDBOX_RETRY = RetryPolicy(
+    initial_interval=timedelta(seconds=1),
+    maximum_interval=timedelta(seconds=10),
+    maximum_attempts=5,
+    non_retryable_error_types=["SandboxGone", "SandboxPathError"],
+)
+MAX_RECOVERIES = 2
+TOOL_ACTIVITY = {
+    "bash": "sandbox_exec",
+    "write_file": "sandbox_write_file",
+    "read_file": "sandbox_read_file",
+    "submit": "sandbox_reward",
+}
+
+
+def _step_input(inp: RolloutInput, engine: str, turn: int, with_spec: bool = False) -> SandboxStepInput:
+    return SandboxStepInput(
+        run_id=inp.run_id,
+        rollout_id=inp.rollout_id,
+        task_id=inp.task_id,
+        turn=turn,
+        engine_url=engine,
+        model=inp.engine.model,
+        spec_json=inp.sandbox_spec_json if with_spec else "",
+    )
+
+
+def _is_gone(e: ActivityError) -> bool:
+    return isinstance(e.cause, ApplicationError) and e.cause.type == "SandboxGone"
+
+
+class CodingSteps:
+    """The sandbox side of one coding rollout; counts recoveries for the record."""
+
+    def __init__(self, inp: RolloutInput, engine: str) -> None:
+        self.inp, self.engine = inp, engine
+        self.replays = 0
+
+    async def create(self) -> None:
+        await workflow.execute_activity(
+            "sandbox_create",
+            _step_input(self.inp, self.engine, 0, with_spec=True),
+            start_to_close_timeout=timedelta(minutes=5),
+            heartbeat_timeout=timedelta(seconds=30),
+            retry_policy=SANDBOX_RETRY,
+        )
+
+    async def destroy(self) -> None:
+        await workflow.execute_activity(
+            "sandbox_destroy",
+            self.inp.rollout_id,
+            start_to_close_timeout=timedelta(minutes=2),
+            retry_policy=RetryPolicy(maximum_interval=timedelta(seconds=30), maximum_attempts=20),
+        )
+
+    async def step(self, turn: int, score_only: bool = False) -> EnvStepResult:
+        """Parse the turn's tool call and run it; submit() (or score_only) scores the rollout."""
+        if score_only:
+            return _env_result(await self._sandbox("submit", turn))
+        parsed: ActionResult = await workflow.execute_activity(
+            "parse_action",
+            _step_input(self.inp, self.engine, turn),
+            result_type=ActionResult,
+            start_to_close_timeout=timedelta(seconds=60),
+            retry_policy=RetryPolicy(maximum_attempts=5, maximum_interval=timedelta(seconds=5)),
+        )
+        if parsed.tool is None:
+            return EnvStepResult(done=False, observation_tokens=parsed.observation_tokens)
+        return _env_result(await self._sandbox(parsed.tool, turn))
+
+    async def _sandbox(self, tool: str, turn: int) -> ActionResult:
+        while True:
+            try:
+                return await workflow.execute_activity(
+                    TOOL_ACTIVITY[tool],
+                    _step_input(self.inp, self.engine, turn),
+                    result_type=ActionResult,
+                    start_to_close_timeout=timedelta(minutes=15),
+                    heartbeat_timeout=timedelta(seconds=30),
+                    retry_policy=SANDBOX_RETRY,
+                )
+            except ActivityError as e:
+                if not _is_gone(e) or self.replays >= MAX_RECOVERIES:
+                    raise
+            workflow.set_current_details(f"sandbox lost at turn {turn}: replaying {turn} recorded turns")
+            await workflow.execute_activity(
+                "sandbox_recover",
+                _step_input(self.inp, self.engine, turn, with_spec=True),
+                start_to_close_timeout=timedelta(minutes=15),
+                heartbeat_timeout=timedelta(seconds=60),
+                retry_policy=SANDBOX_RETRY,
+            )
+            self.replays += 1
+
+
+def _env_result(r: ActionResult) -> EnvStepResult:
+    return EnvStepResult(
+        done=r.done,
+        reward=r.reward,
+        observation_tokens=r.observation_tokens,
+        reward_s=r.reward_s,
+        truncated_reason=r.truncated_reason,
+    )
