@@ -45,6 +45,14 @@ CREATE TABLE IF NOT EXISTS sandboxes (
 CREATE TABLE IF NOT EXISTS groups (
     run_id TEXT NOT NULL, group_id TEXT NOT NULL, task_id TEXT NOT NULL, record_json TEXT NOT NULL,
     finished_at REAL NOT NULL, PRIMARY KEY (run_id, group_id));
+CREATE TABLE IF NOT EXISTS policies (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, version TEXT NOT NULL UNIQUE, weights_hash TEXT NOT NULL,
+    weights_dir TEXT NOT NULL, engines_json TEXT NOT NULL, status TEXT NOT NULL, created_at REAL NOT NULL,
+    published_at REAL);
+CREATE TABLE IF NOT EXISTS feed (
+    run_id TEXT NOT NULL, group_id TEXT NOT NULL, state TEXT NOT NULL, reason TEXT, batch_id TEXT,
+    records INTEGER NOT NULL, tokens INTEGER NOT NULL, lag INTEGER, at REAL NOT NULL,
+    PRIMARY KEY (run_id, group_id));
 """
 
 
@@ -331,3 +339,92 @@ class RunStore:
             .fetchall()
         )
         return {r[0]: r[1] for r in rows}
+
+    # -- policy versions (append-only; a version id is never re-bound to other weights) ---------------
+    def put_policy(
+        self, version: str, weights_hash: str, weights_dir: str, engines: list[str]
+    ) -> dict[str, Any]:
+        """Reserve ``version`` for these weights unless it exists; returns the stored row (the first wins)."""
+        with self._tx() as db:
+            db.execute(
+                "INSERT OR IGNORE INTO policies (version, weights_hash, weights_dir, engines_json, status,"
+                " created_at) VALUES (?,?,?,?,?,?)",
+                (version, weights_hash, weights_dir, json.dumps(engines), "publishing", time.time()),
+            )
+        stored = self.get_policy(version)
+        assert stored is not None
+        return stored
+
+    def finish_policy(self, version: str, engines: list[str]) -> None:
+        """Mark ``version`` as live on ``engines`` (the first completion time is kept)."""
+        with self._tx() as db:
+            db.execute(
+                "UPDATE policies SET status='published', engines_json=?,"
+                " published_at=COALESCE(published_at, ?) WHERE version=?",
+                (json.dumps(engines), time.time(), version),
+            )
+
+    def get_policy(self, version: str) -> dict[str, Any] | None:
+        row = self._conn().execute("SELECT * FROM policies WHERE version=?", (version,)).fetchone()
+        return _policy(row) if row else None
+
+    def policies(self) -> list[dict[str, Any]]:
+        """Every version in publish order (``seq`` ascending)."""
+        rows = self._conn().execute("SELECT * FROM policies ORDER BY seq").fetchall()
+        return [_policy(r) for r in rows]
+
+    # -- trainer feed (a group is consumed or discarded at most once) ---------------------------------
+    def feed_marks(self, run_id: str) -> dict[str, dict[str, Any]]:
+        """The run's consumed and discarded groups, keyed by group id."""
+        rows = self._conn().execute("SELECT * FROM feed WHERE run_id=?", (run_id,)).fetchall()
+        return {r["group_id"]: dict(r) for r in rows}
+
+    def put_feed_marks(self, run_id: str, marks: list[dict[str, Any]]) -> tuple[str | None, list[str]]:
+        """Mark groups consumed or discarded in one transaction; a group already marked keeps its mark.
+
+        Each mark has ``group_id``, ``state``, ``reason``, ``records``, ``tokens``, ``lag``. Consumed marks
+        written here share a new batch id. Returns (batch id or None, the group ids this call marked).
+        """
+        written: list[str] = []
+        with self._tx() as db:
+            n = db.execute(
+                "SELECT COUNT(DISTINCT batch_id) FROM feed WHERE run_id=? AND batch_id IS NOT NULL", (run_id,)
+            ).fetchone()[0]
+            batch_id = f"b{n + 1:06d}"
+            now = time.time()
+            for m in marks:
+                cur = db.execute(
+                    "INSERT OR IGNORE INTO feed"
+                    " (run_id, group_id, state, reason, batch_id, records, tokens, lag, at)"
+                    " VALUES (?,?,?,?,?,?,?,?,?)",
+                    (
+                        run_id, m["group_id"], m["state"], m.get("reason"),
+                        batch_id if m["state"] == "consumed" else None,
+                        m["records"], m["tokens"], m.get("lag"), now,
+                    ),
+                )  # fmt: skip
+                if cur.rowcount == 1:
+                    written.append(m["group_id"])
+            q = "SELECT 1 FROM feed WHERE run_id=? AND batch_id=?"
+            used = db.execute(q, (run_id, batch_id)).fetchone()
+        return (batch_id if used else None), written
+
+    def sampled_tokens(self, run_id: str) -> dict[str, int]:
+        """Sampled tokens (model segments, loss_mask 1) of each finalized rollout of the run."""
+        rows = (
+            self._conn()
+            .execute(
+                "SELECT r.rollout_id, COALESCE(SUM(CASE WHEN s.kind='model' THEN s.length END), 0)"
+                " FROM rollouts r LEFT JOIN segments s ON s.rollout_id = r.rollout_id"
+                " WHERE r.run_id=? GROUP BY r.rollout_id",
+                (run_id,),
+            )
+            .fetchall()
+        )
+        return {r[0]: r[1] for r in rows}
+
+
+def _policy(row: sqlite3.Row) -> dict[str, Any]:
+    out = dict(row)
+    out["engines"] = json.loads(out.pop("engines_json"))
+    return out

@@ -16,9 +16,14 @@ the last of the returned token ids when ``finish_reason`` is "stop"; ``/detokeni
 the reply's ``request_id`` is ``generate-tokens-<request_id>``; a prompt of ``max_model_len`` tokens or
 more is a 400 whose message says "longer than the maximum model length"; an unknown model is a 404.
 
-It is NOT a replacement for tests against real vLLM: it has no model, no sampling, no real batching or
-preemption, and reproduces only the parts of vLLM's behaviour listed above. Anything that depends on how
-vLLM actually behaves must also be tested against vLLM.
+With ``SimSettings(timing=TimingSettings(...))`` it also models time and memory: vLLM's continuous-batching
+step loop, a finite pool of KV blocks with prefix caching, and recompute preemption, paced against the wall
+clock (optionally sped up), with heavy-tailed turn lengths from the random policy (`simengine.timing`
+documents how each parameter maps to a real GPU). Without it, requests only wait for fixed delays.
+
+It is NOT a replacement for tests against real vLLM: it has no model and no sampling, its timing model is a
+linear cost model, and it reproduces only the parts of vLLM's behaviour listed above. Anything that depends
+on how vLLM actually behaves must also be tested against vLLM.
 
 Start it with ``python -m simengine --port P --model tiny --tasks envs/data/coding.jsonl --policy scripted
 --mode reference``, or in process::
@@ -38,7 +43,7 @@ if TYPE_CHECKING:
     from simengine.engine import SimEngine
     from simengine.faults import Faults, FaultUpdate
     from simengine.policies import SCRIPTED_LOGPROB
-    from simengine.settings import Mode, ModeRule, PolicyName, SimSettings
+    from simengine.settings import Mode, ModeRule, PolicyName, SimSettings, TimingSettings
 
 __all__ = [
     "SCRIPTED_LOGPROB",
@@ -49,6 +54,7 @@ __all__ = [
     "PolicyName",
     "SimEngine",
     "SimSettings",
+    "TimingSettings",
 ]
 
 # Imported on first use, so `python -m simengine --help` answers before aiohttp and tokenizers load.
@@ -61,6 +67,7 @@ _HOMES = {
     "ModeRule": "simengine.settings",
     "PolicyName": "simengine.settings",
     "SimSettings": "simengine.settings",
+    "TimingSettings": "simengine.settings",
 }
 
 

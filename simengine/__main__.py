@@ -46,6 +46,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--num-gpu-blocks", type=int, default=512)
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--random-length", default="uniform", choices=["uniform", "heavy_tail"])
+    p.add_argument("--random-median-tokens", type=int, default=64)
+    p.add_argument("--random-tail-key", default="request", choices=["request", "rollout"])
+    timing = p.add_argument_group("timing model (see simengine/timing.py for the GPU mapping)")
+    timing.add_argument("--timing", action="store_true", help="continuous batching, KV blocks, preemption")
+    timing.add_argument("--step-base-ms", type=float, default=7.0)
+    timing.add_argument("--step-per-seq-ms", type=float, default=0.12)
+    timing.add_argument("--prefill-ms-per-token", type=float, default=0.035)
+    timing.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    timing.add_argument("--time-scale", type=float, default=1.0, help="simulated seconds per wall second")
     faults = p.add_argument_group("faults (also settable at runtime: POST /fault)")
     faults.add_argument("--fail-next", type=int, default=0, help="fail the next N generate requests")
     faults.add_argument("--fail-status", type=int, default=503)
@@ -95,7 +105,18 @@ def _settings(args: argparse.Namespace) -> tuple[SimSettings, FaultUpdate]:
         "max_num_seqs": args.max_num_seqs,
         "num_gpu_blocks": args.num_gpu_blocks,
         "block_size": args.block_size,
+        "random_length": args.random_length,
+        "random_median_tokens": args.random_median_tokens,
+        "random_tail_key": args.random_tail_key,
     }
+    if args.timing:
+        fields["timing"] = {
+            "step_base_ms": args.step_base_ms,
+            "step_per_seq_ms": args.step_per_seq_ms,
+            "prefill_ms_per_token": args.prefill_ms_per_token,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "time_scale": args.time_scale,
+        }
     if args.model_dir:
         fields["model_dir"] = resolve_repo_path(args.model_dir)
     faults = FaultUpdate(

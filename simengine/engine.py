@@ -4,6 +4,8 @@ Invariant: a generate request is answered with exactly the tokens its policy dec
 or at the context length, each token labelled with the weight version current when it was produced; a
 prompt that does not fit is rejected with vLLM's 400 message before any work. All engine state (weight
 version, faults, scheduler, counters) lives on one `SimEngine`, which tests may read and change directly.
+With ``settings.timing`` set, requests run through the step-loop timing model (``steps``: continuous
+batching, finite KV blocks, preemption; see `simengine.timing`) instead of ``scheduler`` and the fixed delays.
 """
 
 from __future__ import annotations
@@ -17,11 +19,13 @@ from typing import Any
 from aiohttp import web
 
 from simengine.faults import Faults
-from simengine.metrics import Counters, EngineView, render_metrics
+from simengine.metrics import Counters, EngineView, Load, PrefixCounts, TimingView, render_metrics
 from simengine.policies import PolicyError, PolicyRequest, make_policy
 from simengine.protocol import GenerateIn
 from simengine.scheduler import PrefixCache, Scheduler
 from simengine.settings import SimSettings
+from simengine.steploop import StepLoop
+from simengine.timing import StepScheduler
 from simengine.tokenizer import SimTokenizer
 
 DECODE_CHUNK = 16
@@ -52,6 +56,13 @@ class SimEngine:
         self.counters = Counters()
         self.weight_version = settings.weight_version
         self.started = int(time.time())
+        self.steps: StepLoop | None = None
+        """The step-loop timing model, when ``settings.timing`` is set; it then replaces ``scheduler``."""
+        if settings.timing is not None:
+            steps = StepScheduler(
+                settings.timing, settings.num_gpu_blocks, settings.block_size, settings.max_num_seqs
+            )
+            self.steps = StepLoop(steps, settings.timing, lambda: self.weight_version)
 
     @asynccontextmanager
     async def serve(self, host: str = "127.0.0.1", port: int = 0) -> AsyncIterator[str]:
@@ -70,6 +81,8 @@ class SimEngine:
         finally:
             self.faults.release_for_shutdown()
             await runner.cleanup()
+            if self.steps is not None:
+                await self.steps.aclose()
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.settings.model:
@@ -99,13 +112,14 @@ class SimEngine:
         tokens, logprobs = turn.token_ids[:limit], turn.logprobs[:limit]
         finish = "length" if len(turn.token_ids) > limit else "stop"
         try:
-            async with self.scheduler.admit(len(prompt) + len(tokens)):
-                self.prefix.lookup(prompt)
-                await self.faults.wait_while_hung()
-                if self.faults.closing:
-                    raise HTTPFault(503, "The engine is shutting down")
-                await _sleep_ms(self.settings.prefill_ms)
-                spans = await self._decode(len(tokens))
+            if self.steps is not None:
+                spans = await self._generate_timed(req.request_id, prompt, tokens)
+            else:
+                async with self.scheduler.admit(len(prompt) + len(tokens)):
+                    self.prefix.lookup(prompt)
+                    await self._check_hang()
+                    await _sleep_ms(self.settings.prefill_ms)
+                    spans = await self._decode(len(tokens))
         except asyncio.CancelledError:
             self.counters.finished["abort"] += 1
             raise
@@ -135,15 +149,38 @@ class SimEngine:
         }
 
     def metrics_text(self) -> str:
+        load: Load = self.scheduler
+        prefix: PrefixCounts = self.prefix
+        preemptions, timing = 0, None
+        if self.steps is not None:
+            steps = self.steps.scheduler
+            load, prefix, preemptions = steps, steps.pool, steps.stats.preemptions
+            timing = TimingView(self.steps.busy_wall_s, steps.stats.busy_s, steps.stats.recomputed_tokens)
         view = EngineView(
             model=self.settings.model,
-            scheduler=self.scheduler,
-            prefix=self.prefix,
+            scheduler=load,
+            prefix=prefix,
             counters=self.counters,
             num_gpu_blocks=self.settings.num_gpu_blocks,
             block_size=self.settings.block_size,
+            preemptions=preemptions,
+            timing=timing,
         )
         return render_metrics(view)
+
+    async def _check_hang(self) -> None:
+        await self.faults.wait_while_hung()
+        if self.faults.closing:
+            raise HTTPFault(503, "The engine is shutting down")
+
+    async def _generate_timed(
+        self, request_id: str, prompt: list[int], output: list[int]
+    ) -> list[dict[str, Any]]:
+        """Run one request through the timing model; returns its weight-version spans."""
+        assert self.steps is not None
+        await self._check_hang()
+        seq = await self.steps.generate(request_id, prompt, output)
+        return seq.spans
 
     def _check_fits(self, n: int) -> None:
         limit = self.settings.max_model_len

@@ -2,15 +2,31 @@
 
 Invariant: the exposition always carries every series `activities.engine_metrics.parse_metrics` needs
 (KV usage, running, waiting and waiting by reason, preemptions, cache config), read from the one
-`Scheduler` and `PrefixCache` the server admits requests through, so what the admission controller reads
-is what the engine is doing.
+scheduler and prefix cache the server admits requests through (`Scheduler` and `PrefixCache`, or the timing
+model's `StepScheduler` and `BlockPool`), so what the admission controller reads is what the engine is
+doing. With the timing model it adds ``simengine:`` series vLLM does not have (busy time, recomputed tokens).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from simengine.scheduler import PrefixCache, Scheduler
+
+class Load(Protocol):
+    """What runs and waits, and how full the KV cache is."""
+
+    @property
+    def running(self) -> int: ...
+    @property
+    def waiting(self) -> int: ...
+    @property
+    def kv_usage(self) -> float: ...
+
+
+class PrefixCounts(Protocol):
+    queries_total: int
+    hits_total: int
 
 
 @dataclass
@@ -27,11 +43,22 @@ class EngineView:
     """What the exposition is rendered from."""
 
     model: str
-    scheduler: Scheduler
-    prefix: PrefixCache
+    scheduler: Load
+    prefix: PrefixCounts
     counters: Counters
     num_gpu_blocks: int
     block_size: int
+    preemptions: int = 0
+    timing: TimingView | None = None
+
+
+@dataclass(frozen=True)
+class TimingView:
+    """The timing model's own counters (no vLLM equivalent)."""
+
+    busy_wall_s: float
+    busy_sim_s: float
+    recomputed_tokens: int
 
 
 def render_metrics(view: EngineView) -> str:
@@ -70,7 +97,12 @@ def render_metrics(view: EngineView) -> str:
         "KV-cache usage. 1 means 100 percent usage.",
         [(base, s.kv_usage)],
     )
-    family("vllm:num_preemptions", "counter", "Cumulative number of preemption from the engine.", [(base, 0)])
+    family(
+        "vllm:num_preemptions",
+        "counter",
+        "Cumulative number of preemption from the engine.",
+        [(base, view.preemptions)],
+    )
     family(
         "vllm:prefix_cache_queries",
         "counter",
@@ -102,6 +134,21 @@ def render_metrics(view: EngineView) -> str:
         f'kv_cache_size_tokens="{blocks * size}",num_gpu_blocks="{blocks}"'
     )
     family("vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig", [(cache, 1)])
+    if view.timing is not None:
+        t = view.timing
+        family(
+            "simengine:busy_wall_seconds",
+            "counter",
+            "Wall seconds with a running batch.",
+            [(base, t.busy_wall_s)],
+        )
+        family("simengine:busy_sim_seconds", "counter", "Simulated seconds of steps.", [(base, t.busy_sim_s)])
+        family(
+            "simengine:recomputed_tokens",
+            "counter",
+            "Tokens computed again after a preemption.",
+            [(base, t.recomputed_tokens)],
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -7,7 +7,8 @@ server only cuts it short (``max_tokens``, context length) and paces it. Policie
   message and the turn number from the ``<|assistant|>`` markers already in the context, and plays the
   scripted turn of its mode (see `simengine.scripts`), each token with logprob `SCRIPTED_LOGPROB`.
 - `RandomPolicy`: random bytes then the end token, logprobs near ``-log(256)``; seeded requests (and
-  temperature 0) are reproducible.
+  temperature 0) are reproducible. Its turn length is uniform, or heavy-tailed (`heavy_tail_length`:
+  a function of the request id alone, so every policy compared on one workload sees the same lengths).
 """
 
 from __future__ import annotations
@@ -95,10 +96,32 @@ class RandomPolicy:
 
     def turn(self, req: PolicyRequest) -> Turn:
         rng = random.Random(_seed(req))
-        n = rng.randint(self._settings.random_min_tokens, self._settings.random_max_tokens)
+        s = self._settings
+        if s.random_length == "heavy_tail":
+            n = heavy_tail_length(req.request_id, s)
+        else:
+            n = rng.randint(s.random_min_tokens, s.random_max_tokens)
         token_ids = [rng.randrange(256) for _ in range(n)] + [self._eos]
         logprobs = [-math.log(256) + rng.uniform(-0.5, 0.5) for _ in token_ids]
         return Turn(token_ids, logprobs)
+
+
+def heavy_tail_length(request_id: str, settings: SimSettings) -> int:
+    """Turn length (before the end token) drawn from the request id: log-normal around the median, and
+    ``random_tail_factor`` times that for a ``random_tail_fraction`` of requests (or of rollouts, keyed on the
+    request id up to its last "/", when ``random_tail_key`` is "rollout")."""
+    s = settings
+    key = request_id
+    if s.random_tail_key == "rollout":
+        key = request_id.rpartition("/")[0] or request_id
+    tail = _unit(f"tail:{key}") < s.random_tail_fraction
+    jitter = random.Random(_unit(f"length:{request_id}")).lognormvariate(0.0, s.random_length_sigma)
+    return max(1, round(s.random_median_tokens * jitter * (s.random_tail_factor if tail else 1.0)))
+
+
+def _unit(text: str) -> float:
+    """A uniform draw in [0, 1) fixed by ``text``."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") / 2.0**64
 
 
 def make_policy(settings: SimSettings, tokenizer: SimTokenizer) -> Policy:

@@ -65,6 +65,26 @@ class ModeRule(BaseModel):
         return (task_id if self.on == "task" else request_id).startswith(self.prefix)
 
 
+class TimingSettings(BaseModel):
+    """The step-loop timing model (`simengine.timing`); its docstring maps each field to a real GPU."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    step_base_ms: float = Field(default=7.0, gt=0.0, le=10_000.0)
+    """Fixed cost of one engine step (reading the weights once); 8B on an H100: ~7 ms."""
+    step_per_seq_ms: float = Field(default=0.12, ge=0.0, le=1_000.0)
+    """Added per sequence in the step's batch (its KV reads and compute); 8B on an H100: ~0.12 ms."""
+    prefill_ms_per_token: float = Field(default=0.035, ge=0.0, le=1_000.0)
+    """Added per prompt token computed beyond one per sequence; prefix-cached blocks cost nothing."""
+    max_num_batched_tokens: int = Field(default=8192, ge=1)
+    """Tokens computed per step at most (vLLM's chunked-prefill budget); longer prompts take several steps."""
+    time_scale: float = Field(default=1.0, gt=0.0, le=1000.0)
+    """Simulated seconds per wall-clock second: 10 serves ten times faster than the modelled GPU."""
+    max_tick_ms: float = Field(default=50.0, ge=0.0, le=10_000.0)
+    """Identical decode steps (no arrival, finish or block shortage between them) are simulated together
+    up to this much simulated time; a request arriving meanwhile waits for the tick to end. 0 = one step."""
+
+
 class SimSettings(BaseModel):
     """Everything the simulated engine is started with."""
 
@@ -99,6 +119,24 @@ class SimSettings(BaseModel):
     """Shortest turn of the random policy, before its end token."""
     random_max_tokens: int = Field(default=64, ge=0)
     """Longest turn of the random policy, before its end token."""
+    random_length: Literal["uniform", "heavy_tail"] = "uniform"
+    """Turn lengths of the random policy: uniform in [random_min_tokens, random_max_tokens], or heavy-tailed
+    (median ``random_median_tokens``; a ``random_tail_fraction`` of turns ``random_tail_factor`` times
+    longer)."""
+    random_median_tokens: int = Field(default=64, ge=1)
+    """Median heavy-tailed turn length, before its end token."""
+    random_length_sigma: float = Field(default=0.3, ge=0.0, le=3.0)
+    """Log-normal spread of heavy-tailed turn lengths around their median (and around the tail's)."""
+    random_tail_fraction: float = Field(default=0.02, ge=0.0, le=1.0)
+    """Share of heavy-tailed draws that are ``random_tail_factor`` times longer."""
+    random_tail_factor: float = Field(default=10.0, ge=1.0, le=1000.0)
+    """Length multiplier of the tail."""
+    random_tail_key: Literal["request", "rollout"] = "request"
+    """What the tail is drawn for: each request id, or each rollout (the request id up to its last "/",
+    so every turn ``<rollout>/<turn>`` of a tail rollout is long)."""
+    timing: TimingSettings | None = None
+    """The step-loop timing model (continuous batching, finite KV blocks, preemption); None keeps the
+    simple pacing of ``prefill_ms`` and ``decode_ms_per_token``."""
 
     @model_validator(mode="after")
     def _check(self) -> SimSettings:
@@ -106,6 +144,14 @@ class SimSettings(BaseModel):
             raise ValueError("the scripted policy needs a coding task file (tasks)")
         if self.random_min_tokens > self.random_max_tokens:
             raise ValueError("random_min_tokens must not exceed random_max_tokens")
+        if self.timing is not None:
+            if self.prefill_ms or self.decode_ms_per_token:
+                raise ValueError("prefill_ms and decode_ms_per_token apply only without the timing model")
+            if self.kv_capacity_tokens < self.max_model_len:
+                raise ValueError(
+                    f"KV cache of {self.kv_capacity_tokens} tokens cannot hold one sequence of max_model_len "
+                    f"{self.max_model_len} (vLLM refuses to start)"
+                )
         return self
 
     @property

@@ -192,7 +192,14 @@ def _mount_stack() -> None:
     app.add_typer(stack_app, name="stack", help="Start, stop and inspect the embedded stack.")
 
 
+def _mount_feed() -> None:
+    from workers.feed_cli import feed_app
+
+    app.add_typer(feed_app, name="feed")
+
+
 _mount_stack()
+_mount_feed()
 
 
 def main() -> None:

@@ -113,7 +113,9 @@ class RolloutWorkflow:
         except asyncio.CancelledError:
             ended = _Ended(Outcome.CANCELLED, "cancelled")
         except ActivityError as e:
-            ended = _failure(e)
+            # The wall-clock limit cancels the in-flight activity, which may surface as its failure.
+            timed_out = workflow.now().timestamp() - started >= inp.timeout_s
+            ended = _Ended(Outcome.TRUNCATED, TruncationReason.TIMEOUT.value) if timed_out else _failure(e)
         return await self._finalize(inp, ended)
 
     async def _loop(self, inp: RolloutInput, engine: str, started: float) -> None:

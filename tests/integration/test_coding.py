@@ -50,17 +50,19 @@ async def sim() -> AsyncIterator[str]:
         yield url
 
 
+SANDBOX = {"memory_mb": 512, "workdir_size_mb": 64, "tmp_size_mb": 64, "command_timeout_s": 20}
+
+
 def coding_config(url: str, task_queue: str, groups: int = 2, size: int = 2, **sections: dict):
-    rollout = {"max_turns": 12, "max_total_tokens": 4000, **sections.pop("rollout", {})}
-    return make_config(
-        [url],
-        task_queue,
-        run={"env": "coding", "task_file": str(CODING_TASKS), "num_groups": groups, "group_size": size},
-        sampling={"max_tokens": 1024},
-        rollout=rollout,
-        sandbox={"memory_mb": 512, "workdir_size_mb": 64, "tmp_size_mb": 64, "command_timeout_s": 20},
-        **sections,
-    )
+    """A coding run on the bundled tasks; section dicts override the defaults field by field."""
+    defaults = {
+        "run": {"env": "coding", "task_file": str(CODING_TASKS), "num_groups": groups, "group_size": size},
+        "sampling": {"max_tokens": 1024},
+        "rollout": {"max_turns": 12, "max_total_tokens": 4000},
+        "sandbox": SANDBOX,
+    }
+    merged = {k: {**defaults.get(k, {}), **sections.get(k, {})} for k in defaults.keys() | sections.keys()}
+    return make_config([url], task_queue, **merged)
 
 
 def assert_no_containers(docker: DockerBackend, run_id: str) -> None:
@@ -113,7 +115,7 @@ async def test_malformed_calls_become_error_observations_and_the_rollout_carries
     ("run_id", "rollout", "sandbox", "reason"),
     [
         ("loop-turns", {"max_turns": 4}, {}, "max_turns"),
-        ("loop-budget", {"max_turns": 1000, "max_total_tokens": 700}, {}, "token_budget"),
+        ("loop-budget", {"max_turns": 1000, "max_total_tokens": 1500}, {}, "token_budget"),
         ("sleep-cmd", {}, {"command_timeout_s": 2}, "command_timeout"),
         ("sleep-wall", {"timeout_s": 6}, {"command_timeout_s": 60}, "timeout"),
     ],
@@ -129,8 +131,7 @@ async def test_each_limit_has_its_own_truncation_reason(
     sandbox: dict,
     reason: str,
 ) -> None:
-    base = {"memory_mb": 512, "workdir_size_mb": 64, "tmp_size_mb": 64, "command_timeout_s": 20}
-    cfg = coding_config(sim, task_queue, groups=1, size=1, rollout=rollout, sandbox={**base, **sandbox})
+    cfg = coding_config(sim, task_queue, groups=1, size=1, rollout=rollout, sandbox=sandbox)
     async with worker(client, task_queue, tmp_path) as store:
         await run_to_end(client, cfg, run_id)
     (rec,), (group,) = export(store, run_id)
@@ -143,14 +144,14 @@ async def test_each_limit_has_its_own_truncation_reason(
 async def test_context_length_truncates(
     client: Client, docker: DockerBackend, task_queue: str, tmp_path: Path
 ):
-    settings = SimSettings(tasks=CODING_TASKS, mode=Mode.LOOP, max_model_len=600)
+    settings = SimSettings(tasks=CODING_TASKS, mode=Mode.LOOP, max_model_len=900)
     async with SimEngine(settings).serve(port=0) as url:
         cfg = coding_config(url, task_queue, groups=1, size=1, rollout={"max_turns": 1000})
         async with worker(client, task_queue, tmp_path) as store:
             await run_to_end(client, cfg, "loop-context")
     (rec,), _ = export(store, "loop-context")
     assert (rec["outcome"], rec["reason"]) == ("truncated", "context_length")
-    assert len(rec["token_ids"]) <= 600
+    assert len(rec["turns"]) >= 2 and rec["turns"][-1]["range"][1] <= 900  # turns filled the context
     assert_no_containers(docker, "loop-context")
 
 
