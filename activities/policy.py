@@ -20,6 +20,7 @@ logs a warning), so ``DIR`` should be a complete checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -85,7 +86,12 @@ def weights_hash(weights_dir: Path) -> str:
 
 
 def publish(
-    engine_urls: list[str], version: str, weights_dir: Path, store: RunStore, timeout_s: float = 300.0
+    engine_urls: list[str],
+    version: str,
+    weights_dir: Path,
+    store: RunStore,
+    timeout_s: float = 300.0,
+    http: httpx.Client | None = None,
 ) -> PublishRecord:
     """Make ``version`` (the weights in ``weights_dir``) live on every engine and record it.
 
@@ -99,7 +105,9 @@ def publish(
         version: New immutable version id.
         weights_dir: Directory of HF safetensors, readable by the engines.
         store: Where the version is recorded.
-        timeout_s: Per control call.
+        timeout_s: Per control call (when this function makes the client).
+        http: Client to reuse (its open connections answer at once even while the engines saturate the
+            CPUs); a new one is made and closed otherwise.
 
     Returns:
         The stored record, with this call's steps.
@@ -121,9 +129,10 @@ def publish(
     latest = store.policies()[-1]["version"]
     if not already or latest == version:
         # An older identical version is a no-op: re-applying it would roll engines back behind newer ones.
-        with httpx.Client(timeout=httpx.Timeout(timeout_s, connect=5.0)) as http:
+        with contextlib.ExitStack() as stack:
+            client = http or stack.enter_context(httpx.Client(timeout=httpx.Timeout(timeout_s, connect=5.0)))
             for url in engine_urls:
-                steps += _update_engine(http, url.rstrip("/"), version, wdir)
+                steps += _update_engine(client, url.rstrip("/"), version, wdir)
         store.finish_policy(version, sorted({*row["engines"], *engine_urls}))
     stored = store.get_policy(version)
     assert stored is not None

@@ -51,6 +51,7 @@ import httpx
 from activities.engine_client import EngineClient
 from activities.engine_metrics import fetch_reading
 from simengine import PolicyName, SimEngine, SimSettings, TimingSettings
+from simengine.clock import PacedClock
 from workflows.admission import AdmissionConfig, AdmissionController, Inflight
 from workflows.types import SamplingParams
 
@@ -111,19 +112,24 @@ class Tally:
 
 
 class Driver:
-    """Runs rollouts on the fleet; admission decisions come from outside."""
+    """Runs rollouts on the fleet; admission decisions come from outside. Time is the shared `PacedClock`."""
 
-    def __init__(self, args: argparse.Namespace, urls: list[str], workload: Workload) -> None:
-        self.args, self.urls, self.workload = args, urls, workload
+    def __init__(
+        self, args: argparse.Namespace, urls: list[str], workload: Workload, clock: PacedClock
+    ) -> None:
+        self.args, self.urls, self.workload, self.clock = args, urls, workload, clock
         self.clients = [EngineClient(timeout_s=600) for _ in urls]
         self.live: dict[str, Live] = {}
         self.tally = Tally()
         self._next = 0
-        self._t0 = asyncio.get_running_loop().time()
+        self._t0 = clock.now()
 
     def now(self) -> float:
         """Simulated seconds since the start."""
-        return (asyncio.get_running_loop().time() - self._t0) * self.args.time_scale
+        return self.clock.now() - self._t0
+
+    async def sleep_until(self, t: float) -> None:
+        await self.clock.sleep_until(self._t0 + t)
 
     def admit(self, n: int) -> list[asyncio.Task[None]]:
         tasks = []
@@ -194,13 +200,12 @@ class Driver:
             if gen.finish_reason == "length":
                 return True
             if t + 1 < len(r.turns):
-                await asyncio.sleep(wait_s / a.time_scale)
+                await self.sleep_until(self.now() + wait_s)
                 context += tool
         return False
 
 
 def engine_settings(args: argparse.Namespace) -> SimSettings:
-    timing = TimingSettings(time_scale=args.time_scale)
     return SimSettings(
         model=MODEL,
         policy=PolicyName.RANDOM,
@@ -214,7 +219,7 @@ def engine_settings(args: argparse.Namespace) -> SimSettings:
         random_tail_fraction=0.02,
         random_tail_factor=10.0,
         random_tail_key="rollout",
-        timing=timing,
+        timing=TimingSettings(time_scale=args.time_scale),  # the 8B-on-H100 step costs
     )
 
 
@@ -224,83 +229,89 @@ def fixed_cap(args: argparse.Namespace) -> int:
 
 async def controlled(driver: Driver, cfg: AdmissionConfig, budget: float, trace: list[Any]) -> None:
     """Adaptive or fixed: poll the engines' /metrics and follow `AdmissionController.step`."""
-    a, ctrl = driver.args, AdmissionController(cfg)
+    ctrl = AdmissionController(cfg)
     async with httpx.AsyncClient(timeout=10) as http:
         while (now := driver.now()) < budget:
             polls = (fetch_reading(http, url, f"e{i}", now) for i, url in enumerate(driver.urls))
-            readings = await asyncio.gather(*polls)
-            d = ctrl.step(now, readings, driver.inflight())
+            d = ctrl.step(now, await asyncio.gather(*polls), driver.inflight())
             for rid in d.cancel:
                 driver.cancel(rid)
             driver.admit(d.admit)
             trace.append([round(now, 1), d.cap, len(driver.live), round(d.kv_usage or 0.0, 3), d.reasons])
-            await asyncio.sleep(max(0.0, min(a.poll_s, budget - driver.now())) / a.time_scale)
+            await driver.sleep_until(min(now + driver.args.poll_s, budget))
 
 
 async def synchronous(driver: Driver, cap: int, budget: float, trace: list[Any]) -> None:
     """Admit ``cap`` rollouts, wait for all of them, repeat."""
-    while (now := driver.now()) < budget:
-        trace.append([round(now, 1), cap, cap, None, ["batch"]])
-        tasks = driver.admit(cap)
-        await asyncio.wait(tasks, timeout=(budget - now) / driver.args.time_scale)
+    timer = asyncio.create_task(driver.sleep_until(budget))
+    try:
+        while not timer.done():
+            trace.append([round(driver.now(), 1), cap, cap, None, ["batch"]])
+            pending: set[asyncio.Future[Any]] = set(driver.admit(cap))
+            while pending and not timer.done():
+                _, pending = await asyncio.wait(pending | {timer}, return_when=asyncio.FIRST_COMPLETED)
+                pending.discard(timer)
+    finally:
+        timer.cancel()
 
 
 async def run_policy(name: str, args: argparse.Namespace, workload: Workload) -> dict[str, Any]:
-    cap = fixed_cap(args)
-    budget = args.budget_s * args.time_scale
-    trace: list[Any] = []
+    cap, trace = fixed_cap(args), []
+    clock = PacedClock(args.time_scale)
     async with contextlib.AsyncExitStack() as stack:
-        engines = [SimEngine(engine_settings(args)) for _ in range(args.replicas)]
+        stack.push_async_callback(clock.aclose)
+        engines = [SimEngine(engine_settings(args), clock) for _ in range(args.replicas)]
         urls = [await stack.enter_async_context(e.serve(port=0)) for e in engines]
-        driver = Driver(args, urls, workload)
-        common = {"max_model_len": args.max_model_len, "group_size": args.group_size}
-        if name == "adaptive":
-            await controlled(driver, AdmissionConfig(**common), budget, trace)
-        elif name == "fixed":
-            await controlled(
-                driver, AdmissionConfig(min_inflight=cap, max_inflight=cap, **common), budget, trace
-            )
-        else:
-            await synchronous(driver, cap, budget, trace)
-        elapsed_sim = driver.now()
-        fleet = fleet_stats(engines, elapsed_sim / args.time_scale)
+        clock.start()
+        driver = Driver(args, urls, workload, clock)
+        wall0 = asyncio.get_running_loop().time()
+        # A starved process reaches the simulated budget late; past --max-wall-s it stops where it got.
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(args.max_wall_s):
+                if name == "sync":
+                    await synchronous(driver, cap, args.budget_s, trace)
+                else:
+                    bounds = {"min_inflight": cap, "max_inflight": cap} if name == "fixed" else {}
+                    cfg = AdmissionConfig(
+                        max_model_len=args.max_model_len, group_size=args.group_size, **bounds
+                    )
+                    await controlled(driver, cfg, args.budget_s, trace)
+        sim_s, wall_s = driver.now(), asyncio.get_running_loop().time() - wall0
+        fleet = fleet_stats(engines, sim_s)
+        fleet["clock_paused_s"] = clock.paused_s
         await driver.stop()
-    return summarize(name, driver.tally, fleet, trace, elapsed_sim, args)
+    return summarize(name, driver.tally, fleet, trace, sim_s, wall_s)
 
 
-def fleet_stats(engines: list[SimEngine], wall_s: float) -> dict[str, Any]:
+def fleet_stats(engines: list[SimEngine], sim_s: float) -> dict[str, Any]:
     loops = [e.steps for e in engines if e.steps is not None]
     stats = [s.scheduler.stats for s in loops]
     steps = sum(s.steps for s in stats)
-    timing = engines[0].settings.timing
-    scale = timing.time_scale if timing is not None else 1.0
+    pools = [s.scheduler.pool for s in loops]
     return {
-        "busy_fraction": statistics.mean(s.busy_wall_s / wall_s for s in loops),
-        "busy_fraction_sim": statistics.mean(s.busy_s for s in stats) / (wall_s * scale),
+        "busy_fraction": statistics.mean(s.busy_s for s in stats) / sim_s,
         "preemptions": sum(s.preemptions for s in stats),
         "recomputed_tokens": sum(s.recomputed_tokens for s in stats),
         "aborted_tokens": sum(s.aborted_tokens for s in stats),
         "generated_tokens": sum(e.counters.generation_tokens for e in engines),
         "mean_batch": sum(s.seq_steps for s in stats) / steps if steps else 0.0,
-        "prefix_hit_rate": sum(s.scheduler.pool.hits_total for s in loops)
-        / max(1, sum(s.scheduler.pool.queries_total for s in loops)),
-        "lag_s": max(s.lag_s for s in loops),
+        "prefix_hit_rate": sum(p.hits_total for p in pools) / max(1, sum(p.queries_total for p in pools)),
+        "behind_s": max(s.max_behind_s for s in loops),
     }
 
 
 def summarize(
-    name: str, tally: Tally, fleet: dict[str, Any], trace: list[Any], sim_s: float, args: argparse.Namespace
+    name: str, tally: Tally, fleet: dict[str, Any], trace: list[Any], sim_s: float, wall_s: float
 ) -> dict[str, Any]:
-    wall_s = sim_s / args.time_scale
-    caps = [t[1] for t in trace]
-    inflight = [t[2] for t in trace]
+    ended = tally.accepted + tally.cancelled + tally.failed + tally.unfinished
+    assert ended == tally.admitted, f"{name}: {tally.admitted} admitted but {ended} ended"
+    caps, inflight = [t[1] for t in trace], [t[2] for t in trace]
     return {
         "policy": name,
         "accepted": tally.accepted,
         "accepted_per_sim_s": tally.accepted / sim_s,
         "accepted_per_wall_s": tally.accepted / wall_s,
         "busy_fraction": fleet["busy_fraction"],
-        "busy_fraction_sim": fleet["busy_fraction_sim"],
         "preemptions": fleet["preemptions"],
         "wasted_tokens": fleet["recomputed_tokens"] + tally.cancelled_tokens + fleet["aborted_tokens"],
         "wasted_recomputed": fleet["recomputed_tokens"],
@@ -312,7 +323,8 @@ def summarize(
         "mean_inflight": statistics.mean(inflight) if inflight else 0.0,
         "mean_batch": fleet["mean_batch"],
         "prefix_hit_rate": fleet["prefix_hit_rate"],
-        "loop_lag_s": fleet["lag_s"],
+        "engine_max_behind_s": fleet["behind_s"],
+        "clock_paused_s": fleet["clock_paused_s"],
         "sim_s": sim_s,
         "wall_s": wall_s,
         "tally": asdict(tally),
@@ -334,7 +346,8 @@ ROWS = (
     ("mean in flight", "mean_inflight", "{:.1f}"),
     ("mean batch per step", "mean_batch", "{:.1f}"),
     ("prefix-cache hit rate", "prefix_hit_rate", "{:.2f}"),
-    ("event-loop lag (s)", "loop_lag_s", "{:.2f}"),
+    ("simulated s / wall s", None, ""),
+    ("clock paused (wall s)", "clock_paused_s", "{:.1f}"),
 )
 
 
@@ -345,9 +358,12 @@ def table(results: dict[str, dict[str, Any]]) -> str:
         cells = []
         for n in names:
             r = results[n]
-            cell = (
-                f"{r['cap_initial']}/{r['cap_final']}/{r['cap_max']}" if key is None else fmt.format(r[key])
-            )
+            if key is not None:
+                cell = fmt.format(r[key])
+            elif label.startswith("cap"):
+                cell = f"{r['cap_initial']}/{r['cap_final']}/{r['cap_max']}"
+            else:
+                cell = f"{r['sim_s']:.0f}/{r['wall_s']:.0f}"
             cells.append(f"{cell:>16}")
         lines.append(f"{label:26}" + "".join(cells))
     return "\n".join(lines)
@@ -369,7 +385,11 @@ async def run_all(args: argparse.Namespace) -> dict[str, Any]:
     results = {}
     for name in args.policies:
         results[name] = await run_policy(name, args, workload)
-        print(f"{name}: {results[name]['accepted']} accepted in {results[name]['wall_s']:.0f} s", flush=True)
+        r = results[name]
+        print(
+            f"{name}: {r['accepted']} accepted in {r['sim_s']:.0f} simulated s ({r['wall_s']:.0f} s)",
+            flush=True,
+        )
     return {"config": {k: v for k, v in vars(args).items() if k != "out"}, "results": results}
 
 
@@ -379,8 +399,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--replicas", type=int, default=3)
     p.add_argument("--kv-blocks", type=int, default=1536, help="KV blocks of 16 tokens per replica")
     p.add_argument("--max-model-len", type=int, default=8192)
-    p.add_argument("--time-scale", type=float, default=10.0, help="simulated seconds per wall second")
-    p.add_argument("--budget-s", type=float, default=50.0, help="wall seconds per policy")
+    p.add_argument("--time-scale", type=float, default=25.0, help="simulated seconds per wall second")
+    p.add_argument("--budget-s", type=float, default=1000.0, help="simulated seconds per policy")
+    p.add_argument("--max-wall-s", type=float, default=80.0, help="wall seconds per policy at most")
     p.add_argument("--poll-s", type=float, default=5.0, help="simulated seconds between /metrics polls")
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--min-turns", type=int, default=4)

@@ -18,6 +18,7 @@ from typing import Any
 
 from aiohttp import web
 
+from simengine.clock import SimClock
 from simengine.faults import Faults
 from simengine.metrics import Counters, EngineView, Load, PrefixCounts, TimingView, render_metrics
 from simengine.policies import PolicyError, PolicyRequest, make_policy
@@ -45,8 +46,13 @@ class HTTPFault(Exception):
 class SimEngine:
     """One simulated engine replica."""
 
-    def __init__(self, settings: SimSettings) -> None:
-        """Load the tokenizer and the policy (raises TaskFileError for a bad task file)."""
+    def __init__(self, settings: SimSettings, clock: SimClock | None = None) -> None:
+        """Load the tokenizer and the policy (raises TaskFileError for a bad task file).
+
+        ``clock`` drives the timing model (default: the wall clock sped up ``settings.timing.time_scale``
+        times); engines that share a `PacedClock` with their clients keep simulated time consistent on a
+        loaded machine.
+        """
         self.settings = settings
         self.tokenizer = SimTokenizer(settings.model_dir)
         self.policy = make_policy(settings, self.tokenizer)
@@ -62,7 +68,7 @@ class SimEngine:
             steps = StepScheduler(
                 settings.timing, settings.num_gpu_blocks, settings.block_size, settings.max_num_seqs
             )
-            self.steps = StepLoop(steps, settings.timing, lambda: self.weight_version)
+            self.steps = StepLoop(steps, settings.timing, lambda: self.weight_version, clock)
 
     @asynccontextmanager
     async def serve(self, host: str = "127.0.0.1", port: int = 0) -> AsyncIterator[str]:
@@ -92,6 +98,8 @@ class SimEngine:
             )
 
     def check_token_ids(self, ids: list[int]) -> None:
+        if not ids or (min(ids) >= 0 and max(ids) < self.tokenizer.vocab_size):
+            return
         bad = next((t for t in ids if not 0 <= t < self.tokenizer.vocab_size), None)
         if bad is not None:
             raise HTTPFault(400, f"Token id {bad} is out of vocabulary (size {self.tokenizer.vocab_size})")

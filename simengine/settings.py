@@ -83,6 +83,9 @@ class TimingSettings(BaseModel):
     max_tick_ms: float = Field(default=50.0, ge=0.0, le=10_000.0)
     """Identical decode steps (no arrival, finish or block shortage between them) are simulated together
     up to this much simulated time; a request arriving meanwhile waits for the tick to end. 0 = one step."""
+    max_catch_up_s: float = Field(default=1.0, ge=0.0, le=3600.0)
+    """Wall seconds of missed step deadlines (an event-loop stall) made up by stepping without sleeping, as
+    the GPU would have kept stepping; a longer stall is given up and counted as lag."""
 
 
 class SimSettings(BaseModel):

@@ -232,7 +232,7 @@ class StepScheduler:
             self.queue.popleft()
             pool.touch(hits)
             seq.blocks = hits + pool.allocate(need)
-            seq.computed = seq.registered = start
+            seq.computed, seq.registered = start, len(hits)
             pool.queries_total += seq.num_tokens
             pool.hits_total += start
             self.batch.append(seq)

@@ -17,11 +17,13 @@ from activities.store import RunStore
 from config.load import config_hash, load_config
 from config.models import Config
 from config.paths import REPO_ROOT
+from sandboxes import DockerBackend
 from workers.worker import build_worker
 from workflows.run import RunWorkflow
 from workflows.types import RunInput, RunProgress
 
 TASKS = REPO_ROOT / "envs" / "data" / "addition.jsonl"
+CODING_TASKS = REPO_ROOT / "envs" / "data" / "coding.jsonl"
 
 
 def make_config(engine_urls: list[str], task_queue: str, **sections: dict[str, Any]) -> Config:
@@ -69,3 +71,22 @@ def export(store: RunStore, run_id: str) -> tuple[list[dict], list[dict]]:
     """The run's exported rollout and group records."""
     records = list(iter_run(store, run_id))
     return [r for r in records if r["kind"] == "rollout"], [r for r in records if r["kind"] == "group"]
+
+
+SANDBOX = {"memory_mb": 512, "workdir_size_mb": 64, "tmp_size_mb": 64, "command_timeout_s": 20}
+
+
+def coding_config(url: str, task_queue: str, groups: int = 2, size: int = 2, **sections: dict):
+    """A coding run on the bundled tasks; section dicts override the defaults field by field."""
+    defaults = {
+        "run": {"env": "coding", "task_file": str(CODING_TASKS), "num_groups": groups, "group_size": size},
+        "sampling": {"max_tokens": 1024},
+        "rollout": {"max_turns": 12, "max_total_tokens": 4000},
+        "sandbox": SANDBOX,
+    }
+    merged = {k: {**defaults.get(k, {}), **sections.get(k, {})} for k in defaults.keys() | sections.keys()}
+    return make_config([url], task_queue, **merged)
+
+
+def assert_no_containers(docker: DockerBackend, run_id: str) -> None:
+    assert docker.list_containers(run_id) == []

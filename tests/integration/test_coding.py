@@ -16,13 +16,19 @@ from temporalio.client import Client
 
 from config.paths import REPO_ROOT
 from sandboxes import DockerBackend
-from sandboxes.base import DEFAULT_IMAGE
 from simengine import Mode, ModeRule, SimEngine, SimSettings
 from tests.conftest import Engine
-from tests.integration.support import export, make_config, run_to_end, start_run, worker
+from tests.integration.support import (
+    CODING_TASKS,
+    assert_no_containers,
+    coding_config,
+    export,
+    run_to_end,
+    start_run,
+    worker,
+)
 from workflows.types import group_id, rollout_id
 
-CODING_TASKS = REPO_ROOT / "envs" / "data" / "coding.jsonl"
 MODES = {
     "ref": Mode.REFERENCE,
     "wrong": Mode.WRONG,
@@ -33,40 +39,11 @@ MODES = {
 
 
 @pytest.fixture(scope="module")
-def docker() -> DockerBackend:
-    try:
-        backend = DockerBackend()
-        backend.client.images.get(DEFAULT_IMAGE)
-    except Exception as e:  # daemon down or image missing: the message says which
-        pytest.skip(f"Docker sandbox unavailable ({e}); `make test` starts dockerd and builds the image")
-    return backend
-
-
-@pytest.fixture(scope="module")
 async def sim() -> AsyncIterator[str]:
     rules = [ModeRule(on="request", prefix=f"{p}-", mode=m) for p, m in MODES.items()]
     settings = SimSettings(tasks=CODING_TASKS, mode_rules=rules, max_model_len=4096)
     async with SimEngine(settings).serve(port=0) as url:
         yield url
-
-
-SANDBOX = {"memory_mb": 512, "workdir_size_mb": 64, "tmp_size_mb": 64, "command_timeout_s": 20}
-
-
-def coding_config(url: str, task_queue: str, groups: int = 2, size: int = 2, **sections: dict):
-    """A coding run on the bundled tasks; section dicts override the defaults field by field."""
-    defaults = {
-        "run": {"env": "coding", "task_file": str(CODING_TASKS), "num_groups": groups, "group_size": size},
-        "sampling": {"max_tokens": 1024},
-        "rollout": {"max_turns": 12, "max_total_tokens": 4000},
-        "sandbox": SANDBOX,
-    }
-    merged = {k: {**defaults.get(k, {}), **sections.get(k, {})} for k in defaults.keys() | sections.keys()}
-    return make_config([url], task_queue, **merged)
-
-
-def assert_no_containers(docker: DockerBackend, run_id: str) -> None:
-    assert docker.list_containers(run_id) == []
 
 
 @pytest.mark.timeout(600)

@@ -100,10 +100,15 @@ def test_prefix_cached_prompt_blocks_are_not_prefilled_again() -> None:
     assert first.duration_s == pytest.approx((BASE + PER_SEQ + PREFILL * (21 - 12 - 1)) / 1000)
     assert sched.stats.prefill_tokens - prefill_before == 21 - 12 - 1
     assert (sched.pool.queries_total, sched.pool.hits_total) == (10 + 21, 12)
+    turn2 = _drain(sched)[0]
+    # Blocks computed in a turn that itself started from cached blocks are cached too (23 computed: 5 full).
+    sched.add(_seq("r/2", [*turn2.tokens, 600, 601, 602], 2))
+    sched.tick("v0")
+    assert sched.pool.hits_total == 12 + 20
     _drain(sched)
     sched.add(_seq("other", list(range(300, 321)), 3))
     sched.tick("v0")
-    assert sched.pool.hits_total == 12
+    assert sched.pool.hits_total == 12 + 20
 
 
 def test_chunked_prefill_respects_the_token_budget() -> None:
