@@ -171,18 +171,25 @@ def _update_engine(http: httpx.Client, url: str, version: str, wdir: Path) -> li
         _call(http, url, "pause", "POST", "/pause?mode=keep&clear_cache=false"),
         _call(http, url, "reload_weights", "POST", "/collective_rpc", reload_body),
         _call(http, url, "update_weight_version", "POST", "/update_weight_version", {"new_version": version}),
-        # Kept requests hold K/V blocks, so a plain reset fails; reset_running_requests preempts them and
-        # they re-prefill their context (prompt + tokens so far) under the new weights on resume.
-        _call(http, url, "reset_prefix_cache", "POST", "/reset_prefix_cache?reset_running_requests=true"),
+        _call(http, url, "reset_prefix_cache", "POST", "/reset_prefix_cache"),
     ]
     if not _json(steps[-1]).get("success"):
-        raise PolicyError(f"{url}: reset_prefix_cache answered {steps[-1].reply[:120]}; engine left paused")
+        # Kept requests hold K/V blocks, so the plain reset fails. Preempting them frees the blocks; on
+        # resume they re-prefill their context (prompt + tokens so far) under the new weights.
+        steps.append(_recompute_inflight(http, url))
     steps.append(_call(http, url, "resume", "POST", "/resume"))
     check = _call(http, url, "verify", "GET", "/weight_info")
     got = _json(check).get("weight_version")
     if got != version:
         raise PolicyError(f"{url}: reports weight version {got!r} after publishing {version!r}")
     return [*steps, check]
+
+
+def _recompute_inflight(http: httpx.Client, url: str) -> PublishStep:
+    step = _call(http, url, "recompute_inflight", "POST", "/reset_prefix_cache?reset_running_requests=true")
+    if not _json(step).get("success"):
+        raise PolicyError(f"{url}: reset_prefix_cache answered {step.reply[:120]}; engine left paused")
+    return step
 
 
 def _call(

@@ -85,7 +85,7 @@ class GroupWorkflow:
         record, advantages = group_stats(
             inp.run_id, inp.group_id, inp.task_id, inp.size, results, inp.advantage_eps
         )
-        await workflow.execute_activity(
+        await workflow.execute_local_activity(
             "finalize_group",
             FinalizeGroupInput(record=record, advantages=advantages),
             start_to_close_timeout=timedelta(seconds=60),

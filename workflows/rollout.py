@@ -75,7 +75,7 @@ class RolloutWorkflow:
             "version": self._version,
         }
 
-    def _enter(self, phase: Phase, index: bool = True) -> None:
+    def _enter(self, phase: Phase, index: bool = True, outcome: Outcome | None = None) -> None:
         """Show the phase live; with index, also upsert the search attributes that changed.
 
         Upserts cost history bytes, so only changed keys are sent, and instant phases (a math env step)
@@ -83,7 +83,12 @@ class RolloutWorkflow:
         """
         self._phase = phase
         if index:
-            wanted = {sa.PHASE: phase.value, sa.TURN: self._turn, sa.POLICY_VERSION: self._version}
+            wanted = {
+                sa.PHASE: phase.value,
+                sa.TURN: self._turn,
+                sa.POLICY_VERSION: self._version,
+                sa.OUTCOME: outcome.value if outcome else None,
+            }
             changed = {k: v for k, v in wanted.items() if v is not None and self._indexed.get(k.name) != v}
             if changed:
                 workflow.upsert_search_attributes([k.value_set(v) for k, v in changed.items()])  # type: ignore[attr-defined]
@@ -112,7 +117,8 @@ class RolloutWorkflow:
             ended = await self._score_truncated(inp, engine, TruncationReason.TIMEOUT)
         except asyncio.CancelledError:
             ended = _Ended(Outcome.CANCELLED, "cancelled")
-        except ActivityError as e:
+        except (ActivityError, ApplicationError) as e:
+            # A local activity's failure can arrive unwrapped (ApplicationError, no ActivityError).
             # The wall-clock limit cancels the in-flight activity, which may surface as its failure.
             timed_out = workflow.now().timestamp() - started >= inp.timeout_s
             ended = _Ended(Outcome.TRUNCATED, TruncationReason.TIMEOUT.value) if timed_out else _failure(e)
@@ -120,10 +126,10 @@ class RolloutWorkflow:
 
     async def _loop(self, inp: RolloutInput, engine: str, started: float) -> None:
         if self._turn == 0 and self._tokens == 0:
-            self._enter(Phase.PREPARE)
+            self._enter(Phase.PREPARE, index=self._coding is not None)
             if self._coding is not None:
                 await self._coding.create()
-            prep: PrepareResult = await workflow.execute_activity(
+            prep: PrepareResult = await workflow.execute_local_activity(
                 "prepare_rollout",
                 PrepareInput(
                     run_id=inp.run_id,
@@ -225,13 +231,13 @@ class RolloutWorkflow:
         return _Ended(Outcome.TRUNCATED, reason.value, step.reward)
 
     async def _finalize(self, inp: RolloutInput, ended: _Ended) -> RolloutResult:
-        self._enter(Phase.FINALIZE)
+        self._enter(Phase.FINALIZE, index=False)
         extra: dict = {}
         if self._coding is not None:
             await self._coding.destroy()
             extra["sandbox_replays"] = self._coding.replays
         scorable = ended.reward is not None and ended.outcome in (Outcome.COMPLETED, Outcome.TRUNCATED)
-        await workflow.execute_activity(
+        await workflow.execute_local_activity(
             "finalize_rollout",
             FinalizeRolloutInput(
                 run_id=inp.run_id,
@@ -251,8 +257,7 @@ class RolloutWorkflow:
             start_to_close_timeout=timedelta(seconds=60),
             retry_policy=FINALIZE_RETRY,
         )
-        workflow.upsert_search_attributes([sa.OUTCOME.value_set(ended.outcome.value)])
-        self._enter(Phase.DONE)
+        self._enter(Phase.DONE, outcome=ended.outcome)
         return RolloutResult(
             rollout_id=inp.rollout_id,
             sample_index=inp.sample_index,
@@ -274,9 +279,9 @@ def _engine_retry(inp: RolloutInput) -> RetryPolicy:
     )
 
 
-def _failure(e: ActivityError) -> _Ended:
+def _failure(e: ActivityError | ApplicationError) -> _Ended:
     """Attribute a finally-failed activity: environment errors vs everything else (infrastructure)."""
-    cause = e.cause
+    cause = e.cause if isinstance(e, ActivityError) else e
     err_type = cause.type if isinstance(cause, ApplicationError) else type(cause).__name__
     message = cause.message if isinstance(cause, ApplicationError) else str(cause)
     kind = FailureKind.ENVIRONMENT if err_type in ENVIRONMENT_TYPES else FailureKind.INFRA

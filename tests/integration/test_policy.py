@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
-from collections.abc import Callable, Iterator
+import socket
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -28,6 +28,7 @@ QUESTION = [260, 87, 104, 97, 116, 32, 105, 115, 32, 49, 50, 43, 51, 48, 63, 258
 LONG_PROMPT = [260] + [97 + i % 26 for i in range(300)] + [258, 261]
 # One client for the module: building a client per call costs seconds when the engine saturates the CPUs.
 HTTP = httpx.Client(timeout=180)
+MAX_TOKENS = 200
 
 
 @pytest.fixture(scope="module")
@@ -75,18 +76,30 @@ def weight_version(url: str) -> str:
     return HTTP.get(f"{url}/weight_info").json()["weight_version"]
 
 
-def wait_for(check: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
-
-
 def cache_hits_of(url: str, prompt: list[int]) -> float:
     """Prefix-cache hits (tokens) that one request for ``prompt`` produced."""
     before = metric(url, "vllm:prefix_cache_hits_total")
     generate(url, prompt)
     return metric(url, "vllm:prefix_cache_hits_total") - before
+
+
+def nudge(url: str) -> None:
+    """Resume a paused engine and pause it again (mode keep) in one pipelined write on one connection.
+
+    The engine then runs only the few steps between the two requests, however long this process waits
+    for a CPU: while the engine decodes, the 2 cores here can leave the test process unscheduled for seconds.
+    """
+    host, port = url.removeprefix("http://").split(":")
+    ask = "POST {} HTTP/1.1\r\nHost: {}\r\nContent-Length: 0\r\n\r\n"
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        sock.sendall(
+            (ask.format("/resume", host) + ask.format("/pause?mode=keep&clear_cache=false", host)).encode()
+        )
+        data = b""
+        while data.count(b"HTTP/1.1 200") < 2 or not data.endswith(b"}"):
+            chunk = sock.recv(4096)
+            assert chunk, f"engine closed the connection after {data!r}"
+            data += chunk
 
 
 @pytest.mark.timeout(400)
@@ -95,25 +108,31 @@ def test_a_publish_in_the_middle_of_a_turn_is_recorded_as_two_engine_reported_sp
 ) -> None:
     store = RunStore(tmp_path)
     old = weight_version(eng.url)
-    # The control client connects before the long request starts: under CPU contention a fresh client
-    # (TLS context, new connection) can take seconds, long enough for the request to finish first.
     with httpx.Client(timeout=120) as control, ThreadPoolExecutor(1) as pool:
         base = metric(eng.url, "vllm:generation_tokens_total", control)
-        reply = pool.submit(generate, eng.url, QUESTION, max_tokens=3000, ignore_eos=True, logprobs=0, seed=7)
-        wait_for(
-            lambda: metric(eng.url, "vllm:generation_tokens_total", control) >= base + 32, 120, "32 tokens"
-        )
-        rec = publish([eng.url], "mid-1", MODEL_DIR, store, http=control)
+        control.post(f"{eng.url}/pause?mode=keep&clear_cache=false").raise_for_status()
+        try:
+            reply = pool.submit(
+                generate, eng.url, QUESTION, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0
+            )
+            while metric(eng.url, "vllm:generation_tokens_total", control) - base < 8:
+                assert not reply.done(), reply.result()
+                nudge(eng.url)
+            rec = publish([eng.url], "mid-1", MODEL_DIR, store, http=control)  # resumes the engine
+        finally:
+            control.post(f"{eng.url}/resume")  # never leave the module's engine paused
         data = reply.result(timeout=300)
     spans = data["choices"][0]["weight_versions"]
     assert [s["version"] for s in spans] == [old, "mid-1"]
-    assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] and spans[1]["end"] == 3000
-    assert 32 <= spans[0]["end"] < 3000
+    assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] and spans[1]["end"] == MAX_TOKENS
+    assert 8 <= spans[0]["end"] < MAX_TOKENS
     assert [s.step for s in rec.steps] == [
         "weight_info", "is_paused", "pause", "reload_weights", "update_weight_version",
-        "reset_prefix_cache", "resume", "verify",
+        "reset_prefix_cache", "recompute_inflight", "resume", "verify",
     ]  # fmt: skip
-    assert json.loads(rec.did("reset_prefix_cache")[0].reply) == {"success": True}
+    # The kept request held cache blocks, so the plain reset failed and the preempting one cleared it.
+    assert json.loads(rec.did("reset_prefix_cache")[0].reply) == {"success": False}
+    assert json.loads(rec.did("recompute_inflight")[0].reply) == {"success": True}
     assert store.get_policy("mid-1")["status"] == "published"  # type: ignore[index]
     # The turn as the rollout activities record it: per-token versions from the engine's spans.
     gen = _parse_generation(eng.url, data, 0.0)
@@ -121,7 +140,7 @@ def test_a_publish_in_the_middle_of_a_turn_is_recorded_as_two_engine_reported_sp
                   logprobs=gen.logprobs, policy_versions=gen.policy_versions)  # fmt: skip
     stored = store.put_segment("run/g000000/0", seg).policy_versions or []
     cut = spans[0]["end"]
-    assert stored == [old] * cut + ["mid-1"] * (3000 - cut)
+    assert stored == [old] * cut + ["mid-1"] * (MAX_TOKENS - cut)
 
 
 @pytest.mark.timeout(400)
@@ -129,7 +148,8 @@ def test_publish_resets_the_prefix_cache(eng: Engine, tmp_path: Path) -> None:
     cache_hits_of(eng.url, LONG_PROMPT)
     assert cache_hits_of(eng.url, LONG_PROMPT) >= 256  # the repeated prompt is served from the cache
     rec = publish([eng.url], "pc-1", MODEL_DIR, RunStore(tmp_path))
-    assert rec.did("reset_prefix_cache")
+    assert json.loads(rec.did("reset_prefix_cache")[0].reply) == {"success": True}  # nothing in flight
+    assert not rec.did("recompute_inflight")
     assert cache_hits_of(eng.url, LONG_PROMPT) == 0  # K/V of the old weights is gone
     assert cache_hits_of(eng.url, LONG_PROMPT) >= 256  # and the cache works again under the new version
 

@@ -1,13 +1,15 @@
 """The simulated engine's timing model: step costs, KV blocks, prefix caching, preemption, heavy tails.
 
-The scheduler is ticked directly (no clock), so counts and durations are exact; one test paces a request
-against the wall clock and one serves the model over HTTP to check what /metrics reports.
+The scheduler is ticked directly (no clock), so counts and durations are exact; a few tests pace requests
+against the wall clock or a `PacedClock`, and one serves the model over HTTP to check what /metrics reports.
 """
 
 from __future__ import annotations
 
 import asyncio
+import random
 import statistics
+import time
 from typing import Any
 
 import httpx
@@ -16,6 +18,7 @@ import pytest
 from activities.engine_client import EngineClient
 from activities.engine_metrics import parse_metrics
 from simengine import PolicyName, SimEngine, SimSettings, TimingSettings
+from simengine.clock import PacedClock
 from simengine.policies import heavy_tail_length
 from simengine.steploop import StepLoop
 from simengine.timing import Seq, StepScheduler
@@ -39,12 +42,16 @@ def _seq(rid: str, prompt: list[int], output_len: int, first: int = 1000) -> Seq
 
 
 def _drain(sched: StepScheduler, limit: int = 10_000) -> list[Seq]:
-    """Tick until nothing runs or waits; the sequences in the order they finished."""
+    """Tick until nothing runs or waits, checking the block invariant; the sequences in finishing order."""
     done: list[Seq] = []
     for _ in range(limit):
         if not sched.has_work():
             return done
         done += sched.tick("v0").finished
+        assert all(len(s.blocks) == sched.pool.blocks_for(s.computed) for s in sched.batch)
+        assert all(not s.blocks for s in sched.queue)
+        held = {b for s in sched.batch for b in s.blocks}
+        assert len(held) + sched.pool.free_blocks == sched.pool.num_blocks
     raise AssertionError("the scheduler did not drain")
 
 
@@ -145,6 +152,34 @@ def test_fast_forward_gives_the_same_steps_as_one_step_at_a_time() -> None:
     assert one_by_one[3] > 0  # the pool is tight enough to preempt
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_random_workloads_finish_every_token_once(seed: int) -> None:
+    """Shared prompt prefixes, a tight pool and a small token budget; stepping at once or together agrees."""
+
+    def run(max_tick_ms: float) -> tuple[Any, ...]:
+        rng = random.Random(seed)
+        sched = _sched(blocks=40, max_num_seqs=6, max_tick_ms=max_tick_ms, max_num_batched_tokens=48)
+        seqs = []
+        for i in range(14):
+            prefix = list(range(1000 * (i % 3), 1000 * (i % 3) + rng.randint(4, 40)))
+            prompt = prefix + [rng.randrange(500) for _ in range(rng.randint(1, 30))]
+            seqs.append(_seq(f"s{i}", prompt, rng.randint(1, 60), first=10_000 + 100 * i))
+            sched.add(seqs[-1])
+        order = [s.request_id for s in _drain(sched)]
+        assert all(s.generated == s.output_len and s.spans[-1]["end"] == s.output_len for s in seqs)
+        st = sched.stats
+        return (
+            order,
+            st.steps,
+            round(st.busy_s, 9),
+            st.preemptions,
+            st.recomputed_tokens,
+            sched.pool.hits_total,
+        )
+
+    assert run(0.0) == run(500.0)
+
+
 def test_abort_frees_blocks() -> None:
     sched = _sched(blocks=8)
     a = _seq("a", list(range(12)), 8)
@@ -165,8 +200,38 @@ async def test_busy_time_counts_only_ticks_against_the_wall_clock() -> None:
     elapsed = asyncio.get_running_loop().time() - t0
     await loop.aclose()
     assert seq.generated == 10 and loop.scheduler.stats.busy_s == pytest.approx(2.0)
-    assert 0.2 <= loop.busy_wall_s < 0.2 + 0.05 and elapsed >= 0.3
-    assert loop.busy_wall_s / elapsed < 0.75
+    assert 0.2 <= loop.busy_wall_s <= elapsed - 0.1  # at least the modelled time; not the idle gap
+
+
+async def test_paced_clock_stops_while_the_loop_is_stalled() -> None:
+    clock = PacedClock(time_scale=10, resolution_s=0.001, max_step_s=0.003)
+    woken: list[str] = []
+
+    async def sleeper(name: str, t: float) -> None:
+        await clock.sleep_until(t)
+        woken.append(name)
+
+    sleepers = [asyncio.create_task(sleeper(n, t)) for n, t in (("late", 0.2), ("early", 0.1))]
+    await clock.sleep_until(0.05)
+    before = clock.now()
+    time.sleep(0.2)  # a stall: the event loop does not run (as when the process gets no CPU)
+    await asyncio.sleep(0.002)
+    assert clock.now() - before < 10 * 0.2 / 4 and clock.paused_s >= 0.15  # not the 2.0 s a wall clock counts
+    await asyncio.gather(*sleepers)
+    assert woken == ["early", "late"] and clock.now() >= 0.2
+    await clock.aclose()
+
+
+async def test_step_loop_on_a_paced_clock_answers_after_the_modelled_time() -> None:
+    timing = TimingSettings(step_base_ms=20.0, step_per_seq_ms=0.0, prefill_ms_per_token=0.0, time_scale=20)
+    clock = PacedClock(time_scale=20)
+    loop = StepLoop(StepScheduler(timing, 64, 4, 8), timing, lambda: "v0", clock)
+    start = clock.now()
+    await loop.generate("a", list(range(8)), list(range(100, 125)))
+    assert loop.scheduler.stats.busy_s == pytest.approx(0.5)
+    assert clock.now() - start >= 0.5
+    await loop.aclose()
+    await clock.aclose()
 
 
 def test_heavy_tail_lengths() -> None:
@@ -209,7 +274,7 @@ async def test_served_timing_model_reports_preemptions_and_waits() -> None:
             for i, p in enumerate(prompts)
         ]
         async with asyncio.timeout(10):
-            while engine.steps.scheduler.waiting == 0:
+            while not (engine.steps.scheduler.running and engine.steps.scheduler.waiting):
                 await asyncio.sleep(0.001)
         waiting = parse_metrics(engine.metrics_text(), url=url, engine_id="e0", at=0.0)
         assert waiting.waiting_capacity > 0 and waiting.kv_usage > 0
