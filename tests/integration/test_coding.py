@@ -185,3 +185,54 @@ async def test_coding_run_against_real_vllm_ends_every_rollout_and_leaves_no_con
         assert len(rec["token_ids"]) == len(rec["logprobs"]) == len(rec["loss_mask"])
         assert sum(rec["loss_mask"]) == sum(t["range"][1] - t["range"][0] for t in rec["turns"])
     assert_no_containers(docker, "vllm-coding")
+
+
+async def _wait_for_command(store, docker: DockerBackend, rid: str, run_id: str) -> None:
+    for _ in range(600):  # until the first command of the rollout runs in its sandbox
+        seg = store.get_segment(rid, "t00000.model")
+        if seg is not None and "action" in seg.meta and docker.list_containers(run_id):
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError("the rollout never started its first command")
+
+
+@pytest.mark.timeout(600)
+async def test_cancelled_rollout_is_recorded_and_its_sandbox_destroyed(
+    client: Client, docker: DockerBackend, sim: str, task_queue: str, tmp_path: Path
+) -> None:
+    run_id = "sleep-cancel"
+    rid = rollout_id(run_id, group_id(0), 0)
+    cfg = coding_config(sim, task_queue, groups=1, size=2)
+    async with worker(client, task_queue, tmp_path) as store:
+        handle = await start_run(client, cfg, run_id)
+        await _wait_for_command(store, docker, rid, run_id)
+        await client.get_workflow_handle(rid).cancel()
+        await client.get_workflow_handle(rollout_id(run_id, group_id(0), 1)).cancel()
+        await handle.result()
+    rollouts, (group,) = export(store, run_id)
+    assert [r["outcome"] for r in rollouts] == ["cancelled", "cancelled"]
+    assert group["size"] == 2 and group["scorable"] == 0
+    assert_no_containers(docker, run_id)
+
+
+@pytest.mark.timeout(600)
+async def test_terminated_rollout_gets_a_failed_record_and_the_reaper_removes_its_sandbox(
+    client: Client, docker: DockerBackend, sim: str, task_queue: str, tmp_path: Path
+) -> None:
+    from activities.reaper import reap_orphans
+    from sandboxes import AsyncSandboxBackend
+
+    run_id = "sleep-terminate"
+    rid = rollout_id(run_id, group_id(0), 0)
+    cfg = coding_config(sim, task_queue, groups=1, size=1)
+    async with worker(client, task_queue, tmp_path) as store:
+        handle = await start_run(client, cfg, run_id)
+        await _wait_for_command(store, docker, rid, run_id)
+        await client.get_workflow_handle(rid).terminate(reason="test")
+        await handle.result()
+        assert len(docker.list_containers(run_id)) == 1  # terminated code cannot clean up after itself
+        removed = await reap_orphans(client, AsyncSandboxBackend(docker), run_id, min_age_s=0)
+    (rec,), _ = export(store, run_id)
+    assert rec["outcome"] == "failed" and rec["reason"].startswith("infra: child workflow")
+    assert len(removed) == 1
+    assert_no_containers(docker, run_id)
