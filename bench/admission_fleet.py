@@ -13,7 +13,8 @@ length (median ``--median-tokens``; 2% of rollouts generate ten times longer tur
 tool result. Policies, each on a fresh fleet for the same simulated budget:
 
 - adaptive: every ``--poll-s`` it reads every engine's /metrics (`fetch_reading`), runs
-  `AdmissionController.step` (prime-rl defaults), admits what it allows and cancels what it names;
+  `AdmissionController.step` (prime-rl defaults, poll-counting rules rescaled to the same 30 s), admits
+  what it allows (within the 5 s admission window) and cancels what it names;
 - fixed: the same loop with ``min_inflight == max_inflight == KV capacity / max_model_len``;
 - sync: admit that many rollouts at once, wait for all of them to end, repeat.
 
@@ -220,6 +221,20 @@ def engine_settings(args: argparse.Namespace) -> SimSettings:
     )
 
 
+def admission_config(args: argparse.Namespace, name: str, cap: int) -> AdmissionConfig:
+    """The prime-rl defaults, with the rules that count polls rescaled so they span the same time as at
+    its 5 s polls (polling faster only lets rollouts in sooner after others finish)."""
+    polls = max(1, round(6 * 5.0 / args.poll_s))
+    bounds = {"min_inflight": cap, "max_inflight": cap} if name == "fixed" else {}
+    return AdmissionConfig(
+        max_model_len=args.max_model_len,
+        group_size=args.group_size,
+        queue_polls=polls,
+        repeat_window_polls=polls,
+        **bounds,
+    )
+
+
 def fixed_cap(args: argparse.Namespace) -> int:
     """The cap of fixed and sync: summed KV capacity / max_model_len, unless --fixed-cap overrides it."""
     return args.fixed_cap or max(1, args.replicas * args.kv_blocks * 16 // args.max_model_len)
@@ -279,11 +294,7 @@ async def run_policy(name: str, args: argparse.Namespace, workload: Workload) ->
                 if name == "sync":
                     await synchronous(driver, cap, args.budget_s, trace)
                 else:
-                    bounds = {"min_inflight": cap, "max_inflight": cap} if name == "fixed" else {}
-                    cfg = AdmissionConfig(
-                        max_model_len=args.max_model_len, group_size=args.group_size, **bounds
-                    )
-                    await controlled(driver, cfg, args.budget_s, trace)
+                    await controlled(driver, admission_config(args, name, cap), args.budget_s, trace)
         sampler.cancel()
         sim_s, wall_s = driver.now(), asyncio.get_running_loop().time() - wall0
         fleet = fleet_stats(engines, sim_s)
@@ -407,8 +418,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-blocks", type=int, default=1536, help="KV blocks of 16 tokens per replica")
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--time-scale", type=float, default=25.0, help="simulated seconds per wall second")
-    p.add_argument("--budget-s", type=float, default=1000.0, help="simulated seconds per policy")
-    p.add_argument("--max-wall-s", type=float, default=80.0, help="wall seconds per policy at most")
+    p.add_argument("--budget-s", type=float, default=900.0, help="simulated seconds per policy")
+    p.add_argument("--max-wall-s", type=float, default=60.0, help="wall seconds per policy at most")
     p.add_argument("--poll-s", type=float, default=5.0, help="simulated seconds between /metrics polls")
     p.add_argument(
         "--fixed-cap", type=int, default=None, help="cap of fixed and sync (default: KV / max len)"

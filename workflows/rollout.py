@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from collections.abc import Awaitable, Callable
 from datetime import timedelta
+from typing import TypeVar
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
@@ -37,14 +39,23 @@ with workflow.unsafe.imports_passed_through():
         TurnResult,
     )
 
+T = TypeVar("T")
 FINALIZE_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=30))
 ENV_RETRY = RetryPolicy(maximum_attempts=3, non_retryable_error_types=["EnvironmentFailure"])
 
 
+def replica_order(urls: list[str], key: str) -> list[str]:
+    """The rollout's replica preference (rendezvous hashing): first choice, then its failovers.
+
+    Stable per rollout id, so every turn goes to the same replica; removing a replica moves only the
+    rollouts that preferred it.
+    """
+    return sorted(urls, key=lambda u: hashlib.sha256(f"{key}|{u}".encode()).digest())
+
+
 def pick_engine(urls: list[str], key: str) -> str:
-    """Sticky replica choice for a rollout: every turn goes to the same replica (a stable hash of its id)."""
-    h = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big")
-    return urls[h % len(urls)]
+    """Sticky replica choice for a rollout: every turn goes to the same replica."""
+    return replica_order(urls, key)[0]
 
 
 class _Ended(Exception):
@@ -64,6 +75,9 @@ class RolloutWorkflow:
         self._version: str | None = None
         self._coding: CodingSteps | None = None
         self._indexed: dict[str, object] = {}
+        self._order: list[str] = []
+        self._engine = ""
+        self._failovers = self._reprefill = 0
 
     @workflow.query
     def state(self) -> dict:
@@ -101,7 +115,9 @@ class RolloutWorkflow:
     async def run(self, inp: RolloutInput) -> RolloutResult:
         self._turn, self._tokens = inp.turns_done, inp.num_tokens
         started = inp.started_at if inp.started_at is not None else workflow.now().timestamp()
-        engine = pick_engine(inp.engine.urls, inp.rollout_id)
+        self._order = replica_order(inp.engine.urls, inp.rollout_id)
+        self._failovers, self._reprefill = inp.engine_failovers, inp.reprefill_tokens
+        engine = self._engine = self._order[min(inp.engine_failovers, len(self._order) - 1)]
         if inp.env == "coding":
             self._coding = CodingSteps(inp, engine)
             self._coding.replays = inp.sandbox_replays
@@ -114,7 +130,7 @@ class RolloutWorkflow:
         except _Ended as end:
             ended = end
         except TimeoutError:
-            ended = await self._score_truncated(inp, engine, TruncationReason.TIMEOUT)
+            ended = await self._score_truncated(inp, self._engine, TruncationReason.TIMEOUT)
         except asyncio.CancelledError:
             ended = _Ended(Outcome.CANCELLED, "cancelled")
         except (ActivityError, ApplicationError) as e:
@@ -129,28 +145,17 @@ class RolloutWorkflow:
             self._enter(Phase.PREPARE, index=self._coding is not None)
             if self._coding is not None:
                 await self._coding.create()
-            prep: PrepareResult = await workflow.execute_local_activity(
-                "prepare_rollout",
-                PrepareInput(
-                    run_id=inp.run_id,
-                    rollout_id=inp.rollout_id,
-                    task_id=inp.task_id,
-                    engine_url=engine,
-                    model=inp.engine.model,
-                    env=inp.env,
-                ),
-                result_type=PrepareResult,
-                start_to_close_timeout=timedelta(seconds=30),
-                retry_policy=_engine_retry(inp),
-            )
+            prep: PrepareResult = await self._with_failover(inp, self._prepare_on)
             self._tokens = prep.prompt_tokens
+            engine = self._engine
         while True:
             if self._turn >= inp.max_turns:
                 raise await self._score_truncated(inp, engine, TruncationReason.MAX_TURNS)
             budget = inp.max_total_tokens - self._tokens
             if budget <= 0:
                 raise await self._score_truncated(inp, engine, TruncationReason.TOKEN_BUDGET)
-            turn = await self._generate(inp, engine, min(budget, inp.sampling.max_tokens))
+            turn = await self._generate(inp, min(budget, inp.sampling.max_tokens))
+            engine = self._engine  # a failover may have moved the rollout
             if turn.truncated_reason is not None:
                 raise await self._score_truncated(inp, engine, turn.truncated_reason)
             if turn.finish_reason == "length" and turn.end - turn.start >= budget:
@@ -171,11 +176,49 @@ class RolloutWorkflow:
                             "num_tokens": self._tokens,
                             "started_at": started,
                             "sandbox_replays": self._coding.replays if self._coding else 0,
+                            "engine_failovers": self._failovers,
+                            "reprefill_tokens": self._reprefill,
                         }
                     )
                 )
 
-    async def _generate(self, inp: RolloutInput, engine: str, max_tokens: int) -> TurnResult:
+    async def _generate(self, inp: RolloutInput, max_tokens: int) -> TurnResult:
+        return await self._with_failover(inp, lambda i, engine: self._generate_on(i, engine, max_tokens))
+
+    async def _with_failover(self, inp: RolloutInput, call: Callable[[RolloutInput, str], Awaitable[T]]) -> T:
+        """Run an engine step; an engine unreachable past its retries moves the rollout on a replica."""
+        while True:
+            try:
+                return await call(inp, self._engine)
+            except (ActivityError, ApplicationError) as e:
+                cause = e.cause if isinstance(e, ActivityError) else e
+                gone = isinstance(cause, ApplicationError) and cause.type == "EngineUnavailable"
+                if not (gone and inp.engine.failover and self._failovers + 1 < len(self._order)):
+                    raise
+            self._failovers += 1
+            self._reprefill += self._tokens  # the new replica prefills the whole context again
+            self._engine = self._order[self._failovers]
+            if self._coding is not None:
+                self._coding.engine = self._engine
+            workflow.logger.warning("rollout %s: failing over to %s", inp.rollout_id, self._engine)
+
+    async def _prepare_on(self, inp: RolloutInput, engine: str) -> PrepareResult:
+        return await workflow.execute_local_activity(
+            "prepare_rollout",
+            PrepareInput(
+                run_id=inp.run_id,
+                rollout_id=inp.rollout_id,
+                task_id=inp.task_id,
+                engine_url=engine,
+                model=inp.engine.model,
+                env=inp.env,
+            ),
+            result_type=PrepareResult,
+            start_to_close_timeout=timedelta(seconds=30),
+            retry_policy=_engine_retry(inp),
+        )
+
+    async def _generate_on(self, inp: RolloutInput, engine: str, max_tokens: int) -> TurnResult:
         self._enter(Phase.GENERATE)
         turn: TurnResult = await workflow.execute_activity(
             "generate_turn",
@@ -236,6 +279,8 @@ class RolloutWorkflow:
         if self._coding is not None:
             await self._coding.destroy()
             extra["sandbox_replays"] = self._coding.replays
+        if self._failovers:
+            extra.update(engine_failovers=self._failovers, reprefill_tokens=self._reprefill)
         scorable = ended.reward is not None and ended.outcome in (Outcome.COMPLETED, Outcome.TRUNCATED)
         await workflow.execute_local_activity(
             "finalize_rollout",

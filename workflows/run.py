@@ -56,6 +56,7 @@ def rollout_template(cfg: Config, run_id: str) -> RolloutInput:
             model=cfg.engine.model,
             request_timeout_s=cfg.engine.request_timeout_s,
             default_policy_version=cfg.engine.policy_version,
+            failover=cfg.engine.failover,
         ),
         retry=RetrySettings(
             max_attempts=cfg.engine.max_attempts,

@@ -71,6 +71,7 @@ class EngineTarget(_Data):
     model: str
     request_timeout_s: float
     default_policy_version: str
+    failover: bool = True
 
 
 class RetrySettings(_Data):
@@ -105,6 +106,8 @@ class RolloutInput(_Data):
     num_tokens: int = 0
     started_at: float | None = None
     sandbox_replays: int = 0
+    engine_failovers: int = 0
+    reprefill_tokens: int = 0
 
 
 class PrepareResult(_Data):

@@ -101,7 +101,8 @@ async def test_unreachable_engine_fails_one_member_as_infra_and_the_group_closes
         for rid in (f"dead-engine-{i}" for i in range(1000))
         if sum(pick_engine(urls, rollout_id(rid, group_id(0), m)) == dead for m in range(4)) == 1
     )
-    cfg = make_config(urls, task_queue, run={"num_groups": 1, "group_size": 4}, engine={"max_attempts": 2})
+    no_failover = {"max_attempts": 2, "failover": False}
+    cfg = make_config(urls, task_queue, run={"num_groups": 1, "group_size": 4}, engine=no_failover)
     async with worker(client, task_queue, tmp_path) as store:
         result = await run_to_end(client, cfg, run_id)
     assert result.done and result.outcomes.get("failed") == 1
@@ -173,3 +174,30 @@ async def test_resubmitting_a_run_id_attaches_instead_of_duplicating(
     runs = [w async for w in client.list_workflows('WorkflowId = "once"')]
     assert len(runs) == 1
     assert progress.groups_done == 1
+
+
+@pytest.mark.timeout(600)
+async def test_rollouts_of_an_unreachable_replica_fail_over(
+    client: Client, engine: Engine, task_queue: str, tmp_path: Path
+) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    urls = [dead, engine.url]
+    cfg = make_config(urls, task_queue, run={"num_groups": 3, "group_size": 4}, engine={"max_attempts": 2})
+    moved = {
+        rollout_id("failover", group_id(g), i)
+        for g in range(3)
+        for i in range(4)
+        if pick_engine(urls, rollout_id("failover", group_id(g), i)) == dead
+    }
+    assert moved, "some rollouts must prefer the dead replica"
+    async with worker(client, task_queue, tmp_path) as store:
+        result = await run_to_end(client, cfg, "failover")
+    rollouts, groups = export(store, "failover")
+    assert result.outcomes == {"completed": 12} and len(rollouts) == 12 and len(groups) == 3
+    for rec in rollouts:
+        assert {t["engine"] for t in rec["turns"]} == {engine.url}
+        if rec["rollout_id"] in moved:
+            # the dead replica never served its first call: nothing was prefilled there to redo
+            assert rec["engine_failovers"] == 1 and rec["reprefill_tokens"] == 0
+        else:
+            assert "engine_failovers" not in rec

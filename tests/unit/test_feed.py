@@ -329,3 +329,33 @@ def test_books_that_do_not_balance_are_reported(tmp_path: Path) -> None:
     put_member(store, "g000000", 1, [["v0"] * 4], "t")  # a record appearing after its group was consumed
     with pytest.raises(FeedError, match="do not balance"):
         feed.ledger().check()
+
+
+def test_cli_takes_a_batch_and_shows_the_books(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    from workers.cli import app
+
+    monkeypatch.setenv("ROLLOUTS_HOME", str(tmp_path))
+    store = RunStore(tmp_path)
+    store.register_run(RUN, "{}", "h")
+    publish(store, "v0")
+    publish(store, "v1")
+    for i, version in enumerate(["v0", "v1"]):
+        put_member(store, f"g00000{i}", 0, [[version] * 5], "t")
+        put_group(store, f"g00000{i}", 1, "t", zero_variance=False)
+    runner = CliRunner()
+    out = tmp_path / "batch.jsonl"
+    res = runner.invoke(
+        app, ["feed", "take", RUN, "--n", "4", "--version", "v1", "--max-lag", "0", "-o", str(out)]
+    )
+    assert res.exit_code == 0, res.output
+    assert "batch b000001: consumed 1 groups (1 records, 5 sampled tokens)" in res.output
+    assert "discarded g000000: stale: lag 1 > max_lag 0" in res.output
+    assert [json.loads(ln)["kind"] for ln in out.read_text().splitlines()] == ["rollout", "group"]
+    res = runner.invoke(app, ["feed", "status", RUN])
+    assert res.exit_code == 0 and "books balance" in res.output, res.output
+    res = runner.invoke(app, ["feed", "take", RUN, "--n", "1", "--version", "v7", "--max-lag", "0"])
+    assert res.exit_code == 2 and "error: current version 'v7' was never published" in res.output
+    res = runner.invoke(app, ["feed", "batch", RUN, "b000001", "-o", str(tmp_path / "again.jsonl")])
+    assert res.exit_code == 0 and (tmp_path / "again.jsonl").read_text() == out.read_text()
