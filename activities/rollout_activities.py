@@ -10,16 +10,15 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
-from collections.abc import Awaitable
 from typing import TypeVar
 
 from temporalio import activity
 
 from activities.engine_client import EngineClient
 from activities.errors import ContextLengthExceeded, EnvironmentFailure, RolloutError
+from activities.heartbeat import heartbeating
 from activities.store import RunStore, Segment
 from envs import coding as coding_env
 from envs import math as math_env
@@ -38,23 +37,6 @@ from workflows.types import (
 )
 
 T = TypeVar("T")
-HEARTBEAT_EVERY_S = 2.0
-
-
-async def _heartbeating(aw: Awaitable[T]) -> T:
-    """Await aw while heartbeating, so a dead worker is noticed within the heartbeat timeout."""
-    task = asyncio.ensure_future(aw)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=HEARTBEAT_EVERY_S)
-            if done:
-                return task.result()
-            activity.heartbeat()
-    finally:
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
 
 
 def _edge(e: RolloutError) -> Exception:
@@ -122,7 +104,7 @@ class RolloutActivities:
             queued = max(0.0, (info.started_time - info.current_attempt_scheduled_time).total_seconds())
             request_id = f"{inp.rollout_id}/{inp.turn}/{info.attempt}"
             try:
-                gen = await _heartbeating(
+                gen = await heartbeating(
                     self.engine.generate(
                         inp.engine_url, inp.model, context, inp.sampling, inp.max_tokens, request_id
                     )

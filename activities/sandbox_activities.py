@@ -22,6 +22,7 @@ from temporalio.exceptions import ApplicationError
 
 from activities.engine_client import EngineClient
 from activities.errors import RolloutError
+from activities.heartbeat import heartbeating
 from activities.store import RunStore, Segment
 from envs import coding
 from envs.tool_calls import ToolCallError, parse_tool_call
@@ -43,14 +44,6 @@ def _sandbox_error(e: SandboxError) -> ApplicationError:
 
 def _store_error(msg: str) -> ApplicationError:
     return ApplicationError(msg, type="StoreError")
-
-
-async def _heartbeat_until(task: asyncio.Future, every_s: float = 2.0) -> Any:
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=every_s)
-        if done:
-            return task.result()
-        activity.heartbeat()
 
 
 class SandboxActivities:
@@ -80,9 +73,7 @@ class SandboxActivities:
         """Create (or reattach to) the rollout's sandbox and lay out the task's files; returns its name."""
         spec = SandboxSpec.model_validate_json(inp.spec_json)
         try:
-            handle = await _heartbeat_until(
-                asyncio.ensure_future(self.backend.create(inp.rollout_id, inp.run_id, spec))
-            )
+            handle = await heartbeating(self.backend.create(inp.rollout_id, inp.run_id, spec))
             fresh = await asyncio.to_thread(self.store.get_sandbox, inp.rollout_id)
             if fresh is None or fresh.container_id != handle.container_id:
                 task = await asyncio.to_thread(self.store.get_task, inp.run_id, inp.task_id)
@@ -166,7 +157,7 @@ class SandboxActivities:
         if existing is not None:
             return existing
         try:
-            res = await _heartbeat_until(asyncio.ensure_future(self.backend.exec(handle, action["cmd"])))
+            res = await heartbeating(self.backend.exec(handle, action["cmd"]))
         except SandboxError as e:
             raise _sandbox_error(e) from e
         reason = TruncationReason.COMMAND_TIMEOUT if res.timed_out else None
@@ -214,7 +205,7 @@ class SandboxActivities:
                 await self.backend.write_file(handle, f"{hidden}/{path}", src)
             files = sorted(set(task.get("files", {})) | set(task.get("reference", {})))
             cmd, _ = coding.scoring_command(files, hidden)
-            res = await _heartbeat_until(asyncio.ensure_future(self.backend.exec(handle, cmd, timeout_s=300)))
+            res = await heartbeating(self.backend.exec(handle, cmd, timeout_s=300))
         except SandboxError as e:
             raise _sandbox_error(e) from e
         reward, passed, total = coding.reward_from_junit(res.output, coding.count_tests(task["tests"]))

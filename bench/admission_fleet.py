@@ -12,11 +12,12 @@ length (median ``--median-tokens``; 2% of rollouts generate ten times longer tur
 ``--max-model-len``); after each turn a log-normal tool wait (median ``--tool-median-s``) and a 64-384 token
 tool result. Policies, each on a fresh fleet for the same simulated budget:
 
-- adaptive: every ``--poll-s`` it reads every engine's /metrics (`fetch_reading`), runs
-  `AdmissionController.step` (prime-rl defaults, poll-counting rules rescaled to the same 30 s), admits
-  what it allows (within the 5 s admission window) and cancels what it names;
+- adaptive: every 5 s it reads every engine's /metrics (`fetch_reading`), runs `AdmissionController.step`
+  (prime-rl defaults), admits what it allows and cancels what it names;
 - fixed: the same loop with ``min_inflight == max_inflight == KV capacity / max_model_len``;
 - sync: admit that many rollouts at once, wait for all of them to end, repeat.
+
+``--fixed-cap`` replaces that cap (KV capacity / max_model_len) of fixed and sync by a hand-picked one.
 
 Reported per policy: accepted (finished) rollouts per simulated second, engine busy fraction (simulated time
 with at least one running sequence / elapsed, mean over engines), preemptions, wasted tokens (KV recomputed
@@ -40,6 +41,7 @@ import json
 import math
 import random
 import statistics
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,6 +57,8 @@ from workflows.types import SamplingParams
 
 MODEL = "tiny"
 POLICIES = ("adaptive", "fixed", "sync")
+POLL_S = 5.0
+"""Simulated seconds between /metrics polls: the reference's interval, which its poll-counted rules assume."""
 
 
 @dataclass(frozen=True)
@@ -105,7 +109,6 @@ class Tally:
     cancelled_tokens: int = 0
     failed: int = 0
     unfinished: int = 0
-    accepted_tokens: int = 0
     errors: list[str] = field(default_factory=list)
 
 
@@ -134,10 +137,8 @@ class Driver:
         for _ in range(n):
             rollout = self.workload.rollout(self._next)
             self._next += 1
-            load = [0] * len(self.urls)
-            for live in self.live.values():
-                load[live.replica] += 1
-            live = Live(rollout, load.index(min(load)), self.now())
+            load = Counter(x.replica for x in self.live.values())
+            live = Live(rollout, min(range(len(self.urls)), key=load.__getitem__), self.now())
             live.task = asyncio.create_task(self._run(live))
             self.live[rollout.rid] = live
             self.tally.admitted += 1
@@ -178,7 +179,6 @@ class Driver:
         if self.live.pop(live.rollout.rid, None) is not None:
             self.tally.accepted += 1
             self.tally.truncated += truncated
-            self.tally.accepted_tokens += live.tokens
 
     async def _turns(self, live: Live) -> bool:
         """Play the rollout; True when it was cut at the context length."""
@@ -221,20 +221,6 @@ def engine_settings(args: argparse.Namespace) -> SimSettings:
     )
 
 
-def admission_config(args: argparse.Namespace, name: str, cap: int) -> AdmissionConfig:
-    """The prime-rl defaults, with the rules that count polls rescaled so they span the same time as at
-    its 5 s polls (polling faster only lets rollouts in sooner after others finish)."""
-    polls = max(1, round(6 * 5.0 / args.poll_s))
-    bounds = {"min_inflight": cap, "max_inflight": cap} if name == "fixed" else {}
-    return AdmissionConfig(
-        max_model_len=args.max_model_len,
-        group_size=args.group_size,
-        queue_polls=polls,
-        repeat_window_polls=polls,
-        **bounds,
-    )
-
-
 def fixed_cap(args: argparse.Namespace) -> int:
     """The cap of fixed and sync: summed KV capacity / max_model_len, unless --fixed-cap overrides it."""
     return args.fixed_cap or max(1, args.replicas * args.kv_blocks * 16 // args.max_model_len)
@@ -251,15 +237,15 @@ async def controlled(driver: Driver, cfg: AdmissionConfig, budget: float, trace:
                 driver.cancel(rid)
             driver.admit(d.admit)
             trace.append([round(now, 1), d.cap, len(driver.live), round(d.kv_usage or 0.0, 3), d.reasons])
-            await driver.sleep_until(min(now + driver.args.poll_s, budget))
+            await driver.sleep_until(min(now + POLL_S, budget))
 
 
 async def synchronous(driver: Driver, cap: int, budget: float, trace: list[Any]) -> None:
     """Admit ``cap`` rollouts, wait for all of them, repeat."""
     timer = asyncio.create_task(driver.sleep_until(budget))
+    trace.append([0.0, cap, cap, None, []])
     try:
         while not timer.done():
-            trace.append([round(driver.now(), 1), cap, cap, None, ["batch"]])
             pending: set[asyncio.Future[Any]] = set(driver.admit(cap))
             while pending and not timer.done():
                 _, pending = await asyncio.wait(pending | {timer}, return_when=asyncio.FIRST_COMPLETED)
@@ -272,7 +258,7 @@ async def sample_inflight(driver: Driver, samples: list[int]) -> None:
     """Rollouts in flight every poll interval (the same sampling for every policy)."""
     while True:
         samples.append(len(driver.live))
-        await driver.sleep_until(driver.now() + driver.args.poll_s)
+        await driver.sleep_until(driver.now() + POLL_S)
 
 
 async def run_policy(name: str, args: argparse.Namespace, workload: Workload) -> dict[str, Any]:
@@ -294,13 +280,19 @@ async def run_policy(name: str, args: argparse.Namespace, workload: Workload) ->
                 if name == "sync":
                     await synchronous(driver, cap, args.budget_s, trace)
                 else:
-                    await controlled(driver, admission_config(args, name, cap), args.budget_s, trace)
+                    bounds = {"min_inflight": cap, "max_inflight": cap} if name == "fixed" else {}
+                    cfg = AdmissionConfig(
+                        max_model_len=args.max_model_len, group_size=args.group_size, **bounds
+                    )
+                    await controlled(driver, cfg, args.budget_s, trace)
         sampler.cancel()
         sim_s, wall_s = driver.now(), asyncio.get_running_loop().time() - wall0
         fleet = fleet_stats(engines, sim_s)
-        fleet["clock_paused_s"] = clock.paused_s
+        fleet.update(
+            clock_paused_s=clock.paused_s, sim_s=sim_s, wall_s=wall_s, trace=trace, inflight=inflight
+        )
         await driver.stop()
-    return summarize(name, driver.tally, fleet, trace, inflight, sim_s, wall_s)
+    return summarize(name, driver.tally, fleet)
 
 
 def fleet_stats(engines: list[SimEngine], sim_s: float) -> dict[str, Any]:
@@ -320,15 +312,9 @@ def fleet_stats(engines: list[SimEngine], sim_s: float) -> dict[str, Any]:
     }
 
 
-def summarize(
-    name: str,
-    tally: Tally,
-    fleet: dict[str, Any],
-    trace: list[Any],
-    inflight: list[int],
-    sim_s: float,
-    wall_s: float,
-) -> dict[str, Any]:
+def summarize(name: str, tally: Tally, fleet: dict[str, Any]) -> dict[str, Any]:
+    """One policy's row of the report; ``fleet`` holds the engines' counts, the trace and the clock."""
+    sim_s, wall_s, trace, inflight = fleet["sim_s"], fleet["wall_s"], fleet["trace"], fleet["inflight"]
     ended = tally.accepted + tally.cancelled + tally.failed + tally.unfinished
     assert ended == tally.admitted, f"{name}: {tally.admitted} admitted but {ended} ended"
     caps = [t[1] for t in trace]
@@ -360,7 +346,6 @@ def summarize(
 ROWS = (
     ("accepted rollouts", "accepted", "{:d}"),
     ("accepted / sim s", "accepted_per_sim_s", "{:.3f}"),
-    ("accepted / wall s", "accepted_per_wall_s", "{:.2f}"),
     ("engine busy fraction", "busy_fraction", "{:.2f}"),
     ("preemptions", "preemptions", "{:d}"),
     ("wasted tokens", "wasted_tokens", "{:d}"),
@@ -420,7 +405,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--time-scale", type=float, default=25.0, help="simulated seconds per wall second")
     p.add_argument("--budget-s", type=float, default=900.0, help="simulated seconds per policy")
     p.add_argument("--max-wall-s", type=float, default=60.0, help="wall seconds per policy at most")
-    p.add_argument("--poll-s", type=float, default=5.0, help="simulated seconds between /metrics polls")
     p.add_argument(
         "--fixed-cap", type=int, default=None, help="cap of fixed and sync (default: KV / max len)"
     )

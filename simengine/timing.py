@@ -3,8 +3,8 @@
 Invariant: `StepScheduler` is a pure, deterministic state machine (no clock, no I/O, no randomness): the
 same requests added in the same order and ticked the same way give the same steps, preemptions and
 durations. Between ticks a running sequence holds exactly the blocks for the tokens it has computed, and a
-waiting one holds none. Every token of a request's decided output is produced exactly once (a preempted request keeps
-its output and recomputes its KV), and `SimEngine` answers only once the last one is.
+waiting one holds none. Every token of a request's decided output is produced exactly once (a preempted
+request keeps its output and recomputes its KV), and `SimEngine` answers only once the last one is.
 
 One step, as vLLM v1's scheduler does it:
 
