@@ -152,6 +152,9 @@ class RunWorkflow:
             start_to_close_timeout=timedelta(seconds=30),
         )
         run_wf_id = workflow.info().workflow_id
+        # In flight before the start resolves: on replay the group's group_done signal can be delivered in
+        # the same activation as its start, and signal handlers run first.
+        self._inflight.add(gid)
         await workflow.start_child_workflow(
             GroupWorkflow.run,
             GroupInput(
@@ -169,5 +172,4 @@ class RunWorkflow:
                 [sa.RUN.value_set(inp.run_id), sa.GROUP.value_set(gid), sa.TASK.value_set(task_id)]
             ),
         )
-        self._inflight.add(gid)
         inp.next_group += 1
