@@ -117,20 +117,20 @@ class RolloutWorkflow:
         started = inp.started_at if inp.started_at is not None else workflow.now().timestamp()
         self._order = replica_order(inp.engine.urls, inp.rollout_id)
         self._failovers, self._reprefill = inp.engine_failovers, inp.reprefill_tokens
-        engine = self._engine = self._order[min(inp.engine_failovers, len(self._order) - 1)]
+        self._engine = self._order[min(inp.engine_failovers, len(self._order) - 1)]
         if inp.env == "coding":
-            self._coding = CodingSteps(inp, engine)
+            self._coding = CodingSteps(inp, self._engine)
             self._coding.replays = inp.sandbox_replays
         remaining = inp.timeout_s - (workflow.now().timestamp() - started)
         try:
             if remaining <= 0:
                 raise TimeoutError
-            await asyncio.wait_for(self._loop(inp, engine, started), timeout=remaining)
+            await asyncio.wait_for(self._loop(inp, started), timeout=remaining)
             raise AssertionError("turn loop returned without an outcome")
         except _Ended as end:
             ended = end
         except TimeoutError:
-            ended = await self._score_truncated(inp, self._engine, TruncationReason.TIMEOUT)
+            ended = await self._score_truncated(inp, TruncationReason.TIMEOUT)
         except asyncio.CancelledError:
             ended = _Ended(Outcome.CANCELLED, "cancelled")
         except (ActivityError, ApplicationError) as e:
@@ -140,33 +140,31 @@ class RolloutWorkflow:
             ended = _Ended(Outcome.TRUNCATED, TruncationReason.TIMEOUT.value) if timed_out else _failure(e)
         return await self._finalize(inp, ended)
 
-    async def _loop(self, inp: RolloutInput, engine: str, started: float) -> None:
+    async def _loop(self, inp: RolloutInput, started: float) -> None:
         if self._turn == 0 and self._tokens == 0:
             self._enter(Phase.PREPARE, index=self._coding is not None)
             if self._coding is not None:
                 await self._coding.create()
             prep: PrepareResult = await self._with_failover(inp, self._prepare_on)
             self._tokens = prep.prompt_tokens
-            engine = self._engine
         while True:
             if self._turn >= inp.max_turns:
-                raise await self._score_truncated(inp, engine, TruncationReason.MAX_TURNS)
+                raise await self._score_truncated(inp, TruncationReason.MAX_TURNS)
             budget = inp.max_total_tokens - self._tokens
             if budget <= 0:
-                raise await self._score_truncated(inp, engine, TruncationReason.TOKEN_BUDGET)
+                raise await self._score_truncated(inp, TruncationReason.TOKEN_BUDGET)
             turn = await self._generate(inp, min(budget, inp.sampling.max_tokens))
-            engine = self._engine  # a failover may have moved the rollout
             if turn.truncated_reason is not None:
-                raise await self._score_truncated(inp, engine, turn.truncated_reason)
+                raise await self._score_truncated(inp, turn.truncated_reason)
             if turn.finish_reason == "length" and turn.end - turn.start >= budget:
-                raise await self._score_truncated(inp, engine, TruncationReason.TOKEN_BUDGET)
-            step = await self._env_step(inp, engine, last=self._turn + 1 >= inp.max_turns)
+                raise await self._score_truncated(inp, TruncationReason.TOKEN_BUDGET)
+            step = await self._env_step(inp, last=self._turn + 1 >= inp.max_turns)
             self._turn += 1
             if step.done:
                 raise _Ended(Outcome.COMPLETED, None, step.reward)
             self._tokens += step.observation_tokens
             if step.truncated_reason is not None:
-                raise await self._score_truncated(inp, engine, step.truncated_reason)
+                raise await self._score_truncated(inp, step.truncated_reason)
             if workflow.info().is_continue_as_new_suggested():
                 await workflow.wait_condition(workflow.all_handlers_finished)
                 workflow.continue_as_new(
@@ -240,9 +238,7 @@ class RolloutWorkflow:
             self._version = turn.policy_version
         return turn
 
-    async def _env_step(
-        self, inp: RolloutInput, engine: str, last: bool, score_only: bool = False
-    ) -> EnvStepResult:
+    async def _env_step(self, inp: RolloutInput, last: bool, score_only: bool = False) -> EnvStepResult:
         self._enter(Phase.ENV, index=self._coding is not None)
         if self._coding is not None:
             return await self._coding.step(self._turn, score_only=score_only)
@@ -258,7 +254,7 @@ class RolloutWorkflow:
                 turn=self._turn,
                 last_turn=last,
                 score_only=score_only,
-                engine_url=engine,
+                engine_url=self._engine,
                 model=inp.engine.model,
             ),
             result_type=EnvStepResult,
@@ -266,11 +262,11 @@ class RolloutWorkflow:
             retry_policy=ENV_RETRY,
         )
 
-    async def _score_truncated(self, inp: RolloutInput, engine: str, reason: TruncationReason) -> _Ended:
+    async def _score_truncated(self, inp: RolloutInput, reason: TruncationReason) -> _Ended:
         """A truncated rollout, scored by the environment only if the run asks for it."""
         if not inp.score_truncated:
             return _Ended(Outcome.TRUNCATED, reason.value)
-        step = await self._env_step(inp, engine, last=True, score_only=True)
+        step = await self._env_step(inp, last=True, score_only=True)
         return _Ended(Outcome.TRUNCATED, reason.value, step.reward)
 
     async def _finalize(self, inp: RolloutInput, ended: _Ended) -> RolloutResult:
@@ -281,6 +277,8 @@ class RolloutWorkflow:
             extra["sandbox_replays"] = self._coding.replays
         if self._failovers:
             extra.update(engine_failovers=self._failovers, reprefill_tokens=self._reprefill)
+        if ended.outcome == Outcome.TRUNCATED:
+            extra["score_truncated"] = inp.score_truncated  # whether this run scores truncated rollouts
         scorable = ended.reward is not None and ended.outcome in (Outcome.COMPLETED, Outcome.TRUNCATED)
         await workflow.execute_local_activity(
             "finalize_rollout",

@@ -114,6 +114,7 @@ async def test_each_limit_has_its_own_truncation_reason(
     (rec,), (group,) = export(store, run_id)
     assert (rec["outcome"], rec["reason"]) == ("truncated", reason)
     assert rec["reward"] is None and not rec["scorable"] and group["scorable"] == 0
+    assert rec["score_truncated"] is False
     assert_no_containers(docker, run_id)
 
 
@@ -236,3 +237,18 @@ async def test_terminated_rollout_gets_a_failed_record_and_the_reaper_removes_it
     assert rec["outcome"] == "failed" and rec["reason"].startswith("infra: child workflow")
     assert len(removed) == 1
     assert_no_containers(docker, run_id)
+
+
+@pytest.mark.timeout(600)
+async def test_truncated_rollouts_are_scored_when_the_run_asks(
+    client: Client, docker: DockerBackend, sim: str, task_queue: str, tmp_path: Path
+) -> None:
+    cfg = coding_config(sim, task_queue, groups=1, size=2, rollout={"max_turns": 2, "score_truncated": True})
+    async with worker(client, task_queue, tmp_path) as store:
+        await run_to_end(client, cfg, "loop-scored")
+    rollouts, (group,) = export(store, "loop-scored")
+    for rec in rollouts:
+        assert (rec["outcome"], rec["reason"], rec["score_truncated"]) == ("truncated", "max_turns", True)
+        assert rec["scorable"] and rec["reward"] == 0.0  # the untouched stub passes no hidden test
+    assert group["scorable"] == 2 and group["zero_variance"]
+    assert_no_containers(docker, "loop-scored")
