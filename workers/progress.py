@@ -44,7 +44,8 @@ async def follow(handle: WorkflowHandle) -> RunProgress:
     return final
 
 
-def print_summary(p: RunProgress) -> None:
+def summary_table(p: RunProgress, groups: list[dict] | None = None) -> Table:
+    """Outcome counts, and (when the run's group records are at hand) reward and variance figures."""
     table = Table(title=f"run {p.run_id}")
     table.add_column("outcome")
     table.add_column("rollouts", justify="right")
@@ -52,7 +53,23 @@ def print_summary(p: RunProgress) -> None:
         table.add_row(k, str(v))
     table.add_row("total", f"{sum(p.outcomes.values())}/{p.rollouts_total}")
     table.add_row("groups", f"{p.groups_done}/{p.total_groups}")
-    Console().print(table)
+    if groups:
+        scored = [(g["reward_mean"], g["scorable"]) for g in groups if g["reward_mean"] is not None]
+        n = sum(k for _, k in scored)
+        if n:
+            table.add_row("mean reward", f"{sum(m * k for m, k in scored) / n:.3f}")
+        table.add_row("zero-variance groups", f"{sum(1 for g in groups if g['zero_variance'])}/{len(groups)}")
+    return table
+
+
+def print_summary(p: RunProgress) -> None:
+    """Print the summary, with reward figures when this machine's store holds the run."""
+    from activities.store import RunStore
+    from config.paths import rollouts_home
+
+    home = rollouts_home()
+    groups = RunStore(home).groups(p.run_id) if (home / "store.sqlite").exists() else None
+    Console().print(summary_table(p, groups))
 
 
 async def show_status(client: Client, run_id: str) -> None:
