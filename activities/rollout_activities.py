@@ -19,7 +19,7 @@ from temporalio import activity
 from activities.engine_client import EngineClient
 from activities.errors import ContextLengthExceeded, EnvironmentFailure, RolloutError
 from activities.heartbeat import heartbeating
-from activities.store import RunStore, Segment
+from activities.store import RunStore, Segment, model_segment, obs_segment
 from envs import coding as coding_env
 from envs import math as math_env
 from envs.tasks import load_tasks
@@ -41,14 +41,6 @@ T = TypeVar("T")
 
 def _edge(e: RolloutError) -> Exception:
     return e.to_application_error()
-
-
-def _model_segment(turn: int) -> str:
-    return f"t{turn:05d}.model"
-
-
-def _obs_segment(turn: int) -> str:
-    return f"t{turn:05d}.obs"
 
 
 class RolloutActivities:
@@ -96,7 +88,7 @@ class RolloutActivities:
     @activity.defn(name="generate_turn")
     async def generate_turn(self, inp: GenerateInput) -> TurnResult:
         """One model call on the rollout's stored context; the sampled tokens are stored, not returned."""
-        name = _model_segment(inp.turn)
+        name = model_segment(inp.turn)
         seg = await asyncio.to_thread(self.store.get_segment, inp.rollout_id, name)
         if seg is None:
             context = await asyncio.to_thread(self.store.token_ids, inp.rollout_id)
@@ -179,12 +171,12 @@ class RolloutActivities:
 
     def _turn_to_score(self, inp: EnvStepInput) -> Segment | None:
         if not inp.score_only:
-            return self.store.get_segment(inp.rollout_id, _model_segment(inp.turn))
+            return self.store.get_segment(inp.rollout_id, model_segment(inp.turn))
         model_turns = [s for s in self.store.segments(inp.rollout_id) if s.kind == "model" and s.token_ids]
         return model_turns[-1] if model_turns else None
 
     async def _store_observation(self, inp: EnvStepInput, start: int, content: str) -> int:
-        name = _obs_segment(inp.turn)
+        name = obs_segment(inp.turn)
         existing = await asyncio.to_thread(self.store.get_segment, inp.rollout_id, name)
         if existing is None:
             ids = await self.engine.tokenize_chat(

@@ -23,7 +23,7 @@ from temporalio.exceptions import ApplicationError
 from activities.engine_client import EngineClient
 from activities.errors import RolloutError
 from activities.heartbeat import heartbeating
-from activities.store import RunStore, Segment
+from activities.store import RunStore, Segment, model_segment, obs_segment
 from envs import coding
 from envs.tool_calls import ToolCallError, parse_tool_call
 from sandboxes import AsyncSandboxBackend, SandboxError, SandboxGone, SandboxHandle, SandboxSpec
@@ -31,10 +31,6 @@ from sandboxes.base import SandboxFileError, SandboxPathError
 from workflows.types import ActionResult, SandboxStepInput, TruncationReason
 
 READ_LIMIT = 16384
-
-
-def _model_segment(turn: int) -> str:
-    return f"t{turn:05d}.model"
 
 
 def _sandbox_error(e: SandboxError) -> ApplicationError:
@@ -131,7 +127,7 @@ class SandboxActivities:
     @activity.defn(name="parse_action")
     async def parse_action(self, inp: SandboxStepInput) -> ActionResult:
         """Parse the turn's tool call; a malformed call becomes an error observation for the model."""
-        seg = await asyncio.to_thread(self.store.get_segment, inp.rollout_id, _model_segment(inp.turn))
+        seg = await asyncio.to_thread(self.store.get_segment, inp.rollout_id, model_segment(inp.turn))
         if seg is None:
             raise ApplicationError(
                 f"rollout {inp.rollout_id}: turn {inp.turn} was never stored", type="StoreError"
@@ -214,7 +210,7 @@ class SandboxActivities:
 
     # -- helpers --------------------------------------------------------------------------------------
     async def _load(self, inp: SandboxStepInput) -> tuple[Segment, dict, SandboxHandle]:
-        seg = await asyncio.to_thread(self.store.get_segment, inp.rollout_id, _model_segment(inp.turn))
+        seg = await asyncio.to_thread(self.store.get_segment, inp.rollout_id, model_segment(inp.turn))
         handle = await asyncio.to_thread(self.store.get_sandbox, inp.rollout_id)
         if seg is None or "action" not in seg.meta:
             raise ApplicationError(
@@ -227,7 +223,7 @@ class SandboxActivities:
         return seg, seg.meta["action"]["arguments"], handle
 
     async def _existing_observation(self, inp: SandboxStepInput) -> ActionResult | None:
-        obs = await asyncio.to_thread(self.store.get_segment, inp.rollout_id, f"t{inp.turn:05d}.obs")
+        obs = await asyncio.to_thread(self.store.get_segment, inp.rollout_id, obs_segment(inp.turn))
         if obs is None:
             return None
         reason = obs.meta.get("truncated_reason")
@@ -235,7 +231,7 @@ class SandboxActivities:
 
     async def _observe(self, inp: SandboxStepInput, seg: Segment, text: str, **meta: Any) -> int:
         """Store the observation of this turn as a ``tool`` message (loss mask 0); returns its length."""
-        name = f"t{inp.turn:05d}.obs"
+        name = obs_segment(inp.turn)
         existing = await asyncio.to_thread(self.store.get_segment, inp.rollout_id, name)
         if existing is None:
             try:

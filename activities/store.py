@@ -73,6 +73,16 @@ class Segment(BaseModel):
         return self.start + len(self.token_ids)
 
 
+def model_segment(turn: int) -> str:
+    """Name of the segment holding turn ``turn``'s sampled tokens."""
+    return f"t{turn:05d}.model"
+
+
+def obs_segment(turn: int) -> str:
+    """Name of the segment holding the observation that follows turn ``turn``."""
+    return f"t{turn:05d}.obs"
+
+
 class RunStore:
     """SQLite + blob directory under one root; safe to share between threads and processes."""
 

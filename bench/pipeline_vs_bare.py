@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
 import tempfile
 import time
 from pathlib import Path
@@ -37,12 +36,6 @@ from workflows.run import RunWorkflow, rollout_template
 from workflows.types import RunInput, group_id, rollout_id
 
 TASKS = REPO_ROOT / "envs" / "data" / "addition.jsonl"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def bare_round(engine: EngineClient, url: str, cfg, tasks: list[dict], tag: str) -> float:
@@ -78,7 +71,7 @@ async def pipeline_round(client, cfg, run_id: str) -> float:
 
 async def main(args: argparse.Namespace) -> dict:
     home = Path(tempfile.mkdtemp(prefix="bench-pipeline-"))
-    stack = StackConfig(engine_port=_free_port(), model_dir=str(REPO_ROOT / "models" / "tiny-policy"))
+    stack = StackConfig(engine_port=procs.free_port(), model_dir=str(REPO_ROOT / "models" / "tiny-policy"))
     url = f"http://127.0.0.1:{stack.engine_port}"
     pid = procs.spawn("engine", procs.engine_argv(stack), home, env=procs.engine_env(stack))
     env = None

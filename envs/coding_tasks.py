@@ -20,7 +20,6 @@ both against the hidden tests. Paths are relative, use ``/`` and never leave the
 
 from __future__ import annotations
 
-import json
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -90,17 +89,13 @@ def load_coding_tasks(path: str | Path) -> list[CodingTask]:
     Raises:
         TaskFileError: one line naming the file, line and field at fault.
     """
+    from envs.tasks import json_objects
+
     p = Path(path)
-    try:
-        lines = p.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise TaskFileError(f"{p}: cannot read task file: {getattr(e, 'strerror', None) or e}") from e
     tasks: list[CodingTask] = []
     seen: set[str] = set()
-    for n, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        task = _parse_line(p, n, line)
+    for n, obj in json_objects(p):
+        task = _validate(p, n, obj)
         if task.id in seen:
             raise TaskFileError(f"{p}:{n}: field 'id': duplicate task id {task.id!r}")
         seen.add(task.id)
@@ -110,13 +105,7 @@ def load_coding_tasks(path: str | Path) -> list[CodingTask]:
     return tasks
 
 
-def _parse_line(p: Path, n: int, line: str) -> CodingTask:
-    try:
-        obj: Any = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise TaskFileError(f"{p}:{n}: not valid JSON ({e.msg})") from e
-    if not isinstance(obj, dict):
-        raise TaskFileError(f"{p}:{n}: a task must be a JSON object")
+def _validate(p: Path, n: int, obj: dict[str, Any]) -> CodingTask:
     try:
         return CodingTask.model_validate(obj)
     except ValidationError as e:

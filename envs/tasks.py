@@ -7,12 +7,35 @@ nothing downstream ever sees a half-valid task.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from activities.errors import TaskFileError
 
 REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {"math": ("id", "prompt", "answer")}
+
+
+def json_objects(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, object) for every non-blank line of a JSONL task file.
+
+    Raises:
+        TaskFileError: the file cannot be read, or a line is not a JSON object (names file and line).
+    """
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise TaskFileError(f"{path}: cannot read task file: {getattr(e, 'strerror', None) or e}") from e
+    for n, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise TaskFileError(f"{path}:{n}: not valid JSON ({e.msg})") from e
+        if not isinstance(obj, dict):
+            raise TaskFileError(f"{path}:{n}: a task must be a JSON object")
+        yield n, obj
 
 
 def load_tasks(path: str | Path, env: str) -> list[dict[str, Any]]:
@@ -26,22 +49,10 @@ def load_tasks(path: str | Path, env: str) -> list[dict[str, Any]]:
         from envs.coding_tasks import load_coding_tasks
 
         return [t.model_dump(mode="json") for t in load_coding_tasks(p)]
-    try:
-        lines = p.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise TaskFileError(f"{p}: cannot read task file: {e.strerror or e}") from e
     required = REQUIRED_FIELDS.get(env, ("id", "prompt"))
     tasks: list[dict[str, Any]] = []
     seen: set[str] = set()
-    for n, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            task = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise TaskFileError(f"{p}:{n}: not valid JSON ({e.msg})") from e
-        if not isinstance(task, dict):
-            raise TaskFileError(f"{p}:{n}: a task must be a JSON object")
+    for n, task in json_objects(p):
         for field in required:
             if field not in task:
                 raise TaskFileError(f"{p}:{n}: missing field {field!r}")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import socket
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +20,7 @@ from temporalio.testing import WorkflowEnvironment
 
 from config.models import StackConfig
 from config.paths import REPO_ROOT, venv_bin
+from workers.procs import free_port
 from workflows import search_attributes as sa
 
 MODEL_DIR = REPO_ROOT / "models" / "tiny-policy"
@@ -31,12 +31,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if "tests/integration/" in str(item.fspath).replace(os.sep, "/"):
             item.add_marker(pytest.mark.integration)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

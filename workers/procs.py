@@ -32,6 +32,13 @@ class StackError(RuntimeError):
     """A stack process could not be started, stayed unhealthy, or a precondition failed (one-line message)."""
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port the OS reports free right now (for tests and benchmarks that start their own servers)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
 def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
     """Whether a server could not bind ``host:port`` right now.
 

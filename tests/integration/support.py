@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -90,3 +91,13 @@ def coding_config(url: str, task_queue: str, groups: int = 2, size: int = 2, **s
 
 def assert_no_containers(docker: DockerBackend, run_id: str) -> None:
     assert docker.list_containers(run_id) == []
+
+
+async def wait_for_first_command(store: RunStore, rid: str) -> None:
+    """Until the rollout's first tool call has been parsed (its sandbox command is about to run)."""
+    for _ in range(600):
+        seg = store.get_segment(rid, "t00000.model")
+        if seg is not None and "action" in seg.meta:
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"rollout {rid} never started its first command")

@@ -25,6 +25,7 @@ from tests.integration.support import (
     export,
     run_to_end,
     start_run,
+    wait_for_first_command,
     worker,
 )
 from workflows.types import group_id, rollout_id
@@ -142,12 +143,8 @@ async def test_container_killed_mid_command_is_recovered_by_replay(
     rid = rollout_id(run_id, group_id(0), 0)
     async with worker(client, task_queue, tmp_path) as store:
         handle = await start_run(client, cfg, run_id)
-        for _ in range(600):  # the first `sleep 30` is running in the sandbox
-            seg = store.get_segment(rid, "t00000.model")
-            if seg is not None and "action" in seg.meta and docker.list_containers(run_id):
-                break
-            await asyncio.sleep(0.1)
-        await asyncio.sleep(1.0)
+        await wait_for_first_command(store, rid)
+        await asyncio.sleep(1.0)  # the first `sleep 30` is running in the sandbox
         (info,) = docker.list_containers(run_id)
         docker.client.containers.get(info.container_id).kill()
         await handle.result()
@@ -188,15 +185,6 @@ async def test_coding_run_against_real_vllm_ends_every_rollout_and_leaves_no_con
     assert_no_containers(docker, "vllm-coding")
 
 
-async def _wait_for_command(store, docker: DockerBackend, rid: str, run_id: str) -> None:
-    for _ in range(600):  # until the first command of the rollout runs in its sandbox
-        seg = store.get_segment(rid, "t00000.model")
-        if seg is not None and "action" in seg.meta and docker.list_containers(run_id):
-            return
-        await asyncio.sleep(0.1)
-    raise AssertionError("the rollout never started its first command")
-
-
 @pytest.mark.timeout(600)
 async def test_cancelled_rollout_is_recorded_and_its_sandbox_destroyed(
     client: Client, docker: DockerBackend, sim: str, task_queue: str, tmp_path: Path
@@ -206,7 +194,7 @@ async def test_cancelled_rollout_is_recorded_and_its_sandbox_destroyed(
     cfg = coding_config(sim, task_queue, groups=1, size=2)
     async with worker(client, task_queue, tmp_path) as store:
         handle = await start_run(client, cfg, run_id)
-        await _wait_for_command(store, docker, rid, run_id)
+        await wait_for_first_command(store, rid)
         await client.get_workflow_handle(rid).cancel()
         await client.get_workflow_handle(rollout_id(run_id, group_id(0), 1)).cancel()
         await handle.result()
@@ -228,7 +216,7 @@ async def test_terminated_rollout_gets_a_failed_record_and_the_reaper_removes_it
     cfg = coding_config(sim, task_queue, groups=1, size=1)
     async with worker(client, task_queue, tmp_path) as store:
         handle = await start_run(client, cfg, run_id)
-        await _wait_for_command(store, docker, rid, run_id)
+        await wait_for_first_command(store, rid)
         await client.get_workflow_handle(rid).terminate(reason="test")
         await handle.result()
         assert len(docker.list_containers(run_id)) == 1  # terminated code cannot clean up after itself

@@ -22,6 +22,7 @@ from tests.integration.support import (
     export,
     run_to_end,
     start_run,
+    wait_for_first_command,
     worker,
 )
 from tests.integration.test_durability import spawn_worker
@@ -56,12 +57,8 @@ async def test_worker_sigkill_during_a_sandbox_command(
     second = None
     try:
         handle = await start_run(client, cfg, run_id)
-        for _ in range(600):  # wait until the first `sleep 30` runs in the sandbox
-            seg = store.get_segment(rid, "t00000.model")
-            if seg is not None and "action" in seg.meta:
-                break
-            await asyncio.sleep(0.1)
-        await asyncio.sleep(1.0)
+        await wait_for_first_command(store, rid)
+        await asyncio.sleep(1.0)  # the first `sleep 30` is running in the sandbox
         os.killpg(first, signal.SIGKILL)
         assert len(docker.list_containers(run_id)) == 1
         second = spawn_worker(temporal_env, task_queue, tmp_path, "worker-2")

@@ -27,12 +27,6 @@ def pids() -> Iterator[list[int]]:
         procs.stop_pid(pid, timeout=2)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _listener() -> socket.socket:
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
@@ -47,7 +41,7 @@ def test_port_in_use_sees_listening_and_bound_sockets() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         assert procs.port_in_use(s.getsockname()[1])
-    assert not procs.port_in_use(_free_port())
+    assert not procs.port_in_use(procs.free_port())
 
 
 @pytest.mark.timeout(20)
@@ -141,7 +135,11 @@ def test_argv_builders() -> None:
 @pytest.mark.timeout(10)
 @pytest.mark.parametrize("taken", ["temporal_port", "ui_port", "engine_port"])
 def test_up_refuses_a_taken_port_before_starting_anything(tmp_path: Path, taken: str) -> None:
-    ports = {"temporal_port": _free_port(), "ui_port": _free_port(), "engine_port": _free_port()}
+    ports = {
+        "temporal_port": procs.free_port(),
+        "ui_port": procs.free_port(),
+        "engine_port": procs.free_port(),
+    }
     with _listener() as s:
         ports[taken] = s.getsockname()[1]
         with pytest.raises(stack.StackError, match=rf"^port {ports[taken]} \(.+\) is already in use$"):
@@ -152,7 +150,7 @@ def test_up_refuses_a_taken_port_before_starting_anything(tmp_path: Path, taken:
 
 @pytest.mark.timeout(10)
 def test_up_names_a_missing_model(tmp_path: Path) -> None:
-    cfg = StackConfig(engine_port=_free_port(), model_dir=str(tmp_path / "nope"))
+    cfg = StackConfig(engine_port=procs.free_port(), model_dir=str(tmp_path / "nope"))
     with pytest.raises(stack.StackError, match=r"nope/config.json is missing"):
         stack.up(cfg, tmp_path, detach=True, components=("engine",))
     assert not (tmp_path / "logs").exists()
@@ -162,7 +160,12 @@ def test_up_names_a_missing_model(tmp_path: Path) -> None:
 def test_up_refuses_a_second_stack_in_the_same_home(tmp_path: Path, pids: list[int]) -> None:
     pids.append(procs.spawn("temporal", ["sleep", "60"], tmp_path))
     with pytest.raises(stack.StackError, match="already running"):
-        stack.up(StackConfig(temporal_port=_free_port(), ui_port=_free_port()), tmp_path, True, ("temporal",))
+        stack.up(
+            StackConfig(temporal_port=procs.free_port(), ui_port=procs.free_port()),
+            tmp_path,
+            True,
+            ("temporal",),
+        )
     assert stack.down(tmp_path) == ["temporal"]
     assert not procs.pid_alive(pids[0])
     assert not procs.pid_path(tmp_path, "temporal").exists()
