@@ -3,6 +3,13 @@
 This is a stable contract that trainers read (see README, "Export format"); fields keep their names and
 meaning, new fields may be added. Invariant: token_ids, logprobs, loss_mask and policy_versions of a record
 have the same length, and logprobs/policy_versions are null exactly where loss_mask is 0.
+
+Lineage: every rollout record carries ``lineage`` (see :func:`rollout_lineage`): the policy versions that
+sampled its tokens in order of first use, the run's config hash, the environment and verifier versions
+(constants in ``envs/``) and, for coding, the sandbox image of the stored config. ``finalize_rollout`` stores
+it with the record; records stored before lineage existed are exported with what the store still knows
+(versions from the tokens, hash and image from the stored run) and null for the code versions it never
+recorded.
 """
 
 from __future__ import annotations
@@ -12,6 +19,77 @@ from collections.abc import Iterator
 from typing import IO, Any
 
 from activities.store import RunStore, Segment
+
+LINEAGE_FIELDS = (
+    "policy_versions",
+    "config_hash",
+    "env",
+    "env_version",
+    "verifier_version",
+    "sandbox_image",
+)
+"""Keys of a record's ``lineage`` object, in export order."""
+
+
+def env_versions(env: str) -> tuple[str | None, str | None]:
+    """(environment version, verifier version) of the code running now; None for an unknown env."""
+    if env == "math":
+        from envs import math as math_env
+
+        return math_env.ENV_VERSION, math_env.VERIFIER_VERSION
+    if env == "coding":
+        from envs import coding as coding_env
+
+        return coding_env.ENV_VERSION, coding_env.VERIFIER_VERSION
+    return None, None
+
+
+def versions_in_order(segs: list[Segment]) -> list[str]:
+    """Policy versions that sampled the rollout's tokens, in order of first use (engine-reported)."""
+    seen: dict[str, None] = {}
+    for s in segs:
+        if s.kind == "model":
+            for v in s.policy_versions or []:
+                if v is not None:
+                    seen.setdefault(v, None)
+    return list(seen)
+
+
+def rollout_lineage(run: dict[str, Any] | None, env: str, segs: list[Segment]) -> dict[str, Any]:
+    """What produced a rollout: policy versions, run config hash, env/verifier versions, sandbox image.
+
+    ``run`` is the store's run row (``config_json``, ``config_hash``) or None when the run is unknown.
+    """
+    env_version, verifier_version = env_versions(env)
+    return {
+        "policy_versions": versions_in_order(segs),
+        "config_hash": run["config_hash"] if run else None,
+        "env": env,
+        "env_version": env_version,
+        "verifier_version": verifier_version,
+        "sandbox_image": _sandbox_image(run, env),
+    }
+
+
+def _sandbox_image(run: dict[str, Any] | None, env: str) -> str | None:
+    if env != "coding" or not run:
+        return None
+    try:
+        image = json.loads(run["config_json"])["sandbox"]["image"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return image if isinstance(image, str) else None
+
+
+def _export_lineage(stored: Any, run: dict[str, Any] | None, env: str, segs: list[Segment]) -> dict[str, Any]:
+    """The stored lineage, or what the store still knows for a record stored before lineage existed."""
+    if isinstance(stored, dict):
+        out = {k: stored.get(k) for k in LINEAGE_FIELDS}
+        out["policy_versions"] = versions_in_order(segs)  # the tokens are the source of truth
+        return out
+    out = rollout_lineage(run, env, segs)
+    out["env_version"] = out["verifier_version"] = None  # not recorded: never guessed from today's code
+    return out
 
 
 def _turns(segs: list[Segment]) -> list[dict[str, Any]]:
@@ -52,6 +130,7 @@ def rollout_record(store: RunStore, row: dict[str, Any]) -> dict[str, Any]:
         )
         loss_mask.extend([1 if sampled else 0] * len(s.token_ids))
     extra = json.loads(row["extra_json"] or "{}")
+    lineage = _export_lineage(extra.pop("lineage", None), store.get_run(row["run_id"]), row["env"], segs)
     return {
         **extra,
         "kind": "rollout",
@@ -73,6 +152,7 @@ def rollout_record(store: RunStore, row: dict[str, Any]) -> dict[str, Any]:
         "policy_versions": versions,
         "sampling": json.loads(row["sampling_json"]),
         "turns": _turns(segs),
+        "lineage": lineage,
     }
 
 

@@ -18,6 +18,7 @@ from temporalio import activity
 
 from activities.engine_client import EngineClient
 from activities.errors import ContextLengthExceeded, EnvironmentFailure, RolloutError
+from activities.export import rollout_lineage
 from activities.heartbeat import heartbeating
 from activities.store import RunStore, Segment, model_segment, obs_segment
 from envs import coding as coding_env
@@ -188,8 +189,14 @@ class RolloutActivities:
 
     @activity.defn(name="finalize_rollout")
     async def finalize_rollout(self, inp: FinalizeRolloutInput) -> bool:
-        """Write the rollout's record once (keyed by rollout id); returns False if it already existed."""
+        """Write the rollout's record once (keyed by rollout id); returns False if it already existed.
+
+        The record carries its lineage (policy versions, config hash, env/verifier versions, sandbox image;
+        see ``activities.export.rollout_lineage``) in ``extra_json["lineage"]``.
+        """
         segs = await asyncio.to_thread(self.store.segments, inp.rollout_id)
+        run = await asyncio.to_thread(self.store.get_run, inp.run_id)
+        extra = {**inp.extra, "lineage": rollout_lineage(run, inp.env, segs)}
         prompt_len = segs[0].end if segs and segs[0].kind == "prompt" else 0
         rec = {
             "rollout_id": inp.rollout_id,
@@ -206,7 +213,7 @@ class RolloutActivities:
             "prompt_length": prompt_len,
             "num_tokens": segs[-1].end if segs else 0,
             "sampling_json": inp.sampling.model_dump_json(),
-            "extra_json": json.dumps(inp.extra),
+            "extra_json": json.dumps(extra),
         }
         return await asyncio.to_thread(self.store.put_rollout, rec)
 

@@ -21,6 +21,11 @@ import xml.etree.ElementTree as ET
 from envs.tool_calls import TOOLS
 
 ENV_VERSION = "coding-v1"
+"""Version of the harness's behaviour (system prompt, tool-call format, observations); every record carries it
+(``lineage.env_version``). Bump it whenever that behaviour changes."""
+VERIFIER_VERSION = "coding-junit-v1"
+"""Version of the reward (hidden tests run by ``scoring_command``, scored by ``reward_from_junit``); recorded
+as ``lineage.verifier_version``. Bump it whenever a reward could change."""
 
 SYSTEM_PROMPT = (
     "You are a coding agent working in a sandbox. Each turn, call exactly one tool by writing\n"
@@ -82,6 +87,7 @@ __all__ = [
     "ENV_VERSION",
     "SYSTEM_PROMPT",
     "TOOLS",
+    "VERIFIER_VERSION",
     "count_tests",
     "first_messages",
     "format_exec",

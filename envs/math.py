@@ -6,7 +6,12 @@ another attempt, until the answer is right or the attempts run out. The reward i
 
 from __future__ import annotations
 
+ENV_VERSION = "math-v1"
+"""Version of the environment's behaviour (prompt rendering, RETRY_PROMPT, turn rules); every record carries
+it (``lineage.env_version``). Bump it whenever that behaviour changes."""
 VERIFIER_VERSION = "math-exact-v1"
+"""Version of the reward function (``normalize``/``verify``); recorded as ``lineage.verifier_version``.
+Bump it whenever a reward could change."""
 RETRY_PROMPT = "Wrong, try again."
 
 

@@ -225,8 +225,15 @@ def _mount_feed() -> None:
     app.add_typer(feed_app, name="feed")
 
 
+def _mount_reproduce() -> None:
+    from workers.reproduce import reproduce_command
+
+    app.command("reproduce")(reproduce_command)
+
+
 _mount_stack()
 _mount_feed()
+_mount_reproduce()
 
 
 def main() -> None:
