@@ -28,6 +28,7 @@ from envs import coding
 from envs.tool_calls import ToolCallError, parse_tool_call
 from sandboxes import AsyncSandboxBackend, SandboxError, SandboxGone, SandboxHandle, SandboxSpec
 from sandboxes.base import SandboxFileError, SandboxPathError
+from sandboxes.pool import PoolSettings, SandboxPool, SandboxSlotPending
 from workflows.types import ActionResult, SandboxStepInput, TruncationReason
 
 READ_LIMIT = 16384
@@ -46,12 +47,17 @@ class SandboxActivities:
     """Sandbox activities of a worker: the store, the engine (to tokenize observations), the backend."""
 
     def __init__(
-        self, store: RunStore, engine: EngineClient, backend: Callable[[], AsyncSandboxBackend]
+        self,
+        store: RunStore,
+        engine: EngineClient,
+        backend: Callable[[], AsyncSandboxBackend],
+        pool: SandboxPool | None = None,
     ) -> None:
         self.store = store
         self.engine = engine
         self._make_backend = backend
         self._backend: AsyncSandboxBackend | None = None
+        self.pool = pool or SandboxPool(store.root / "pool.sqlite")
 
     @property
     def backend(self) -> AsyncSandboxBackend:
@@ -66,8 +72,20 @@ class SandboxActivities:
     # -- lifecycle ------------------------------------------------------------------------------------
     @activity.defn(name="sandbox_create")
     async def sandbox_create(self, inp: SandboxStepInput) -> str:
-        """Create (or reattach to) the rollout's sandbox and lay out the task's files; returns its name."""
+        """Create (or reattach to) the rollout's sandbox and lay out the task's files; returns its name.
+
+        With a pool (``pool_json``), a slot is held first; none free raises a non-retryable
+        ``SandboxSlotPending`` whose details carry the seconds to wait: the workflow backs off durably.
+        """
         spec = SandboxSpec.model_validate_json(inp.spec_json)
+        if inp.pool_json:
+            settings = PoolSettings.model_validate_json(inp.pool_json)
+            try:
+                await asyncio.to_thread(self.pool.acquire, inp.rollout_id, settings)
+            except SandboxSlotPending as e:
+                raise ApplicationError(
+                    str(e), e.retry_after_s, type="SandboxSlotPending", non_retryable=True
+                ) from e
         try:
             handle = await heartbeating(self.backend.create(inp.rollout_id, inp.run_id, spec))
             fresh = await asyncio.to_thread(self.store.get_sandbox, inp.rollout_id)
@@ -82,11 +100,12 @@ class SandboxActivities:
 
     @activity.defn(name="sandbox_destroy")
     async def sandbox_destroy(self, rollout_id: str) -> None:
-        """Remove the rollout's sandbox (absent is fine)."""
+        """Remove the rollout's sandbox (absent is fine) and give back its pool slot."""
         try:
             await self.backend.destroy(rollout_id)
         except SandboxError as e:
             raise _sandbox_error(e) from e
+        await asyncio.to_thread(self.pool.release, rollout_id)
 
     @activity.defn(name="sandbox_recover")
     async def sandbox_recover(self, inp: SandboxStepInput) -> int:

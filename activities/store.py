@@ -49,6 +49,9 @@ CREATE TABLE IF NOT EXISTS policies (
     seq INTEGER PRIMARY KEY AUTOINCREMENT, version TEXT NOT NULL UNIQUE, weights_hash TEXT NOT NULL,
     weights_dir TEXT NOT NULL, engines_json TEXT NOT NULL, status TEXT NOT NULL, created_at REAL NOT NULL,
     published_at REAL);
+CREATE TABLE IF NOT EXISTS dispatch_log (
+    run_id TEXT NOT NULL, seq INTEGER NOT NULL, at REAL NOT NULL, record_json TEXT NOT NULL,
+    PRIMARY KEY (run_id, seq));
 CREATE TABLE IF NOT EXISTS feed (
     run_id TEXT NOT NULL, group_id TEXT NOT NULL, state TEXT NOT NULL, reason TEXT, batch_id TEXT,
     records INTEGER NOT NULL, tokens INTEGER NOT NULL, lag INTEGER, at REAL NOT NULL,
@@ -349,6 +352,38 @@ class RunStore:
             .fetchall()
         )
         return {r[0]: r[1] for r in rows}
+
+    def group_counts(self, run_id: str, group_ids: list[str]) -> dict[str, tuple[int, int]]:
+        """Per group: (records written, records cancelled for admission)."""
+        if not group_ids:
+            return {}
+        marks = ",".join("?" * len(group_ids))
+        rows = (
+            self._conn()
+            .execute(
+                "SELECT group_id, COUNT(*), SUM(outcome='cancelled' AND reason='admission') FROM rollouts"
+                f" WHERE run_id=? AND group_id IN ({marks}) GROUP BY group_id",
+                [run_id, *group_ids],
+            )
+            .fetchall()
+        )
+        return {r[0]: (r[1], r[2] or 0) for r in rows}
+
+    # -- the dispatcher's decisions (one row per poll, idempotent on (run, seq)) -----------------------
+    def put_dispatch_log(self, run_id: str, seq: int, at: float, record: dict[str, Any]) -> None:
+        with self._tx() as db:
+            db.execute(
+                "INSERT OR IGNORE INTO dispatch_log (run_id, seq, at, record_json) VALUES (?,?,?,?)",
+                (run_id, seq, at, json.dumps(record)),
+            )
+
+    def dispatch_log(self, run_id: str) -> list[dict[str, Any]]:
+        rows = (
+            self._conn()
+            .execute("SELECT record_json FROM dispatch_log WHERE run_id=? ORDER BY seq", (run_id,))
+            .fetchall()
+        )
+        return [json.loads(r[0]) for r in rows]
 
     # -- policy versions (append-only; a version id is never re-bound to other weights) ---------------
     def put_policy(

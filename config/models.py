@@ -11,6 +11,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from sandboxes.base import SandboxSpec
+from workflows.admission import AdmissionConfig
 
 
 class _Strict(BaseModel):
@@ -40,6 +41,10 @@ class EngineConfig(_Strict):
     failover: bool = True
     """When a rollout's replica stays unreachable past max_attempts, move the rollout to its next replica
     (which re-prefills the context; counted in the record) instead of failing it."""
+    affinity: Literal["group", "rollout"] = "group"
+    """Replica choice: "group" = the dispatcher puts a whole group on one replica (bounded-load hashing
+    of the task id, so the shared prompt prefix is cached once); "rollout" = each rollout hashes its own
+    id over the replicas. Either way every turn of a rollout goes to the same replica."""
     max_attempts: int = Field(5, ge=1, le=100)
     """Attempts of a model-call activity (transport errors and 5xx) before the rollout fails as infra."""
     retry_initial_s: float = Field(0.5, gt=0, le=60)
@@ -89,6 +94,49 @@ class RunConfig(_Strict):
     """eps in GRPO's (r - mean) / (std + eps)."""
 
 
+class AdmissionSection(AdmissionConfig):
+    """The dispatcher: adaptive admission against the engines' /metrics (rules in workflows/admission.py).
+
+    Disabled, the run keeps a fixed number of groups in flight (run.max_inflight_groups) and polls nothing.
+    Enabled, the cap is in rollouts and follows the controller; run.max_inflight_groups still bounds
+    the groups in flight. group_size comes from run.group_size.
+    """
+
+    enabled: bool = False
+    """Use the adaptive controller (polls every engine's /metrics) instead of the fixed group cap."""
+    poll_interval_s: float = Field(5.0, gt=0.0, le=600.0)
+    """Seconds between two polls of the fleet (engines' /metrics and the sandbox pool)."""
+    redispatch_cancelled: bool = False
+    """Restart the group slot of a rollout cancelled for admission (a new rollout id, suffix r<n>);
+    otherwise the slot ends cancelled and counts toward the group's size outside the comparison."""
+    load_factor: float = Field(1.25, ge=1.0, le=10.0)
+    """Bounded-load affinity: a replica takes a new group only while its rollouts in flight stay within
+    this x the fleet's mean; otherwise the group goes to its next replica in hash order."""
+
+
+class SandboxPoolConfig(_Strict):
+    """The sandbox pool the dispatcher tracks: capacity that scales up with a latency, to a maximum.
+
+    Every sandbox holds one slot; a create without a ready slot asks for one more (ready after
+    scale_up_latency_s) and backs off (SandboxNotReady) instead of failing the rollout.
+    """
+
+    initial_size: int = Field(64, ge=0, le=100_000)
+    """Slots ready when the pool is first used."""
+    max_size: int = Field(256, ge=1, le=100_000)
+    """Most slots the pool scales up to (e.g. nodes x sandboxes per node)."""
+    scale_up_latency_s: float = Field(0.0, ge=0.0, le=3600.0)
+    """Seconds from asking for a slot to its being ready (node boot, image pull)."""
+    tasks_per_minute: float = Field(600.0, gt=0.0, le=1_000_000.0)
+    """Admission rate of sandboxed rollouts while the pool scales up (token bucket, burst one group)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> SandboxPoolConfig:
+        if self.initial_size > self.max_size:
+            raise ValueError(f"initial_size {self.initial_size} > max_size {self.max_size}")
+        return self
+
+
 class StackConfig(_Strict):
     """The embedded stack `rollouts stack up` starts: a Temporal dev server, one vLLM engine, one worker."""
 
@@ -126,6 +174,8 @@ class Config(_Strict):
     temporal: TemporalConfig = Field(default_factory=TemporalConfig)
     sandbox: SandboxSpec = Field(default_factory=SandboxSpec)
     """Image and limits of the coding environment's sandboxes (hardened; see sandboxes/base.py)."""
+    sandbox_pool: SandboxPoolConfig = Field(default_factory=SandboxPoolConfig)
+    admission: AdmissionSection = Field(default_factory=AdmissionSection)
     stack: StackConfig = Field(default_factory=StackConfig)
 
     @model_validator(mode="after")
@@ -134,4 +184,6 @@ class Config(_Strict):
             raise ValueError("sampling.max_tokens exceeds rollout.max_total_tokens")
         if self.engine.retry_initial_s > self.engine.retry_max_s:
             raise ValueError("engine.retry_initial_s exceeds engine.retry_max_s")
+        if self.admission.enabled and self.admission.max_inflight < self.run.group_size:
+            raise ValueError("admission.max_inflight is smaller than run.group_size: no group could start")
         return self

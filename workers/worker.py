@@ -15,6 +15,7 @@ from pathlib import Path
 from temporalio.client import Client
 from temporalio.worker import Worker
 
+from activities.dispatch_activities import DispatchActivities
 from activities.engine_client import EngineClient
 from activities.reaper import reap_forever
 from activities.rollout_activities import RolloutActivities
@@ -22,6 +23,7 @@ from activities.sandbox_activities import SandboxActivities
 from activities.store import RunStore
 from config.paths import rollouts_home
 from sandboxes import AsyncSandboxBackend, DockerBackend, SandboxError
+from sandboxes.pool import SandboxPool
 from workers.client import connect
 from workflows.group import GroupWorkflow
 from workflows.rollout import RolloutWorkflow
@@ -42,12 +44,14 @@ def build_worker(
     sandboxes: Callable[[], AsyncSandboxBackend] = docker_sandboxes,
 ) -> Worker:
     """A worker with every workflow and activity registered; activities are I/O bound, so many at once."""
-    sandbox_acts = SandboxActivities(acts.store, acts.engine, sandboxes)
+    pool = SandboxPool(acts.store.root / "pool.sqlite")
+    sandbox_acts = SandboxActivities(acts.store, acts.engine, sandboxes, pool)
+    dispatch_acts = DispatchActivities(acts.store, pool)
     return Worker(
         client,
         task_queue=task_queue,
         workflows=WORKFLOWS,
-        activities=acts.all() + sandbox_acts.all(),
+        activities=acts.all() + sandbox_acts.all() + dispatch_acts.all(),
         max_concurrent_activities=256,
         max_concurrent_workflow_tasks=64,
     )

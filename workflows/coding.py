@@ -3,6 +3,8 @@
 Invariants:
 - One sandbox per rollout, keyed by the rollout id; it is destroyed when the rollout ends, however it ends
   (the workflow's finalize path; a reaper covers terminated workflows).
+- A create that finds no free pool slot waits on a durable timer and asks again (the pool says how
+  long); it never fails the rollout. The record counts the waits (``sandbox_slot_waits``).
 - A sandbox that dies is recovered by replaying the rollout's recorded actions into a fresh one (the
   record counts the replays); if that fails too, the rollout fails as ``infra: SandboxGone``. A dead
   sandbox is never scored.
@@ -43,6 +45,7 @@ def _step_input(inp: RolloutInput, engine: str, turn: int, with_spec: bool = Fal
         engine_url=engine,
         model=inp.engine.model,
         spec_json=inp.sandbox_spec_json if with_spec else "",
+        pool_json=inp.pool_json if with_spec else "",
     )
 
 
@@ -56,15 +59,31 @@ class CodingSteps:
     def __init__(self, inp: RolloutInput, engine: str) -> None:
         self.inp, self.engine = inp, engine
         self.replays = 0
+        self.slot_waits = 0
 
     async def create(self) -> None:
-        await workflow.execute_activity(
-            "sandbox_create",
-            _step_input(self.inp, self.engine, 0, with_spec=True),
-            start_to_close_timeout=timedelta(minutes=5),
-            heartbeat_timeout=timedelta(seconds=30),
-            retry_policy=SANDBOX_RETRY,
-        )
+        """Create the sandbox; while the pool has no free slot, wait (durable timer) and ask again."""
+        waits = 0
+        while True:
+            try:
+                await workflow.execute_activity(
+                    "sandbox_create",
+                    _step_input(self.inp, self.engine, 0, with_spec=True),
+                    start_to_close_timeout=timedelta(minutes=5),
+                    heartbeat_timeout=timedelta(seconds=30),
+                    retry_policy=SANDBOX_RETRY,
+                )
+                return
+            except ActivityError as e:
+                cause = e.cause
+                if not (isinstance(cause, ApplicationError) and cause.type == "SandboxSlotPending"):
+                    raise
+                hint = float(cause.details[0]) if cause.details else 2.0
+            waits += 1
+            self.slot_waits += 1
+            delay = min(30.0, max(0.5, hint))  # the pool's estimate of when a slot is ready
+            workflow.set_current_details(f"waiting for a sandbox slot ({waits}): {cause.message}"[:300])
+            await workflow.sleep(delay)
 
     async def destroy(self) -> None:
         await workflow.execute_activity(

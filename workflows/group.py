@@ -7,10 +7,14 @@ Invariants:
 - A member whose child workflow itself died still gets exactly one record (written here).
 - The group reports its result to the run workflow by signal, so the run can continue-as-new while
   groups are in flight.
+- The dispatcher may ``shed`` members (cancel, reason admission): they get a cancelled record, count toward
+  the size and stay out of the comparison; with ``redispatch_cancelled`` the slot runs again under id
+  ``<run>/<group>/<i>r<n>`` (same sample index), so the group still compares ``size`` finished slots.
 """
 
 from __future__ import annotations
 
+import asyncio
 import zlib
 from datetime import timedelta
 
@@ -20,6 +24,7 @@ from temporalio.exceptions import ChildWorkflowError
 
 with workflow.unsafe.imports_passed_through():
     from workflows import search_attributes as sa
+    from workflows.admission import CANCEL_REASON
     from workflows.grpo import group_stats
     from workflows.rollout import FINALIZE_RETRY, RolloutWorkflow
     from workflows.types import (
@@ -41,49 +46,50 @@ def member_seed(base: int | None, rid: str) -> int | None:
     return (base * 1_000_003 + zlib.crc32(rid.encode())) % (2**31 - 1)
 
 
+MAX_REDISPATCH = 3
+"""Most times one group slot is restarted after admission cancels (then it stays cancelled)."""
+
+
 @workflow.defn(name="GroupWorkflow")
 class GroupWorkflow:
     def __init__(self) -> None:
         self._done = 0
         self._size = 0
+        self._running: dict[str, workflow.ChildWorkflowHandle] = {}
+        self._told: set[str] = set()
 
     @workflow.query
     def progress(self) -> dict:
-        return {"done": self._done, "size": self._size}
+        return {"done": self._done, "size": self._size, "running": sorted(self._running)}
+
+    @workflow.signal
+    async def shed(self, n: int) -> None:
+        """Cancel ``n`` more running members for admission (the youngest slots first); a member already
+        told, or already ended, is not told again."""
+        victims = [rid for rid in reversed(list(self._running)) if rid not in self._told][: max(0, n)]
+        for rid in victims:
+            self._told.add(rid)
+            try:
+                await self._running[rid].signal(RolloutWorkflow.cancel_for, CANCEL_REASON)
+            except Exception as e:  # it ended in the meantime: nothing to cancel
+                workflow.logger.info("shed %s: %s", rid, e)
 
     @workflow.run
     async def run(self, inp: GroupInput) -> GroupResult:
         self._size = inp.size
         workflow.set_current_details(f"task={inp.task_id} members=0/{inp.size}")
-        members = [self._member_input(inp, i) for i in range(inp.size)]
-        handles = []
-        for m in members:
-            handles.append(
-                await workflow.start_child_workflow(
-                    RolloutWorkflow.run,
-                    m,
-                    id=m.rollout_id,
-                    search_attributes=TypedSearchAttributes(
-                        [
-                            sa.RUN.value_set(inp.run_id),
-                            sa.GROUP.value_set(inp.group_id),
-                            sa.TASK.value_set(inp.task_id),
-                            sa.ENV.value_set(m.env),
-                            sa.PHASE.value_set("queued"),
-                        ]
-                    ),
-                )
-            )
-        results: list[RolloutResult] = []
-        for m, h in zip(members, handles, strict=True):
-            try:
-                results.append(await h)
-            except ChildWorkflowError as e:
-                results.append(await self._record_dead_member(m, e))
-            self._done += 1
-            workflow.set_current_details(f"task={inp.task_id} members={self._done}/{inp.size}")
+        attempts: list[RolloutResult] = []
+        await asyncio.gather(*(self._slot(inp, i, attempts) for i in range(inp.size)))
+        attempts.sort(key=lambda r: (r.sample_index, r.rollout_id))
         record, advantages = group_stats(
-            inp.run_id, inp.group_id, inp.task_id, inp.size, results, inp.advantage_eps
+            inp.run_id, inp.group_id, inp.task_id, inp.size, attempts, inp.advantage_eps
+        )
+        cancelled = [r for r in attempts if r.outcome == Outcome.CANCELLED and r.reason == CANCEL_REASON]
+        record = record.model_copy(
+            update={
+                "admission_cancelled": len(cancelled),
+                "wasted_tokens": sum(r.wasted_tokens for r in cancelled),
+            }
         )
         await workflow.execute_local_activity(
             "finalize_group",
@@ -91,12 +97,45 @@ class GroupWorkflow:
             start_to_close_timeout=timedelta(seconds=60),
             retry_policy=FINALIZE_RETRY,
         )
+        await workflow.wait_condition(workflow.all_handlers_finished)
         if inp.run_workflow_id:
             await workflow.get_external_workflow_handle(inp.run_workflow_id).signal("group_done", record)
         return record
 
-    def _member_input(self, inp: GroupInput, i: int) -> RolloutInput:
-        rid = rollout_id(inp.run_id, inp.group_id, i)
+    async def _slot(self, inp: GroupInput, i: int, attempts: list[RolloutResult]) -> None:
+        """Run slot i to its end; with redispatch, a member cancelled for admission is started again."""
+        for attempt in range(MAX_REDISPATCH + 1):
+            m = self._member_input(inp, i, attempt)
+            handle = await workflow.start_child_workflow(
+                RolloutWorkflow.run,
+                m,
+                id=m.rollout_id,
+                search_attributes=TypedSearchAttributes(
+                    [
+                        sa.RUN.value_set(inp.run_id),
+                        sa.GROUP.value_set(inp.group_id),
+                        sa.TASK.value_set(inp.task_id),
+                        sa.ENV.value_set(m.env),
+                        sa.PHASE.value_set("queued"),
+                    ]
+                ),
+            )
+            self._running[m.rollout_id] = handle
+            try:
+                result = await handle
+            except ChildWorkflowError as e:
+                result = await self._record_dead_member(m, e)
+            finally:
+                del self._running[m.rollout_id]
+            attempts.append(result)
+            shed = result.outcome == Outcome.CANCELLED and result.reason == CANCEL_REASON
+            if not (shed and inp.redispatch_cancelled):
+                break
+        self._done += 1
+        workflow.set_current_details(f"task={inp.task_id} members={self._done}/{inp.size}")
+
+    def _member_input(self, inp: GroupInput, i: int, attempt: int = 0) -> RolloutInput:
+        rid = rollout_id(inp.run_id, inp.group_id, i) + (f"r{attempt}" if attempt else "")
         sampling = inp.template.sampling.model_copy(
             update={"seed": member_seed(inp.template.sampling.seed, rid)}
         )
@@ -108,6 +147,7 @@ class GroupWorkflow:
                 "task_id": inp.task_id,
                 "sample_index": i,
                 "sampling": sampling,
+                "preferred_engine": inp.engine,
             }
         )
 

@@ -10,7 +10,6 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import hashlib
 from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from typing import TypeVar
@@ -22,7 +21,9 @@ from temporalio.exceptions import ActivityError, ApplicationError
 with workflow.unsafe.imports_passed_through():
     from activities.errors import ENVIRONMENT_TYPES
     from workflows import search_attributes as sa
+    from workflows.admission import CANCEL_REASON
     from workflows.coding import CodingSteps
+    from workflows.dispatch import replica_order
     from workflows.types import (
         EnvStepInput,
         EnvStepResult,
@@ -44,17 +45,18 @@ FINALIZE_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_inte
 ENV_RETRY = RetryPolicy(maximum_attempts=3, non_retryable_error_types=["EnvironmentFailure"])
 
 
-def replica_order(urls: list[str], key: str) -> list[str]:
-    """The rollout's replica preference (rendezvous hashing): first choice, then its failovers.
-
-    Stable per rollout id, so every turn goes to the same replica; removing a replica moves only the
-    rollouts that preferred it.
-    """
-    return sorted(urls, key=lambda u: hashlib.sha256(f"{key}|{u}".encode()).digest())
+def rollout_replicas(inp: RolloutInput) -> list[str]:
+    """The rollout's replicas in preference order: the dispatcher's choice for its group first, then the
+    rest in the rollout's own hash order (its failovers)."""
+    order = replica_order(inp.engine.urls, inp.rollout_id)
+    if inp.preferred_engine in order:
+        order.remove(inp.preferred_engine)
+        order.insert(0, inp.preferred_engine)
+    return order
 
 
 def pick_engine(urls: list[str], key: str) -> str:
-    """Sticky replica choice for a rollout: every turn goes to the same replica."""
+    """Sticky replica of a rollout without a dispatcher's choice: every turn goes to the same replica."""
     return replica_order(urls, key)[0]
 
 
@@ -78,6 +80,17 @@ class RolloutWorkflow:
         self._order: list[str] = []
         self._engine = ""
         self._failovers = self._reprefill = 0
+        self._sampled = 0
+        self._cancel_reason: str | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    @workflow.signal
+    def cancel_for(self, reason: str) -> None:
+        """Cancel the rollout with a reason (the dispatcher sends ``admission``); it still gets its record."""
+        if self._cancel_reason is None:
+            self._cancel_reason = reason[:200]
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
 
     @workflow.query
     def state(self) -> dict:
@@ -115,8 +128,9 @@ class RolloutWorkflow:
     async def run(self, inp: RolloutInput) -> RolloutResult:
         self._turn, self._tokens = inp.turns_done, inp.num_tokens
         started = inp.started_at if inp.started_at is not None else workflow.now().timestamp()
-        self._order = replica_order(inp.engine.urls, inp.rollout_id)
+        self._order = rollout_replicas(inp)
         self._failovers, self._reprefill = inp.engine_failovers, inp.reprefill_tokens
+        self._sampled = inp.sampled_tokens
         self._engine = self._order[min(inp.engine_failovers, len(self._order) - 1)]
         if inp.env == "coding":
             self._coding = CodingSteps(inp, self._engine)
@@ -125,14 +139,17 @@ class RolloutWorkflow:
         try:
             if remaining <= 0:
                 raise TimeoutError
-            await asyncio.wait_for(self._loop(inp, started), timeout=remaining)
+            self._task = asyncio.ensure_future(self._loop(inp, started))
+            if self._cancel_reason is not None:  # told to cancel before the loop existed
+                self._task.cancel()
+            await asyncio.wait_for(self._task, timeout=remaining)
             raise AssertionError("turn loop returned without an outcome")
         except _Ended as end:
             ended = end
         except TimeoutError:
             ended = await self._score_truncated(inp, TruncationReason.TIMEOUT)
         except asyncio.CancelledError:
-            ended = _Ended(Outcome.CANCELLED, "cancelled")
+            ended = _Ended(Outcome.CANCELLED, self._cancel_reason or "cancelled")
         except (ActivityError, ApplicationError) as e:
             # A local activity's failure can arrive unwrapped (ApplicationError, no ActivityError).
             # The wall-clock limit cancels the in-flight activity, which may surface as its failure.
@@ -176,6 +193,7 @@ class RolloutWorkflow:
                             "sandbox_replays": self._coding.replays if self._coding else 0,
                             "engine_failovers": self._failovers,
                             "reprefill_tokens": self._reprefill,
+                            "sampled_tokens": self._sampled,
                         }
                     )
                 )
@@ -234,6 +252,7 @@ class RolloutWorkflow:
             retry_policy=_engine_retry(inp),
         )
         self._tokens = turn.end
+        self._sampled += turn.end - turn.start
         if turn.policy_version is not None:
             self._version = turn.policy_version
         return turn
@@ -275,10 +294,15 @@ class RolloutWorkflow:
         if self._coding is not None:
             await self._coding.destroy()
             extra["sandbox_replays"] = self._coding.replays
+            if self._coding.slot_waits:
+                extra["sandbox_slot_waits"] = self._coding.slot_waits
         if self._failovers:
             extra.update(engine_failovers=self._failovers, reprefill_tokens=self._reprefill)
         if ended.outcome == Outcome.TRUNCATED:
             extra["score_truncated"] = inp.score_truncated  # whether this run scores truncated rollouts
+        wasted = self._sampled if ended.reason == CANCEL_REASON else 0
+        if ended.reason == CANCEL_REASON:
+            extra["wasted_tokens"] = wasted
         scorable = ended.reward is not None and ended.outcome in (Outcome.COMPLETED, Outcome.TRUNCATED)
         await workflow.execute_local_activity(
             "finalize_rollout",
@@ -310,6 +334,7 @@ class RolloutWorkflow:
             scorable=scorable,
             num_tokens=self._tokens,
             turns=self._turn,
+            wasted_tokens=wasted,
         )
 
 

@@ -1,4 +1,16 @@
-"""RunWorkflow: dispatch a run's groups under a fixed in-flight cap, with a bounded history.
+"""RunWorkflow: the dispatcher. Starts a run's groups under an in-flight cap, with a bounded history.
+
+Two modes (``admission.enabled``):
+- fixed: at most ``run.max_inflight_groups`` groups in flight; nothing is polled.
+- adaptive: every ``admission.poll_interval_s`` (and whenever a group ends) a local activity polls every
+  engine's /metrics, the run store's record counts of the groups in flight and the sandbox pool; the
+  `AdmissionController` (a pure state machine, state carried across continue-as-new) turns that into a cap
+  in rollouts, admissions and cancels. Cancels go to the youngest groups as ``shed`` signals; sandboxed
+  runs also stay within the pool's limit and, while the pool scales up, a tasks-per-minute token bucket.
+  Each decision is written to the store's dispatch log by the next poll (idempotent on its sequence number).
+
+In both modes a group's replica is chosen here (``engine.affinity = "group"``): consistent hashing of its
+task id with bounded load over the healthy replicas (workflows/dispatch.py).
 
 Invariants:
 - Group i samples task i modulo the number of tasks and has the deterministic workflow id ``<run>/g<i>``;
@@ -10,21 +22,37 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 from datetime import timedelta
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy, TypedSearchAttributes
+from temporalio.exceptions import ActivityError, ApplicationError
 from temporalio.workflow import ParentClosePolicy
 
 with workflow.unsafe.imports_passed_through():
     from config.models import Config
     from workflows import search_attributes as sa
+    from workflows.admission import AdmissionConfig, AdmissionController
+    from workflows.dispatch import (
+        cancels_by_group,
+        choose_replica,
+        inflight_view,
+        replica_load,
+        sandbox_room,
+        take_tokens,
+    )
     from workflows.group import GroupWorkflow
     from workflows.types import (
+        DispatchLog,
         EngineTarget,
+        FleetPoll,
+        GroupCounts,
         GroupInput,
         GroupResult,
+        GroupSlot,
         LoadRunInput,
+        PollFleetInput,
         RetrySettings,
         RolloutInput,
         RunInput,
@@ -68,7 +96,14 @@ def rollout_template(cfg: Config, run_id: str) -> RolloutInput:
         timeout_s=cfg.rollout.timeout_s,
         score_truncated=cfg.rollout.score_truncated,
         sandbox_spec_json=cfg.sandbox.model_dump_json() if cfg.run.env == "coding" else "",
+        pool_json=cfg.sandbox_pool.model_dump_json() if cfg.run.env == "coding" else "",
     )
+
+
+def controller_config(cfg: Config) -> AdmissionConfig:
+    """The controller's constants from the run's admission section (group size from the run)."""
+    fields = cfg.admission.model_dump(include=set(AdmissionConfig.model_fields))
+    return AdmissionConfig(**{**fields, "group_size": cfg.run.group_size})
 
 
 @workflow.defn(name="RunWorkflow")
@@ -82,6 +117,9 @@ class RunWorkflow:
         self._cfg = Config.model_validate(inp.config)
         self._total = self._cfg.run.num_groups
         self._group_size = self._cfg.run.group_size
+        self._counts: dict[str, GroupCounts] = {}
+        self._cap: int | None = None
+        self._freed = False
 
     @workflow.signal
     def group_done(self, record: GroupResult) -> None:
@@ -89,7 +127,12 @@ class RunWorkflow:
         if record.group_id not in self._inflight:
             return
         self._inflight.discard(record.group_id)
+        self._inp.slots.pop(record.group_id, None)
+        self._counts.pop(record.group_id, None)
+        self._freed = True
         self._inp.groups_done += 1
+        self._inp.admission_cancelled += record.admission_cancelled
+        self._inp.wasted_tokens += record.wasted_tokens
         for outcome, n in record.outcomes.items():
             self._inp.outcomes[outcome] = self._inp.outcomes.get(outcome, 0) + n
 
@@ -105,6 +148,9 @@ class RunWorkflow:
             outcomes=dict(inp.outcomes),
             segment=inp.segment,
             done=inp.groups_done >= self._total > 0,
+            cap=self._cap,
+            admission_cancelled=inp.admission_cancelled,
+            wasted_tokens=inp.wasted_tokens,
         )
 
     @workflow.run
@@ -125,23 +171,119 @@ class RunWorkflow:
                 retry_policy=RetryPolicy(maximum_attempts=3, non_retryable_error_types=["TaskFileError"]),
             )
         template = rollout_template(cfg, inp.run_id)
-        started = 0
-        while inp.next_group < cfg.run.num_groups:
-            await workflow.wait_condition(lambda: len(self._inflight) < cfg.run.max_inflight_groups)
-            await self._start_group(inp, cfg, template)
-            started += 1
-            if started >= cfg.run.groups_per_run_segment or workflow.info().is_continue_as_new_suggested():
-                await workflow.wait_condition(workflow.all_handlers_finished)
-                workflow.continue_as_new(
-                    inp.model_copy(update={"inflight": sorted(self._inflight), "segment": inp.segment + 1})
-                )
+        if cfg.admission.enabled:
+            await self._dispatch_adaptive(inp, cfg, template)
+        else:
+            started = 0
+            while inp.next_group < cfg.run.num_groups:
+                await workflow.wait_condition(lambda: len(self._inflight) < cfg.run.max_inflight_groups)
+                await self._start_group(inp, cfg, template, cfg.engine.urls)
+                started += 1
+                await self._maybe_continue_as_new(inp, started >= cfg.run.groups_per_run_segment)
         await workflow.wait_condition(lambda: not self._inflight)
         await workflow.execute_activity(
             "finish_run", inp.run_id, start_to_close_timeout=timedelta(seconds=60)
         )
         return self.progress()
 
-    async def _start_group(self, inp: RunInput, cfg: Config, template: RolloutInput) -> None:
+    async def _maybe_continue_as_new(self, inp: RunInput, segment_full: bool) -> None:
+        if not (segment_full or workflow.info().is_continue_as_new_suggested()):
+            return
+        await workflow.wait_condition(workflow.all_handlers_finished)
+        workflow.continue_as_new(
+            inp.model_copy(update={"inflight": sorted(self._inflight), "segment": inp.segment + 1})
+        )
+
+    async def _dispatch_adaptive(self, inp: RunInput, cfg: Config, template: RolloutInput) -> None:
+        """Poll, decide, cancel, admit; until every group has started (see the module docstring)."""
+        ctl = AdmissionController(controller_config(cfg), inp.admission)
+        adm, pool_cfg = cfg.admission, cfg.sandbox_pool
+        size, started = cfg.run.group_size, 0
+        while inp.next_group < cfg.run.num_groups:
+            poll = await self._poll(inp, cfg, template)
+            now = workflow.now().timestamp()
+            for r in poll.readings:
+                inp.readings[r.engine_id] = r
+            self._counts = {g: poll.counts.get(g, GroupCounts()) for g in inp.slots}
+            inflight = inflight_view(inp.slots, self._counts, adm.redispatch_cancelled)
+            d = ctl.step(now, list(inp.readings.values()), inflight)
+            inp.admission, self._cap = ctl.state, d.cap
+            for gid, k in cancels_by_group(d.cancel, inp.slots, self._counts).items():
+                inp.slots[gid].told += k
+                await workflow.get_external_workflow_handle(f"{inp.run_id}/{gid}").signal("shed", k)
+            room, reasons, ready = d.admit, list(d.reasons), 1 << 30
+            if poll.pool is not None:
+                limit, ready = sandbox_room(poll.pool, len(inflight))
+                wanted = min(room, limit)
+                if wanted > ready:  # some would wait for a slot to start: pace them by the bucket
+                    inp.bucket = take_tokens(inp.bucket, now, pool_cfg.tasks_per_minute / 60.0, float(size))
+                    wanted = min(wanted, ready + int(inp.bucket.tokens))
+                if wanted < room:
+                    reasons.append(f"sandbox pool {poll.pool.model_dump()}: admit {room} -> {wanted}")
+                room = wanted
+            healthy = [u for u in cfg.engine.urls if u in d.healthy]
+            admitted = 0
+            while (
+                inp.next_group < cfg.run.num_groups
+                and healthy
+                and len(self._inflight) < cfg.run.max_inflight_groups
+                and (room >= size or (room > 0 and not inflight and admitted == 0))
+            ):
+                await self._start_group(inp, cfg, template, healthy)
+                room, admitted, started = room - size, admitted + size, started + 1
+            if inp.bucket is not None and admitted > ready:
+                spent = float(admitted - ready)
+                inp.bucket = inp.bucket.model_copy(update={"tokens": max(0.0, inp.bucket.tokens - spent)})
+            inp.polls += 1
+            inp.last_log = DispatchLog(
+                run_id=inp.run_id,
+                seq=inp.polls,
+                at=now,
+                cap=d.cap,
+                inflight=len(inflight),
+                admitted=admitted,
+                cancelled=len(d.cancel),
+                kv_usage=d.kv_usage,
+                healthy=d.healthy,
+                pool=poll.pool,
+                reasons=reasons,
+            )
+            await self._maybe_continue_as_new(inp, started >= cfg.run.groups_per_run_segment)
+            if inp.next_group < cfg.run.num_groups:
+                self._freed = False
+                with contextlib.suppress(TimeoutError):  # the poll interval passed with no group ending
+                    await workflow.wait_condition(lambda: self._freed, timeout=adm.poll_interval_s)
+
+    async def _poll(self, inp: RunInput, cfg: Config, template: RolloutInput) -> FleetPoll:
+        try:
+            return await workflow.execute_local_activity(
+                "poll_fleet",
+                PollFleetInput(
+                    run_id=inp.run_id,
+                    engine_urls=cfg.engine.urls,
+                    groups=sorted(inp.slots),
+                    pool_json=template.pool_json,
+                    log=inp.last_log,
+                ),
+                result_type=FleetPoll,
+                start_to_close_timeout=timedelta(seconds=30),
+                retry_policy=RetryPolicy(maximum_attempts=3, maximum_interval=timedelta(seconds=5)),
+            )
+        except (ActivityError, ApplicationError) as e:
+            # A failed poll admits nothing new this round; the readings age out if it persists.
+            workflow.logger.warning("run %s: fleet poll failed: %s", inp.run_id, e)
+            return FleetPoll(at=workflow.now().timestamp(), readings=[], counts=dict(self._counts))
+
+    def _choose_engine(self, inp: RunInput, cfg: Config, task_id: str, healthy: list[str]) -> str | None:
+        if cfg.engine.affinity != "group":
+            return None
+        counts = self._counts
+        load = replica_load(inp.slots, counts, cfg.admission.redispatch_cancelled)
+        return choose_replica(healthy, task_id, load, cfg.run.group_size, cfg.admission.load_factor)
+
+    async def _start_group(
+        self, inp: RunInput, cfg: Config, template: RolloutInput, healthy: list[str]
+    ) -> None:
         assert inp.num_tasks > 0
         idx = inp.next_group
         gid = group_id(idx)
@@ -152,6 +294,10 @@ class RunWorkflow:
             start_to_close_timeout=timedelta(seconds=30),
         )
         run_wf_id = workflow.info().workflow_id
+        engine = self._choose_engine(inp, cfg, task_id, healthy)
+        inp.slots[gid] = GroupSlot(
+            admitted_at=workflow.now().timestamp(), engine=engine or "", size=cfg.run.group_size
+        )
         # In flight before the start resolves: on replay the group's group_done signal can be delivered in
         # the same activation as its start, and signal handlers run first.
         self._inflight.add(gid)
@@ -165,6 +311,8 @@ class RunWorkflow:
                 advantage_eps=cfg.run.advantage_eps,
                 template=template,
                 run_workflow_id=run_wf_id,
+                engine=engine,
+                redispatch_cancelled=cfg.admission.redispatch_cancelled,
             ),
             id=f"{inp.run_id}/{gid}",
             parent_close_policy=ParentClosePolicy.ABANDON,

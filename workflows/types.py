@@ -11,6 +11,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from workflows.admission import AdmissionState, EngineReading
+
 
 class _Data(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -108,6 +110,11 @@ class RolloutInput(_Data):
     sandbox_replays: int = 0
     engine_failovers: int = 0
     reprefill_tokens: int = 0
+    sampled_tokens: int = 0
+    preferred_engine: str | None = None
+    """Replica the dispatcher chose for the rollout's group (bounded-load affinity); None = hash order."""
+    pool_json: str = ""
+    """The sandbox pool's config (JSON) for environments with a sandbox."""
 
 
 class PrepareResult(_Data):
@@ -150,6 +157,8 @@ class RolloutResult(_Data):
     scorable: bool = False
     num_tokens: int = 0
     turns: int = 0
+    wasted_tokens: int = 0
+    """Tokens sampled by a rollout cancelled for admission (work thrown away)."""
 
 
 class GroupInput(_Data):
@@ -162,6 +171,10 @@ class GroupInput(_Data):
     advantage_eps: float
     template: RolloutInput = Field(description="Rollout input with the per-member fields to be filled in.")
     run_workflow_id: str | None = None
+    engine: str | None = None
+    """Replica the dispatcher assigned to the group (its members share the prompt prefix there)."""
+    redispatch_cancelled: bool = False
+    """Restart a slot whose rollout was cancelled for admission (new rollout id ``<i>r<n>``)."""
 
 
 class GroupResult(_Data):
@@ -177,6 +190,10 @@ class GroupResult(_Data):
     reward_std: float | None
     zero_variance: bool
     outcomes: dict[str, int] = Field(default_factory=dict)
+    admission_cancelled: int = 0
+    """Members cancelled by the dispatcher (reason admission); with redispatch, their slots ran again."""
+    wasted_tokens: int = 0
+    """Tokens those cancelled members had sampled."""
 
 
 class RunInput(_Data):
@@ -191,6 +208,86 @@ class RunInput(_Data):
     inflight: list[str] = Field(default_factory=list)
     outcomes: dict[str, int] = Field(default_factory=dict)
     segment: int = 0
+    # The dispatcher's carry (adaptive admission): see workflows/run.py.
+    slots: dict[str, GroupSlot] = Field(default_factory=dict)
+    admission: AdmissionState | None = None
+    readings: dict[str, EngineReading] = Field(default_factory=dict)
+    bucket: TokenBucket | None = None
+    polls: int = 0
+    admission_cancelled: int = 0
+    wasted_tokens: int = 0
+    last_log: DispatchLog | None = None
+
+
+class GroupSlot(_Data):
+    """The dispatcher's view of one group in flight."""
+
+    admitted_at: float
+    engine: str
+    size: int
+    told: int = 0
+    """Members the dispatcher told to cancel for admission so far."""
+
+
+class TokenBucket(_Data):
+    """Token-bucket state: ``tokens`` available at time ``at``."""
+
+    tokens: float
+    at: float
+
+
+class GroupCounts(_Data):
+    """Members of an in-flight group with a record, from the run store."""
+
+    finished: int = 0
+    admission_cancelled: int = 0
+
+
+class PoolStatus(_Data):
+    """The sandbox pool: slots ready, slots starting (scale-up in progress), slots in use, the limit."""
+
+    ready: int
+    starting: int
+    in_use: int
+    max_size: int
+    waiting: int = 0
+    """Rollouts backing off for a slot."""
+
+
+class DispatchLog(_Data):
+    """One dispatcher decision, written to the run store (``rollouts status`` and tests read it)."""
+
+    run_id: str
+    seq: int
+    at: float
+    cap: int
+    inflight: int
+    admitted: int
+    cancelled: int
+    kv_usage: float | None
+    healthy: list[str]
+    pool: PoolStatus | None = None
+    reasons: list[str] = Field(default_factory=list)
+
+
+class PollFleetInput(_Data):
+    run_id: str
+    engine_urls: list[str]
+    groups: list[str]
+    pool_json: str = ""
+    """Sandbox pool config (JSON); empty for runs without sandboxes."""
+    log: DispatchLog | None = None
+    """The previous decision, to be written to the store (idempotent on its seq)."""
+
+
+class FleetPoll(_Data):
+    """What one poll saw: fresh engine readings, per-group record counts, the sandbox pool."""
+
+    at: float
+    readings: list[EngineReading]
+    errors: list[str] = Field(default_factory=list)
+    counts: dict[str, GroupCounts] = Field(default_factory=dict)
+    pool: PoolStatus | None = None
 
 
 class RunProgress(_Data):
@@ -204,6 +301,10 @@ class RunProgress(_Data):
     outcomes: dict[str, int]
     segment: int
     done: bool
+    cap: int | None = None
+    """The dispatcher's current in-flight cap in rollouts (adaptive admission), else None."""
+    admission_cancelled: int = 0
+    wasted_tokens: int = 0
 
 
 def rollout_id(run_id: str, group_id: str, index: int) -> str:
@@ -290,6 +391,8 @@ class SandboxStepInput(_Data):
     engine_url: str
     model: str
     spec_json: str = ""
+    pool_json: str = ""
+    """The sandbox pool's settings (JSON) on create; empty = no pool gating."""
 
 
 class ActionResult(_Data):
@@ -301,3 +404,6 @@ class ActionResult(_Data):
     done: bool = False
     reward: float | None = None
     reward_s: float = 0.0
+
+
+RunInput.model_rebuild()

@@ -1,0 +1,78 @@
+"""The dispatcher's poll: engine metrics, record counts of the groups in flight, the sandbox pool.
+
+Invariants:
+- Read-only except for the dispatch log, whose rows are keyed by (run, seq): a retried poll writes the
+  previous decision once.
+- An engine that does not answer, or answers with an incomplete /metrics, gives no reading (the error is
+  returned as one line); the workflow keeps its older reading, which ages out and makes it unhealthy.
+- Every engine is asked at once with a short timeout, so one hung engine delays a poll by at most that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+from temporalio import activity
+
+from activities.engine_metrics import fetch_reading
+from activities.store import RunStore
+from sandboxes.pool import PoolSettings, SandboxPool
+from workflows.types import FleetPoll, GroupCounts, PollFleetInput, PoolStatus
+
+METRICS_TIMEOUT_S = 3.0
+
+
+class DispatchActivities:
+    """The poll a RunWorkflow makes each admission round (registered by every worker)."""
+
+    def __init__(self, store: RunStore, pool: SandboxPool) -> None:
+        self.store = store
+        self.pool = pool
+        self._http: httpx.AsyncClient | None = None
+
+    @property
+    def http(self) -> httpx.AsyncClient:
+        if self._http is None:
+            self._http = httpx.AsyncClient(timeout=httpx.Timeout(METRICS_TIMEOUT_S))
+        return self._http
+
+    async def aclose(self) -> None:
+        if self._http is not None:
+            await self._http.aclose()
+
+    @activity.defn(name="poll_fleet")
+    async def poll_fleet(self, inp: PollFleetInput) -> FleetPoll:
+        """Read every engine's /metrics, the run's group counts and the pool; log the last decision."""
+        if inp.log is not None:
+            await asyncio.to_thread(
+                self.store.put_dispatch_log, inp.run_id, inp.log.seq, inp.log.at, inp.log.model_dump()
+            )
+        now = time.time()
+        results = await asyncio.gather(
+            *(fetch_reading(self.http, url, url, now) for url in inp.engine_urls), return_exceptions=True
+        )
+        readings, errors = [], []
+        for url, r in zip(inp.engine_urls, results, strict=True):
+            if isinstance(r, BaseException):
+                errors.append(f"{url}: {type(r).__name__}: {r}"[:300])
+            else:
+                readings.append(r)
+        counts = await asyncio.to_thread(self.store.group_counts, inp.run_id, inp.groups)
+        pool = None
+        if inp.pool_json:
+            status = await asyncio.to_thread(
+                self.pool.status, PoolSettings.model_validate_json(inp.pool_json)
+            )
+            pool = PoolStatus(**status.model_dump())
+        return FleetPoll(
+            at=now,
+            readings=readings,
+            errors=errors,
+            counts={g: GroupCounts(finished=f, admission_cancelled=c) for g, (f, c) in counts.items()},
+            pool=pool,
+        )
+
+    def all(self) -> list:
+        return [self.poll_fleet]

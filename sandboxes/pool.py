@@ -1,0 +1,152 @@
+"""The sandbox pool: a bounded number of sandbox slots that scales up with a latency.
+
+A slot stands for the capacity one sandbox needs (a share of a node). The pool starts with
+``initial_size`` ready slots; a create that finds none free asks for one more slot, which is ready
+``scale_up_latency_s`` later (a node booting, an image pulling), up to ``max_size``. Until then the create
+raises `SandboxSlotPending` with the time to wait, and the rollout backs off; it never fails for it.
+
+Invariants:
+- State lives in one SQLite file shared by every worker on the host, changed only inside ``BEGIN
+  IMMEDIATE`` transactions, so two workers never hand out the same slot.
+- Holding is idempotent on the sandbox key (the rollout id): a retried create holds one slot, not two;
+  releasing an absent key is a no-op. A rollout waiting for a slot is counted once (``waiting``) and asks
+  for at most one new slot.
+- ready + starting <= max_size; holders <= ready. Slots are never scaled down (documented limitation: a
+  real autoscaler would also shrink idle capacity).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sqlite3
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from sandboxes.base import SandboxError
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS pool_state (id INTEGER PRIMARY KEY CHECK (id = 1), ready INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS pool_starting (slot INTEGER PRIMARY KEY AUTOINCREMENT, ready_at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS pool_holders (key TEXT PRIMARY KEY, at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS pool_waiters (key TEXT PRIMARY KEY, at REAL NOT NULL);
+"""
+
+
+class PoolSettings(BaseModel):
+    """Size and scale-up model of the pool (config.models.SandboxPoolConfig carries the same fields)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    initial_size: int = Field(64, ge=0)
+    max_size: int = Field(256, ge=1)
+    scale_up_latency_s: float = Field(0.0, ge=0.0)
+
+
+class SlotStatus(BaseModel):
+    """The pool now: ready, starting (scale-up in progress), in use, waiting, and the limit."""
+
+    ready: int
+    starting: int
+    in_use: int
+    max_size: int
+    waiting: int = 0
+
+
+class SandboxSlotPending(SandboxError):
+    """No sandbox slot is free yet; one is starting (or the pool is at its limit). Retry after a while."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class SandboxPool:
+    """Slots of one host's sandbox pool, kept in ``path`` (SQLite)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        db = sqlite3.connect(self.path, timeout=30)
+        try:
+            db.executescript(SCHEMA)
+        finally:
+            db.close()
+
+    @contextlib.contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        db = sqlite3.connect(self.path, timeout=30, isolation_level=None)
+        try:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                yield db
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            db.execute("COMMIT")
+        finally:
+            db.close()
+
+    def _ready(self, db: sqlite3.Connection, cfg: PoolSettings, now: float) -> int:
+        """Ready slots after promoting the started ones whose time has come."""
+        row = db.execute("SELECT ready FROM pool_state WHERE id = 1").fetchone()
+        ready = row[0] if row else min(cfg.initial_size, cfg.max_size)
+        done = db.execute("SELECT COUNT(*) FROM pool_starting WHERE ready_at <= ?", (now,)).fetchone()[0]
+        if done:
+            db.execute("DELETE FROM pool_starting WHERE ready_at <= ?", (now,))
+        ready = min(cfg.max_size, ready + done)
+        db.execute("INSERT OR REPLACE INTO pool_state (id, ready) VALUES (1, ?)", (ready,))
+        return ready
+
+    def acquire(self, key: str, cfg: PoolSettings, now: float | None = None) -> None:
+        """Hold a slot for ``key`` (idempotent).
+
+        Raises:
+            SandboxSlotPending: No slot is free; the message says how many are starting and the limit.
+        """
+        now = time.time() if now is None else now
+        with self._tx() as db:
+            ready = self._ready(db, cfg, now)
+            if db.execute("SELECT 1 FROM pool_holders WHERE key = ?", (key,)).fetchone():
+                return
+            held = db.execute("SELECT COUNT(*) FROM pool_holders").fetchone()[0]
+            if held < ready:
+                db.execute("INSERT INTO pool_holders (key, at) VALUES (?, ?)", (key, now))
+                db.execute("DELETE FROM pool_waiters WHERE key = ?", (key,))
+                return
+            db.execute("INSERT OR IGNORE INTO pool_waiters (key, at) VALUES (?, ?)", (key, now))
+            waiting = db.execute("SELECT COUNT(*) FROM pool_waiters").fetchone()[0]
+            starting = db.execute("SELECT COUNT(*) FROM pool_starting").fetchone()[0]
+            more = min(waiting - starting, cfg.max_size - ready - starting)
+            for _ in range(max(0, more)):
+                db.execute("INSERT INTO pool_starting (ready_at) VALUES (?)", (now + cfg.scale_up_latency_s,))
+            first = db.execute("SELECT MIN(ready_at) FROM pool_starting").fetchone()[0]
+        retry = max(0.5, (first - now) if first is not None else 2.0)
+        raise SandboxSlotPending(
+            f"sandbox pool: {held}/{ready} slots in use, {starting + max(0, more)} starting, limit "
+            f"{cfg.max_size}; {key} waits {retry:.1f}s",
+            retry,
+        )
+
+    def release(self, key: str) -> None:
+        """Give back ``key``'s slot (and stop counting it as waiting); absent is fine."""
+        with self._tx() as db:
+            db.execute("DELETE FROM pool_holders WHERE key = ?", (key,))
+            db.execute("DELETE FROM pool_waiters WHERE key = ?", (key,))
+
+    def holders(self) -> list[str]:
+        """Keys holding a slot."""
+        with self._tx() as db:
+            return [r[0] for r in db.execute("SELECT key FROM pool_holders ORDER BY key")]
+
+    def status(self, cfg: PoolSettings, now: float | None = None) -> SlotStatus:
+        """The pool now (promotes slots whose start finished)."""
+        now = time.time() if now is None else now
+        with self._tx() as db:
+            ready = self._ready(db, cfg, now)
+            starting = db.execute("SELECT COUNT(*) FROM pool_starting").fetchone()[0]
+            held = db.execute("SELECT COUNT(*) FROM pool_holders").fetchone()[0]
+            waiting = db.execute("SELECT COUNT(*) FROM pool_waiters").fetchone()[0]
+        return SlotStatus(ready=ready, starting=starting, in_use=held, max_size=cfg.max_size, waiting=waiting)

@@ -1,0 +1,114 @@
+"""The dispatcher's pure pieces: replica choice, the sandbox-admission bucket, the controller's inputs.
+
+Invariant: every function here is deterministic in its arguments (no clocks, no I/O), so RunWorkflow can
+call them and replay identically; unit tests drive them directly.
+
+- `replica_order` / `choose_replica`: consistent hashing with bounded load (rendezvous hashing; a replica
+  takes new work only while its load stays within ``load_factor`` x the mean, else the next replica in the
+  key's order does). The key of a group is its task id, so groups of one task, and every member of a group,
+  prefer the replica that already holds their prompt prefix in its cache.
+- `take_tokens`: a token bucket (rate per second, burst), used for sandboxed rollouts while the sandbox
+  pool scales up.
+- `inflight_view`: the controller's list of rollouts in flight, built from group-level counts only (one
+  entry per running member, ids ``<group>#<k>``), so no per-rollout state travels through history.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Mapping
+
+from workflows.admission import Inflight
+from workflows.types import GroupCounts, GroupSlot, PoolStatus, TokenBucket
+
+
+def replica_order(urls: list[str], key: str) -> list[str]:
+    """The key's replica preference: first choice, then the rest (stable; removing a replica moves only
+    the keys that preferred it)."""
+    return sorted(urls, key=lambda u: hashlib.sha256(f"{key}|{u}".encode()).digest())
+
+
+def choose_replica(urls: list[str], key: str, load: Mapping[str, int], add: int, load_factor: float) -> str:
+    """The first replica in ``key``'s order whose load stays within the bound after taking ``add``.
+
+    The bound is ceil(load_factor x (total + add) / replicas), at least ``add``; some replica always
+    fits (the least loaded one is at most the mean), so the result is the first that does.
+    """
+    if not urls:
+        raise ValueError("no replica to choose from")
+    total = sum(load.get(u, 0) for u in urls) + add
+    bound = max(add, math.ceil(load_factor * total / len(urls)))
+    order = replica_order(urls, key)
+    for u in order:
+        if load.get(u, 0) + add <= bound:
+            return u
+    return min(order, key=lambda u: load.get(u, 0))
+
+
+def take_tokens(bucket: TokenBucket | None, now: float, rate_per_s: float, burst: float) -> TokenBucket:
+    """The bucket refilled up to ``now`` (a new bucket starts full)."""
+    if bucket is None:
+        return TokenBucket(tokens=burst, at=now)
+    tokens = min(burst, bucket.tokens + max(0.0, now - bucket.at) * rate_per_s)
+    return TokenBucket(tokens=tokens, at=now)
+
+
+def running_members(slot: GroupSlot, counts: GroupCounts | None, redispatch: bool) -> int:
+    """Members of a group still holding (or about to hold) engine resources."""
+    c = counts or GroupCounts()
+    started = slot.size + (c.admission_cancelled if redispatch else 0)
+    return max(0, started - c.finished)
+
+
+def inflight_view(
+    slots: Mapping[str, GroupSlot], counts: Mapping[str, GroupCounts], redispatch: bool
+) -> list[Inflight]:
+    """One `Inflight` per running member of every group in flight (ids ``<group>#<k>``)."""
+    out: list[Inflight] = []
+    for gid, slot in slots.items():
+        for k in range(running_members(slot, counts.get(gid), redispatch)):
+            out.append(Inflight(rollout_id=f"{gid}#{k:04d}", admitted_at=slot.admitted_at))
+    return out
+
+
+def cancels_by_group(
+    cancel: list[str], slots: Mapping[str, GroupSlot], counts: Mapping[str, GroupCounts]
+) -> dict[str, int]:
+    """How many more members each group must cancel for the controller's ``cancel`` list.
+
+    The controller names running members, including ones already told to cancel that have not ended yet;
+    those are subtracted, so naming the same members on two polls cancels them once.
+    """
+    named: dict[str, int] = {}
+    for rid in cancel:
+        gid = rid.split("#", 1)[0]
+        named[gid] = named.get(gid, 0) + 1
+    more: dict[str, int] = {}
+    for gid, k in sorted(named.items()):
+        slot = slots.get(gid)
+        if slot is None:
+            continue
+        c = counts.get(gid) or GroupCounts()
+        pending = max(0, slot.told - c.admission_cancelled)
+        if k > pending:
+            more[gid] = k - pending
+    return more
+
+
+def replica_load(
+    slots: Mapping[str, GroupSlot], counts: Mapping[str, GroupCounts], redispatch: bool
+) -> dict[str, int]:
+    """Running members per replica (the dispatcher's own assignments)."""
+    load: dict[str, int] = {}
+    for gid, slot in slots.items():
+        load[slot.engine] = load.get(slot.engine, 0) + running_members(slot, counts.get(gid), redispatch)
+    return load
+
+
+def sandbox_room(pool: PoolStatus | None, inflight: int) -> tuple[int, int]:
+    """(rollouts the pool's limit still allows, of which how many have a ready slot now)."""
+    if pool is None:
+        return (1 << 30, 1 << 30)
+    used = max(inflight, pool.in_use)
+    return max(0, pool.max_size - used), max(0, pool.ready - used)
