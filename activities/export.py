@@ -169,6 +169,8 @@ def group_record(rec: dict[str, Any]) -> dict[str, Any]:
         "reward_std": rec["reward_std"],
         "zero_variance": rec["zero_variance"],
         "outcomes": rec.get("outcomes", {}),
+        "admission_cancelled": rec.get("admission_cancelled", 0),
+        "wasted_tokens": rec.get("wasted_tokens", 0),
     }
 
 

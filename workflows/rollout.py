@@ -151,6 +151,9 @@ class RolloutWorkflow:
         except asyncio.CancelledError:
             ended = _Ended(Outcome.CANCELLED, self._cancel_reason or "cancelled")
         except (ActivityError, ApplicationError) as e:
+            if self._cancel_reason is not None:  # the cancelled activity surfaced as its failure
+                ended = _Ended(Outcome.CANCELLED, self._cancel_reason)
+                return await self._finalize(inp, ended)
             # A local activity's failure can arrive unwrapped (ApplicationError, no ActivityError).
             # The wall-clock limit cancels the in-flight activity, which may surface as its failure.
             timed_out = workflow.now().timestamp() - started >= inp.timeout_s

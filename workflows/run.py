@@ -195,11 +195,12 @@ class RunWorkflow:
         )
 
     async def _dispatch_adaptive(self, inp: RunInput, cfg: Config, template: RolloutInput) -> None:
-        """Poll, decide, cancel, admit; until every group has started (see the module docstring)."""
+        """Poll, decide, cancel, admit; until every group has ended (the controller keeps trimming while
+        the last groups run)."""
         ctl = AdmissionController(controller_config(cfg), inp.admission)
         adm, pool_cfg = cfg.admission, cfg.sandbox_pool
         size, started = cfg.run.group_size, 0
-        while inp.next_group < cfg.run.num_groups:
+        while inp.next_group < cfg.run.num_groups or self._inflight:
             poll = await self._poll(inp, cfg, template)
             now = workflow.now().timestamp()
             for r in poll.readings:
@@ -249,7 +250,9 @@ class RunWorkflow:
                 reasons=reasons,
             )
             await self._maybe_continue_as_new(inp, started >= cfg.run.groups_per_run_segment)
-            if inp.next_group < cfg.run.num_groups:
+            if inp.next_group >= cfg.run.num_groups and not self._inflight:
+                await self._poll(inp, cfg, template)  # writes the last decision to the dispatch log
+            else:
                 self._freed = False
                 with contextlib.suppress(TimeoutError):  # the poll interval passed with no group ending
                     await workflow.wait_condition(lambda: self._freed, timeout=adm.poll_interval_s)
