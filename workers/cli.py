@@ -231,8 +231,15 @@ def _mount_reproduce() -> None:
     app.command("reproduce")(reproduce_command)
 
 
+def _mount_train() -> None:
+    from trainer.cli import train
+
+    app.command("train")(train)
+
+
 _mount_stack()
 _mount_feed()
+_mount_train()
 _mount_reproduce()
 
 

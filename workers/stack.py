@@ -3,6 +3,9 @@
 Invariant: `up` starts nothing unless every port is free and every dependency is present, starts at most one
 stack per home, and on any failure stops exactly the processes it started; `down` stops exactly the processes
 named by the home's pid files (worker, then engine, then Temporal). Neither imports torch or vLLM in-process.
+Once the engine is healthy, the bundled policy it serves is recorded in the home's run store as a published
+version (``stack.policy_version``, bound to the model directory's weights), so the trainer feed accepts its
+samples; starting again is a no-op, and a version id already bound to other weights stops the stack.
 """
 
 from __future__ import annotations
@@ -197,7 +200,26 @@ def _start(cfg: StackConfig, home: Path, components: Collection[str], started: d
     if "engine" in components:
         await_healthy("engine", lambda: http_ok(f"{engine_url}/health"))
         set_weight_version(engine_url, cfg.policy_version)
+        _register_policy(cfg, home, engine_url)
     return StackInfo(home, address, ui_url, engine_url, cfg.task_queue, home / "logs", dict(started), ready)
+
+
+def _register_policy(cfg: StackConfig, home: Path, engine_url: str) -> None:
+    """Record the served model as published version ``cfg.policy_version`` in the home's run store.
+
+    Goes through :func:`activities.policy.publish`, which skips an engine that already serves the version
+    unpaused, so it only writes the store (idempotently) and never rolls engines back behind a newer version.
+
+    Raises:
+        StackError: The version id is already bound to other weights in this home's store.
+    """
+    from activities.policy import PolicyError, publish
+    from activities.store import RunStore
+
+    try:
+        publish([engine_url], cfg.policy_version, resolve_repo_path(cfg.model_dir), RunStore(home))
+    except PolicyError as e:
+        raise StackError(f"cannot record the served policy: {e}") from None
 
 
 def _stop_started(home: Path, started: dict[str, int]) -> None:

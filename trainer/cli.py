@@ -1,0 +1,102 @@
+"""`rollouts train CONFIG`: the closed GRPO loop on the running stack (see trainer/loop.py).
+
+Invariant: a thin view of :class:`trainer.loop.Loop`. A bad config, override or starting state prints one
+``error: ...`` line and exits 2; an unreachable service exits 1. Heavy imports (torch, temporalio) wait
+until the command runs, so ``rollouts --help`` answers at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+
+def _fail(msg: str, code: int = 2) -> typer.Exit:
+    typer.echo(f"error: {msg}", err=True)
+    return typer.Exit(code)
+
+
+def train(
+    config: Annotated[Path, typer.Argument(help="Loop config (TOML): run sections plus a trainer section.")],
+    run_id: Annotated[
+        str | None, typer.Option("--run-id", help="Id of the new run (default: grpo-<time>).")
+    ] = None,
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="Write the metrics JSON here.")] = None,
+    groups: Annotated[int | None, typer.Option("--groups", help="Override run.num_groups.")] = None,
+    set_: Annotated[
+        list[str] | None, typer.Option("--set", help="section.field=value (trainer.* too)")
+    ] = None,
+) -> None:
+    """Generate a run and train on it as it arrives: take fresh groups from the trainer feed, take GRPO steps
+    with importance weights from the recorded logprobs, save and publish each new version to the engines;
+    math accuracy is measured through the engine before and after."""
+    import time
+
+    from activities.errors import TaskFileError
+    from config.load import ConfigError
+    from config.paths import resolve_repo_path, rollouts_home
+    from envs.tasks import load_tasks
+    from trainer.settings import load_loop_config
+
+    overrides = list(set_ or [])
+    if groups is not None:
+        overrides.append(f"run.num_groups={groups}")
+    try:
+        cfg, ts = load_loop_config(config, overrides)
+    except ConfigError as e:
+        raise _fail(str(e)) from None
+    if cfg.run.env != "math":
+        raise _fail(f"{config}: run.env: the example trainer scores math runs, not {cfg.run.env!r}")
+    tasks_path = resolve_repo_path(cfg.run.task_file)
+    cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"task_file": str(tasks_path)})})
+    try:
+        load_tasks(tasks_path, "math")
+        load_tasks(resolve_repo_path(ts.eval_task_file), "math")
+    except TaskFileError as e:
+        raise _fail(str(e)) from None
+    rid = run_id or time.strftime("grpo-%Y%m%d-%H%M%S")
+    metrics = _run(cfg, ts, rid, rollouts_home())
+    if out is not None:
+        from trainer.loop import write_metrics
+
+        write_metrics(metrics, out)
+        typer.echo(f"metrics: {out}")
+    _summary(metrics)
+
+
+def _run(cfg, ts, rid: str, home: Path) -> dict:
+    from activities.policy import PolicyError
+    from trainer.batch import BatchError
+    from trainer.loop import Loop, TrainerError
+    from trainer.policy_io import PolicyIOError
+
+    loop = Loop(cfg, ts, rid, home, log=lambda line: typer.echo(line, err=True))
+    try:
+        return asyncio.run(loop.run())
+    except TrainerError as e:
+        raise _fail(str(e), 1) from None
+    except (PolicyError, PolicyIOError, BatchError) as e:
+        raise _fail(str(e), 1) from None
+
+
+def _summary(m: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"GRPO loop {m['run_id']}", show_header=False)
+    a0, a1 = m["accuracy_start"], m["accuracy_end"]
+    if a0 and a1:
+        delta = f"{m['accuracy_delta_points']:+.1f} points, {a1['samples']} samples each"
+        table.add_row("math accuracy", f"{a0['accuracy']:.3f} -> {a1['accuracy']:.3f} ({delta})")
+    table.add_row("steps / versions", f"{m['steps']} ({', '.join(m['versions'][-3:])} last)")
+    table.add_row("loop wall time", f"{m['loop_wall_s']:.1f} s")
+    table.add_row("token lag (tokens)", str(m["freshness"]["token_lag"]))
+    table.add_row("discard rate (records)", f"{m['discard_rate_records']} {m['discards_by_reason']}")
+    table.add_row("trainer idle (wait) ratio", str(m["trainer_time"]["idle_ratio"]))
+    table.add_row("generated tokens reaching an update", str(m["tokens_reaching_update"]))
+    led = m["ledger"]
+    table.add_row("books (records)", " ".join(f"{k} {v['records']}" for k, v in led.items()))
+    Console().print(table)
