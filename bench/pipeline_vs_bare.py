@@ -14,59 +14,21 @@ import argparse
 import asyncio
 import json
 import tempfile
-import time
 from pathlib import Path
 
-from temporalio.contrib.pydantic import pydantic_data_converter
-from temporalio.testing import WorkflowEnvironment
+from harness import bare_round, pipeline_round, temporal_env
 
 from activities.engine_client import EngineClient
 from activities.rollout_activities import RolloutActivities
 from activities.store import RunStore
-from config.load import config_hash, load_config
+from config.load import load_config
 from config.models import StackConfig
-from config.paths import REPO_ROOT, venv_bin
-from envs.math import verify
+from config.paths import REPO_ROOT
 from envs.tasks import load_tasks
 from workers import procs
 from workers.worker import build_worker
-from workflows import search_attributes as sa
-from workflows.group import member_seed
-from workflows.run import RunWorkflow, rollout_template
-from workflows.types import RunInput, group_id, rollout_id
 
 TASKS = REPO_ROOT / "envs" / "data" / "addition.jsonl"
-
-
-async def bare_round(engine: EngineClient, url: str, cfg, tasks: list[dict], tag: str) -> float:
-    """The same rollouts with no orchestration: one asyncio task per rollout, all at once."""
-    tmpl = rollout_template(cfg, tag)
-
-    async def one(g: int, i: int) -> float:
-        task = tasks[g % len(tasks)]
-        rid = rollout_id(tag, group_id(g), i)
-        sampling = tmpl.sampling.model_copy(update={"seed": member_seed(tmpl.sampling.seed, rid)})
-        messages = [{"role": "user", "content": task["prompt"]}]
-        prompt = await engine.tokenize_chat(url, cfg.engine.model, messages)
-        gen = await engine.generate(url, cfg.engine.model, prompt, sampling, sampling.max_tokens, rid)
-        text = await engine.detokenize(url, cfg.engine.model, gen.token_ids)
-        return verify(text.split("<|end|>")[0], task["answer"])
-
-    t0 = time.perf_counter()
-    await asyncio.gather(*(one(g, i) for g in range(cfg.run.num_groups) for i in range(cfg.run.group_size)))
-    return time.perf_counter() - t0
-
-
-async def pipeline_round(client, cfg, run_id: str) -> float:
-    t0 = time.perf_counter()
-    handle = await client.start_workflow(
-        RunWorkflow.run,
-        RunInput(run_id=run_id, config=cfg.model_dump(mode="json"), config_hash=config_hash(cfg)),
-        id=run_id,
-        task_queue=cfg.temporal.task_queue,
-    )
-    await handle.result()
-    return time.perf_counter() - t0
 
 
 async def main(args: argparse.Namespace) -> dict:
@@ -74,42 +36,34 @@ async def main(args: argparse.Namespace) -> dict:
     stack = StackConfig(engine_port=procs.free_port(), model_dir=str(REPO_ROOT / "models" / "tiny-policy"))
     url = f"http://127.0.0.1:{stack.engine_port}"
     pid = procs.spawn("engine", procs.engine_argv(stack), home, env=procs.engine_env(stack))
-    env = None
+    n = args.groups * args.group_size
+    cfg = load_config(
+        None,
+        [
+            f'engine.urls=["{url}"]',
+            f'run.task_file="{TASKS}"',
+            f"run.num_groups={args.groups}",
+            f"run.group_size={args.group_size}",
+            f"run.max_inflight_groups={args.groups}",
+            "sampling.max_tokens=8",
+            'temporal.task_queue="bench"',
+        ],
+    )
+    bare_s: list[float] = []
+    pipe_s: list[float] = []
     try:
         procs.wait_until(lambda: procs.http_ok(f"{url}/health"), 300, "vLLM", pid=pid)
         procs.set_weight_version(url, "v0")
-        env = await WorkflowEnvironment.start_local(
-            dev_server_existing_path=str(venv_bin("temporal")),
-            data_converter=pydantic_data_converter,
-            search_attributes=sa.ALL,
-            dev_server_log_level="error",
-        )
-        n = args.groups * args.group_size
-        cfg = load_config(
-            None,
-            [
-                f'engine.urls=["{url}"]',
-                f'run.task_file="{TASKS}"',
-                f"run.num_groups={args.groups}",
-                f"run.group_size={args.group_size}",
-                f"run.max_inflight_groups={args.groups}",
-                "sampling.max_tokens=8",
-                'temporal.task_queue="bench"',
-            ],
-        )
         tasks = load_tasks(TASKS, "math")
         engine = EngineClient()
         acts = RolloutActivities(RunStore(home / "store"), engine)
-        bare_s, pipe_s = [], []
-        async with build_worker(env.client, "bench", acts):
+        async with temporal_env() as env, build_worker(env.client, "bench", acts):
             await bare_round(engine, url, cfg, tasks, "warmup")  # first requests compile kernels
             for r in range(args.rounds):
-                bare_s.append(await bare_round(engine, url, cfg, tasks, f"bare-{r}"))
+                bare_s.append((await bare_round(engine, url, cfg, tasks, f"bare-{r}"))[0])
                 pipe_s.append(await pipeline_round(env.client, cfg, f"pipe-{r}"))
         await engine.aclose()
     finally:
-        if env is not None:
-            await env.shutdown()
         procs.stop_pid(pid)
     bare_rps = n * args.rounds / sum(bare_s)
     pipe_rps = n * args.rounds / sum(pipe_s)

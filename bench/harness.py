@@ -1,0 +1,167 @@
+"""Pieces shared by the pipeline-vs-bare benchmarks (`pipeline_vs_bare.py`, `orchestration_overhead.py`).
+
+The benchmarks run as scripts (`python bench/NAME.py`), so they import this module as `harness` (bench/ is
+the script directory on sys.path).
+
+- `temporal_env`: a real Temporal dev server (in memory, our search attributes) for one benchmark.
+- `bare_round`: the run's rollouts with no orchestration, doing the same engine calls the activities do
+  (render the prompt via /tokenize once; per turn: generate, detokenize, verify, and on a wrong answer
+  tokenize the retry observation and append it), with the same dispatch shape as `RunWorkflow`: at most
+  ``run.max_inflight_groups`` groups in flight, every member of a group at once.
+- `pipeline_round`: the same run through the full durable pipeline (RunWorkflow -> groups -> rollouts).
+- `cpu_s` / `child_pids`: process CPU time from /proc, for CPU-per-turn accounting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from temporalio.client import Client
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.testing import WorkflowEnvironment
+
+from activities.engine_client import EngineClient
+from config.load import config_hash
+from config.models import Config
+from config.paths import venv_bin
+from envs.math import RETRY_PROMPT, verify
+from workflows import search_attributes as sa
+from workflows.group import member_seed
+from workflows.run import RunWorkflow, rollout_template
+from workflows.types import RunInput, group_id, rollout_id
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+@asynccontextmanager
+async def temporal_env() -> AsyncIterator[WorkflowEnvironment]:
+    """A local Temporal dev server (a child process of this one) with the project's search attributes."""
+    env = await WorkflowEnvironment.start_local(
+        dev_server_existing_path=str(venv_bin("temporal")),
+        data_converter=pydantic_data_converter,
+        search_attributes=sa.ALL,
+        dev_server_log_level="error",
+    )
+    try:
+        yield env
+    finally:
+        await env.shutdown()
+
+
+@dataclass
+class BareRollout:
+    """What the bare driver saw of one rollout."""
+
+    wall_s: float = 0.0
+    turns: int = 0
+    model_s: list[float] = field(default_factory=list)
+    """Per turn: the generate HTTP call."""
+    env_s: list[float] = field(default_factory=list)
+    """Per turn: detokenize, verify, and the retry observation's /tokenize."""
+
+
+async def bare_rollout(engine: EngineClient, url: str, cfg: Config, task: dict, rid: str) -> BareRollout:
+    """One math rollout with no orchestration, making the same engine calls as the pipeline's activities."""
+    out = BareRollout()
+    t0 = time.perf_counter()
+    tmpl = rollout_template(cfg, "bare")
+    sampling = tmpl.sampling.model_copy(update={"seed": member_seed(tmpl.sampling.seed, rid)})
+    model = cfg.engine.model
+    context = await engine.tokenize_chat(url, model, [{"role": "user", "content": task["prompt"]}])
+    for turn in range(cfg.rollout.max_turns):
+        budget = cfg.rollout.max_total_tokens - len(context)
+        if budget <= 0:
+            break
+        t1 = time.perf_counter()
+        gen = await engine.generate(
+            url, model, context, sampling, min(budget, sampling.max_tokens), f"{rid}/{turn}/1"
+        )
+        t2 = time.perf_counter()
+        out.model_s.append(t2 - t1)
+        out.turns += 1
+        context = context + gen.token_ids
+        if gen.finish_reason == "length" and len(gen.token_ids) >= budget:
+            break
+        text = await engine.detokenize(url, model, gen.token_ids)
+        reward = verify(text.split("<|end|>", 1)[0], task["answer"])
+        if reward == 1.0 or turn + 1 >= cfg.rollout.max_turns:
+            out.env_s.append(time.perf_counter() - t2)
+            break
+        obs = await engine.tokenize_chat(url, model, [{"role": "user", "content": RETRY_PROMPT}])
+        context = context + obs
+        out.env_s.append(time.perf_counter() - t2)
+    out.wall_s = time.perf_counter() - t0
+    return out
+
+
+async def bare_round(
+    engine: EngineClient, url: str, cfg: Config, tasks: list[dict], tag: str
+) -> tuple[float, list[BareRollout]]:
+    """Every rollout of the run, groups dispatched like `RunWorkflow` does; returns (wall s, rollouts)."""
+    gate = asyncio.Semaphore(cfg.run.max_inflight_groups)
+
+    async def group(g: int) -> list[BareRollout]:
+        async with gate:
+            task = tasks[g % len(tasks)]
+            members = (
+                bare_rollout(engine, url, cfg, task, rollout_id(tag, group_id(g), i))
+                for i in range(cfg.run.group_size)
+            )
+            return list(await asyncio.gather(*members))
+
+    t0 = time.perf_counter()
+    groups = await asyncio.gather(*(group(g) for g in range(cfg.run.num_groups)))
+    return time.perf_counter() - t0, [r for g in groups for r in g]
+
+
+async def pipeline_round(client: Client, cfg: Config, run_id: str) -> float:
+    """Run ``cfg`` through RunWorkflow on the task queue ``cfg.temporal.task_queue``; returns wall seconds."""
+    t0 = time.perf_counter()
+    handle = await client.start_workflow(
+        RunWorkflow.run,
+        RunInput(run_id=run_id, config=cfg.model_dump(mode="json"), config_hash=config_hash(cfg)),
+        id=run_id,
+        task_queue=cfg.temporal.task_queue,
+    )
+    await handle.result()
+    return time.perf_counter() - t0
+
+
+def cpu_s(pid: int | str = "self") -> float:
+    """User + system CPU seconds of one process (0.0 if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / _CLK_TCK  # utime, stime (fields 14 and 15 of stat)
+
+
+def child_pids(parent: int | None = None) -> list[int]:
+    """Direct children of ``parent`` (default: this process), from /proc."""
+    parent = os.getpid() if parent is None else parent
+    kids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == parent:
+            kids.append(int(entry))
+    return kids
+
+
+def proc_name(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
