@@ -133,12 +133,17 @@ class RolloutActivities:
             )
             seg = await asyncio.to_thread(self.store.put_segment, inp.rollout_id, seg)
         versions = [v for v in seg.policy_versions or [] if v is not None]
+        env = None
+        over_budget = seg.meta["finish_reason"] == "length" and seg.end - seg.start >= inp.budget
+        if inp.env_after is not None and not over_budget:
+            env = await self.env_step(inp.env_after)
         return TurnResult(
             turn=inp.turn,
             start=seg.start,
             end=seg.end,
             finish_reason=seg.meta["finish_reason"],
             policy_version=versions[-1] if versions else None,
+            env=env,
         )
 
     @activity.defn(name="env_step")

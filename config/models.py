@@ -154,6 +154,10 @@ class StackConfig(_Strict):
     """Engine context length (prompt + generated tokens)."""
     kv_cache_gib: float = Field(1.0, gt=0, le=1024)
     """KV-cache space of the CPU engine in GiB (VLLM_CPU_KVCACHE_SPACE)."""
+    num_gpu_blocks: int | None = Field(None, ge=1)
+    """--num-gpu-blocks-override: a deliberately small KV cache (admission tests); None = sized by memory."""
+    block_size: int | None = Field(None, ge=1)
+    """--block-size: tokens per KV block; None = the engine's default (128 on CPU)."""
     logprob_mode: Literal["processed_logprobs", "raw_logprobs"] = "processed_logprobs"
     """--logprobs-mode of the engine."""
     policy_version: str = "v0"

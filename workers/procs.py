@@ -322,7 +322,9 @@ def engine_argv(cfg: StackConfig) -> list[str]:
         # ("CPU Generator does not use offset"); rollouts are seeded and contexts grow past 2048 tokens.
         "--no-enable-chunked-prefill",
         "--disable-uvicorn-access-log",
-    ]  # fmt: skip
+    ] + (["--num-gpu-blocks-override", str(cfg.num_gpu_blocks)] if cfg.num_gpu_blocks else []) + (
+        ["--block-size", str(cfg.block_size)] if cfg.block_size else []
+    )  # fmt: skip
 
 
 def engine_env(cfg: StackConfig) -> dict[str, str]:

@@ -173,12 +173,13 @@ class RolloutWorkflow:
             budget = inp.max_total_tokens - self._tokens
             if budget <= 0:
                 raise await self._score_truncated(inp, TruncationReason.TOKEN_BUDGET)
-            turn = await self._generate(inp, min(budget, inp.sampling.max_tokens))
+            last = self._turn + 1 >= inp.max_turns
+            turn = await self._generate(inp, min(budget, inp.sampling.max_tokens), budget, last)
             if turn.truncated_reason is not None:
                 raise await self._score_truncated(inp, turn.truncated_reason)
             if turn.finish_reason == "length" and turn.end - turn.start >= budget:
                 raise await self._score_truncated(inp, TruncationReason.TOKEN_BUDGET)
-            step = await self._env_step(inp, last=self._turn + 1 >= inp.max_turns)
+            step = turn.env if turn.env is not None else await self._env_step(inp, last=last)
             self._turn += 1
             if step.done:
                 raise _Ended(Outcome.COMPLETED, None, step.reward)
@@ -201,8 +202,10 @@ class RolloutWorkflow:
                     )
                 )
 
-    async def _generate(self, inp: RolloutInput, max_tokens: int) -> TurnResult:
-        return await self._with_failover(inp, lambda i, engine: self._generate_on(i, engine, max_tokens))
+    async def _generate(self, inp: RolloutInput, max_tokens: int, budget: int, last: bool) -> TurnResult:
+        return await self._with_failover(
+            inp, lambda i, engine: self._generate_on(i, engine, max_tokens, budget, last)
+        )
 
     async def _with_failover(self, inp: RolloutInput, call: Callable[[RolloutInput, str], Awaitable[T]]) -> T:
         """Run an engine step; an engine unreachable past its retries moves the rollout on a replica."""
@@ -237,8 +240,13 @@ class RolloutWorkflow:
             retry_policy=_engine_retry(inp),
         )
 
-    async def _generate_on(self, inp: RolloutInput, engine: str, max_tokens: int) -> TurnResult:
+    async def _generate_on(
+        self, inp: RolloutInput, engine: str, max_tokens: int, budget: int, last: bool
+    ) -> TurnResult:
         self._enter(Phase.GENERATE)
+        # The math env step (detokenize, verify, maybe one observation) rides in the model call's
+        # activity: one workflow task per turn instead of two. Sandboxed envs step in their own activities.
+        env_after = self._math_step_input(inp, last) if self._coding is None else None
         turn: TurnResult = await workflow.execute_activity(
             "generate_turn",
             GenerateInput(
@@ -248,6 +256,8 @@ class RolloutWorkflow:
                 model=inp.engine.model,
                 sampling=inp.sampling,
                 max_tokens=max_tokens,
+                env_after=env_after,
+                budget=budget,
             ),
             result_type=TurnResult,
             start_to_close_timeout=timedelta(seconds=inp.engine.request_timeout_s + 30),
@@ -264,24 +274,26 @@ class RolloutWorkflow:
         self._enter(Phase.ENV, index=self._coding is not None)
         if self._coding is not None:
             return await self._coding.step(self._turn, score_only=score_only)
-        # The math env step is short (detokenize, verify, maybe one observation): a local activity, which
-        # costs one marker event instead of an activity's three plus a workflow task.
+        # Scoring a truncated rollout: the math env step as a local activity (one marker event).
         return await workflow.execute_local_activity(
             "env_step",
-            EnvStepInput(
-                run_id=inp.run_id,
-                rollout_id=inp.rollout_id,
-                task_id=inp.task_id,
-                env=inp.env,
-                turn=self._turn,
-                last_turn=last,
-                score_only=score_only,
-                engine_url=self._engine,
-                model=inp.engine.model,
-            ),
+            self._math_step_input(inp, last, score_only),
             result_type=EnvStepResult,
             start_to_close_timeout=timedelta(seconds=30),
             retry_policy=ENV_RETRY,
+        )
+
+    def _math_step_input(self, inp: RolloutInput, last: bool, score_only: bool = False) -> EnvStepInput:
+        return EnvStepInput(
+            run_id=inp.run_id,
+            rollout_id=inp.rollout_id,
+            task_id=inp.task_id,
+            env=inp.env,
+            turn=self._turn,
+            last_turn=last,
+            score_only=score_only,
+            engine_url=self._engine,
+            model=inp.engine.model,
         )
 
     async def _score_truncated(self, inp: RolloutInput, reason: TruncationReason) -> _Ended:
@@ -346,7 +358,7 @@ def _engine_retry(inp: RolloutInput) -> RetryPolicy:
         initial_interval=timedelta(seconds=inp.retry.initial_s),
         maximum_interval=timedelta(seconds=inp.retry.max_s),
         maximum_attempts=inp.retry.max_attempts,
-        non_retryable_error_types=["EngineBadRequest", "TaskFileError"],
+        non_retryable_error_types=["EngineBadRequest", "TaskFileError", "EnvironmentFailure"],
     )
 
 

@@ -133,6 +133,8 @@ class TurnResult(_Data):
     finish_reason: str
     policy_version: str | None
     truncated_reason: TruncationReason | None = None
+    env: EnvStepResult | None = None
+    """The env step's result when it ran inside the activity (``GenerateInput.env_after``)."""
 
 
 class EnvStepResult(_Data):
@@ -344,6 +346,11 @@ class GenerateInput(_Data):
     model: str
     sampling: SamplingParams
     max_tokens: int
+    env_after: EnvStepInput | None = None
+    """Run this (cheap, pure) env step in the same activity once the turn is stored, unless the turn
+    was truncated; saves a workflow task per turn (math)."""
+    budget: int = 0
+    """Tokens the rollout had left: a turn that used them all is truncated (token_budget), not stepped."""
 
 
 class EnvStepInput(_Data):
@@ -407,3 +414,5 @@ class ActionResult(_Data):
 
 
 RunInput.model_rebuild()
+GenerateInput.model_rebuild()
+TurnResult.model_rebuild()
