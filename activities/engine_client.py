@@ -111,6 +111,8 @@ class EngineClient:
         }
         if sampling.seed is not None:
             params["seed"] = sampling.seed
+        if sampling.min_tokens:
+            params["min_tokens"] = min(sampling.min_tokens, params["max_tokens"])
         body = {
             "model": model,
             "request_id": request_id,

@@ -62,6 +62,8 @@ class SamplingConfig(_Strict):
     """Top-k cut-off; -1 disables it."""
     max_tokens: int = Field(16, ge=1, le=1_000_000)
     """Most tokens one model call may sample."""
+    min_tokens: int = Field(0, ge=0, le=1_000_000)
+    """vLLM's min_tokens: the end-of-turn token is suppressed until a turn has this many tokens."""
     seed: int | None = Field(0, ge=0)
     """Base seed: each rollout samples with a seed derived from this and its rollout id; None = random."""
 
@@ -184,6 +186,8 @@ class Config(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> Config:
+        if self.sampling.min_tokens > self.sampling.max_tokens:
+            raise ValueError("sampling.min_tokens exceeds sampling.max_tokens")
         if self.sampling.max_tokens > self.rollout.max_total_tokens:
             raise ValueError("sampling.max_tokens exceeds rollout.max_total_tokens")
         if self.engine.retry_initial_s > self.engine.retry_max_s:

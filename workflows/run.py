@@ -76,6 +76,7 @@ def rollout_template(cfg: Config, run_id: str) -> RolloutInput:
             top_p=cfg.sampling.top_p,
             top_k=cfg.sampling.top_k,
             max_tokens=cfg.sampling.max_tokens,
+            min_tokens=cfg.sampling.min_tokens,
             seed=cfg.sampling.seed,
             logprob_mode=cfg.engine.logprob_mode,
         ),

@@ -64,6 +64,7 @@ class SamplingParams(_Data):
     max_tokens: int
     seed: int | None
     logprob_mode: str
+    min_tokens: int = 0
 
 
 class EngineTarget(_Data):
