@@ -10,7 +10,7 @@ STAMP   := $(VENV)/.installed
 HOME_DIR := $(or $(ROLLOUTS_HOME),.rollouts)
 RUN_ID  ?= demo-$(shell date +%Y%m%d-%H%M%S)
 
-.PHONY: setup demo test test-unit lint down bench
+.PHONY: setup demo test test-unit lint down bench grpo
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -27,6 +27,11 @@ demo: setup
 	$(BIN)/rollouts run config/examples/math.toml --run-id $(RUN_ID) --wait
 	$(BIN)/rollouts export $(RUN_ID) -o $(HOME_DIR)/$(RUN_ID).jsonl
 	@echo "records: $(HOME_DIR)/$(RUN_ID).jsonl   web UI: http://127.0.0.1:8233   stop: make down"
+
+# The closed GRPO loop on the embedded stack (README, "Closed loop: GRPO on the tiny policy").
+grpo: setup
+	$(BIN)/rollouts stack up --detach
+	$(BIN)/rollouts train config/examples/grpo_loop.toml -o $(HOME_DIR)/grpo_loop.json
 
 down: setup
 	$(BIN)/rollouts stack down

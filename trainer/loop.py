@@ -154,9 +154,18 @@ class Loop:
     """One closed-loop session over one run (see the module invariants)."""
 
     def __init__(
-        self, cfg: Config, ts: TrainerSettings, run_id: str, home: Path, log: Callable[[str], None] = print
+        self,
+        cfg: Config,
+        ts: TrainerSettings,
+        run_id: str,
+        home: Path,
+        log: Callable[[str], None] = print,
+        client: Any = None,
     ) -> None:
+        """``client``: a connected Temporal client to start the run with (default: connect to
+        ``cfg.temporal.address``)."""
         self.cfg, self.ts, self.run_id, self.home, self.log = cfg, ts, run_id, Path(home), log
+        self.client = client
         self.store = RunStore(self.home)
         self.feed = TrainerFeed(self.store, run_id)
         self.urls = [u.rstrip("/") for u in cfg.engine.urls]
@@ -208,12 +217,14 @@ class Loop:
         from workflows.run import RunWorkflow
         from workflows.types import RunInput
 
-        try:
-            client = await connect(self.cfg.temporal.address, self.cfg.temporal.namespace)
-        except Exception as e:
-            raise TrainerError(
-                f"cannot reach Temporal at {self.cfg.temporal.address} ({e}); is the stack up?"
-            ) from None
+        client = self.client
+        if client is None:
+            try:
+                client = await connect(self.cfg.temporal.address, self.cfg.temporal.namespace)
+            except Exception as e:
+                raise TrainerError(
+                    f"cannot reach Temporal at {self.cfg.temporal.address} ({e}); is the stack up?"
+                ) from None
         handle = client.get_workflow_handle_for(RunWorkflow.run, self.run_id)
         try:
             await handle.describe()
