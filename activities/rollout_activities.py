@@ -67,6 +67,13 @@ class RolloutActivities:
         task = await asyncio.to_thread(self.store.task_at, run_id, idx)
         return task["id"]
 
+    @activity.defn(name="latest_policy_version")
+    async def latest_policy_version(self) -> str | None:
+        """The most recently published policy version in the store (None before the first)."""
+        rows = await asyncio.to_thread(self.store.policies)
+        published = [r["version"] for r in rows if r["status"] == "published"]
+        return published[-1] if published else None
+
     @activity.defn(name="prepare_rollout")
     async def prepare_rollout(self, inp: PrepareInput) -> PrepareResult:
         """Render the task prompt through the chat template once and store it as segment 'prompt'."""
@@ -240,6 +247,7 @@ class RolloutActivities:
         return [
             self.load_run,
             self.task_id_at,
+            self.latest_policy_version,
             self.prepare_rollout,
             self.generate_turn,
             self.env_step,

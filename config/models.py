@@ -77,6 +77,12 @@ class RolloutConfig(_Strict):
     """Wall-clock limit of one rollout; reaching it truncates (reason timeout)."""
     score_truncated: bool = False
     """Whether truncated rollouts get a reward and take part in the group comparison."""
+    step_token_budget: int | None = Field(None, ge=1)
+    """Partial rollouts: after sampling this many tokens under one published policy version, a rollout
+    pauses (phase "paused", no engine resources held) until a newer version is published, then continues
+    under the new weights; its record keeps every token's version. None = never pause."""
+    partial_poll_s: float = Field(5.0, gt=0.0, le=3600.0)
+    """How often a paused rollout checks the store for a newer published version."""
 
 
 class RunConfig(_Strict):

@@ -80,7 +80,7 @@ class RolloutWorkflow:
         self._order: list[str] = []
         self._engine = ""
         self._failovers = self._reprefill = 0
-        self._sampled = 0
+        self._sampled = self._step_sampled = self._partial_steps = 0
         self._cancel_reason: str | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -131,6 +131,7 @@ class RolloutWorkflow:
         self._order = rollout_replicas(inp)
         self._failovers, self._reprefill = inp.engine_failovers, inp.reprefill_tokens
         self._sampled = inp.sampled_tokens
+        self._step_sampled, self._partial_steps = inp.step_sampled, inp.partial_steps
         self._engine = self._order[min(inp.engine_failovers, len(self._order) - 1)]
         if inp.env == "coding":
             self._coding = CodingSteps(inp, self._engine)
@@ -170,6 +171,8 @@ class RolloutWorkflow:
         while True:
             if self._turn >= inp.max_turns:
                 raise await self._score_truncated(inp, TruncationReason.MAX_TURNS)
+            if inp.step_token_budget and self._step_sampled >= inp.step_token_budget:
+                await self._await_newer_policy(inp)
             budget = inp.max_total_tokens - self._tokens
             if budget <= 0:
                 raise await self._score_truncated(inp, TruncationReason.TOKEN_BUDGET)
@@ -198,9 +201,32 @@ class RolloutWorkflow:
                             "engine_failovers": self._failovers,
                             "reprefill_tokens": self._reprefill,
                             "sampled_tokens": self._sampled,
+                            "step_sampled": self._step_sampled,
+                            "partial_steps": self._partial_steps,
                         }
                     )
                 )
+
+    async def _await_newer_policy(self, inp: RolloutInput) -> None:
+        """Partial rollouts: wait (durable timers, no engine resources held) for the next publish."""
+        self._enter(Phase.PAUSED)
+        seen = await self._latest_policy()
+        while (latest := await self._latest_policy()) == seen:
+            workflow.set_current_details(
+                f"phase=paused turn={self._turn} tokens={self._tokens}: waiting for a version after {seen}"
+            )
+            await workflow.sleep(inp.partial_poll_s)
+        self._partial_steps += 1
+        self._step_sampled = 0
+        workflow.logger.info("rollout %s: resumes under %s (was %s)", inp.rollout_id, latest, seen)
+
+    async def _latest_policy(self) -> str | None:
+        return await workflow.execute_local_activity(
+            "latest_policy_version",
+            result_type=str,
+            start_to_close_timeout=timedelta(seconds=30),
+            retry_policy=RetryPolicy(maximum_interval=timedelta(seconds=10)),
+        )
 
     async def _generate(self, inp: RolloutInput, max_tokens: int, budget: int, last: bool) -> TurnResult:
         return await self._with_failover(
@@ -266,6 +292,7 @@ class RolloutWorkflow:
         )
         self._tokens = turn.end
         self._sampled += turn.end - turn.start
+        self._step_sampled += turn.end - turn.start
         if turn.policy_version is not None:
             self._version = turn.policy_version
         return turn
@@ -311,6 +338,8 @@ class RolloutWorkflow:
             extra["sandbox_replays"] = self._coding.replays
             if self._coding.slot_waits:
                 extra["sandbox_slot_waits"] = self._coding.slot_waits
+        if self._partial_steps:
+            extra["partial_steps"] = self._partial_steps
         if self._failovers:
             extra.update(engine_failovers=self._failovers, reprefill_tokens=self._reprefill)
         if ended.outcome == Outcome.TRUNCATED:

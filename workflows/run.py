@@ -96,6 +96,8 @@ def rollout_template(cfg: Config, run_id: str) -> RolloutInput:
         max_total_tokens=cfg.rollout.max_total_tokens,
         timeout_s=cfg.rollout.timeout_s,
         score_truncated=cfg.rollout.score_truncated,
+        step_token_budget=cfg.rollout.step_token_budget,
+        partial_poll_s=cfg.rollout.partial_poll_s,
         sandbox_spec_json=cfg.sandbox.model_dump_json() if cfg.run.env == "coding" else "",
         pool_json=cfg.sandbox_pool.model_dump_json() if cfg.run.env == "coding" else "",
     )

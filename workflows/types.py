@@ -50,6 +50,7 @@ class Phase(StrEnum):
     PREPARE = "prepare"
     GENERATE = "generate"
     ENV = "env"
+    PAUSED = "paused"
     REWARD = "reward"
     FINALIZE = "finalize"
     DONE = "done"
@@ -112,6 +113,12 @@ class RolloutInput(_Data):
     engine_failovers: int = 0
     reprefill_tokens: int = 0
     sampled_tokens: int = 0
+    step_sampled: int = 0
+    """Tokens sampled since the last partial-rollout pause (or the start)."""
+    partial_steps: int = 0
+    """Pauses for a newer policy version so far."""
+    step_token_budget: int | None = None
+    partial_poll_s: float = 5.0
     preferred_engine: str | None = None
     """Replica the dispatcher chose for the rollout's group (bounded-load affinity); None = hash order."""
     pool_json: str = ""
