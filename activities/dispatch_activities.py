@@ -66,8 +66,12 @@ class DispatchActivities:
                 self.pool.status, PoolSettings.model_validate_json(inp.pool_json)
             )
             pool = PoolStatus(**status.model_dump())
+        unconsumed = 0
+        if inp.count_unconsumed:
+            unconsumed = await asyncio.to_thread(self.store.unconsumed_groups, inp.run_id)
         return FleetPoll(
             at=now,
+            unconsumed_groups=unconsumed,
             readings=readings,
             errors=errors,
             counts={g: GroupCounts(finished=f, admission_cancelled=c) for g, (f, c) in counts.items()},

@@ -31,8 +31,10 @@ from workflows.types import (
     FinalizeRolloutInput,
     GenerateInput,
     LoadRunInput,
+    Outcome,
     PrepareInput,
     PrepareResult,
+    StoredOutcome,
     TruncationReason,
     TurnResult,
 )
@@ -200,8 +202,11 @@ class RolloutActivities:
         return len(existing.token_ids)
 
     @activity.defn(name="finalize_rollout")
-    async def finalize_rollout(self, inp: FinalizeRolloutInput) -> bool:
-        """Write the rollout's record once (keyed by rollout id); returns False if it already existed.
+    async def finalize_rollout(self, inp: FinalizeRolloutInput) -> StoredOutcome:
+        """Write the rollout's record once (keyed by rollout id); returns the record as stored.
+
+        The workflow reports what this returns, not what it asked to write, so the group's statistics
+        always agree with the store even when a retried workflow task decided differently the second time.
 
         The record carries its lineage (policy versions, config hash, env/verifier versions, sandbox image;
         see ``activities.export.rollout_lineage``) in ``extra_json["lineage"]``.
@@ -227,7 +232,17 @@ class RolloutActivities:
             "sampling_json": inp.sampling.model_dump_json(),
             "extra_json": json.dumps(extra),
         }
-        return await asyncio.to_thread(self.store.put_rollout, rec)
+        inserted = await asyncio.to_thread(self.store.put_rollout, rec)
+        row = await asyncio.to_thread(self.store.rollout, inp.rollout_id)
+        assert row is not None
+        return StoredOutcome(
+            outcome=Outcome(row["outcome"]),
+            reason=row["reason"],
+            reward=row["reward"],
+            scorable=bool(row["scorable"]),
+            wasted_tokens=int(json.loads(row["extra_json"]).get("wasted_tokens", 0)),
+            inserted=inserted,
+        )
 
     @activity.defn(name="finalize_group")
     async def finalize_group(self, inp: FinalizeGroupInput) -> bool:

@@ -369,6 +369,19 @@ class RunStore:
         )
         return {r[0]: (r[1], r[2] or 0) for r in rows}
 
+    def unconsumed_groups(self, run_id: str) -> int:
+        """Complete groups of the run that the trainer feed has neither consumed nor discarded."""
+        row = (
+            self._conn()
+            .execute(
+                "SELECT COUNT(*) FROM groups g WHERE g.run_id=? AND NOT EXISTS"
+                " (SELECT 1 FROM feed f WHERE f.run_id=g.run_id AND f.group_id=g.group_id)",
+                (run_id,),
+            )
+            .fetchone()
+        )
+        return int(row[0])
+
     # -- the dispatcher's decisions (one row per poll, idempotent on (run, seq)) -----------------------
     def put_dispatch_log(self, run_id: str, seq: int, at: float, record: dict[str, Any]) -> None:
         with self._tx() as db:

@@ -117,6 +117,10 @@ class AdmissionSection(AdmissionConfig):
     redispatch_cancelled: bool = False
     """Restart the group slot of a rollout cancelled for admission (a new rollout id, suffix r<n>);
     otherwise the slot ends cancelled and counts toward the group's size outside the comparison."""
+    max_queued_groups: int | None = Field(None, ge=1, le=1_000_000)
+    """Freshness: admit a group only while groups in flight + complete groups the trainer feed has not
+    taken yet stay below this (e.g. batch x (1 + max_lag)), so generation never outruns the trainer
+    into samples the feed would discard as stale. None = no limit."""
     load_factor: float = Field(1.25, ge=1.0, le=10.0)
     """Bounded-load affinity: a replica takes a new group only while its rollouts in flight stay within
     this x the fleet's mean; otherwise the group goes to its next replica in hash order."""

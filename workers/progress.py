@@ -53,6 +53,10 @@ def summary_table(p: RunProgress, groups: list[dict] | None = None) -> Table:
         table.add_row(k, str(v))
     table.add_row("total", f"{sum(p.outcomes.values())}/{p.rollouts_total}")
     table.add_row("groups", f"{p.groups_done}/{p.total_groups}")
+    if p.cap is not None:
+        table.add_row("admission cap (rollouts)", str(p.cap))
+    if p.admission_cancelled:
+        table.add_row("cancelled for admission", f"{p.admission_cancelled} ({p.wasted_tokens} tokens wasted)")
     if groups:
         scored = [(g["reward_mean"], g["scorable"]) for g in groups if g["reward_mean"] is not None]
         n = sum(k for _, k in scored)
@@ -83,3 +87,22 @@ async def show_status(client: Client, run_id: str) -> None:
     console.print(f"run {run_id}: workflow {desc.status.name if desc.status else '?'}")
     if p is not None:
         print_summary(p)
+        _print_dispatch(run_id)
+
+
+def _print_dispatch(run_id: str, last: int = 5) -> None:
+    """The dispatcher's latest decisions (adaptive admission), when this machine's store holds the run."""
+    from activities.store import RunStore
+    from config.paths import rollouts_home
+
+    home = rollouts_home()
+    log = RunStore(home).dispatch_log(run_id)[-last:] if (home / "store.sqlite").exists() else []
+    for e in log:
+        usage = "-" if e["kv_usage"] is None else f"{e['kv_usage']:.2f}"
+        pool = e.get("pool")
+        pool_text = f" pool {pool['in_use']}/{pool['ready']}+{pool['starting']}" if pool else ""
+        why = "; ".join(e["reasons"]) or "-"
+        console.print(
+            f"poll {e['seq']}: cap {e['cap']} inflight {e['inflight']} admitted {e['admitted']} "
+            f"cancelled {e['cancelled']} kv {usage}{pool_text}: {why}"
+        )

@@ -36,6 +36,7 @@ with workflow.unsafe.imports_passed_through():
         PrepareResult,
         RolloutInput,
         RolloutResult,
+        StoredOutcome,
         TruncationReason,
         TurnResult,
     )
@@ -105,11 +106,16 @@ class RolloutWorkflow:
     def _enter(self, phase: Phase, index: bool = True, outcome: Outcome | None = None) -> None:
         """Show the phase live; with index, also upsert the search attributes that changed.
 
-        Upserts cost history bytes, so only changed keys are sent, and instant phases (a math env step)
-        show in the current-details text only.
+        Upserts cost history bytes and a visibility write on the server, so they are sent only when the
+        phase, the policy version or the outcome changes (the turn rides along; a math rollout, whose phase
+        stays "generate", indexes its turn at start and end only, while the live details and the ``state``
+        query always show it), and instant phases (a math env step) show in the current-details text only.
         """
+        changed_phase = phase != self._phase
         self._phase = phase
-        if index:
+        if index and (
+            changed_phase or outcome is not None or self._version != self._indexed.get(sa.POLICY_VERSION.name)
+        ):
             wanted = {
                 sa.PHASE: phase.value,
                 sa.TURN: self._turn,
@@ -348,7 +354,7 @@ class RolloutWorkflow:
         if ended.reason == CANCEL_REASON:
             extra["wasted_tokens"] = wasted
         scorable = ended.reward is not None and ended.outcome in (Outcome.COMPLETED, Outcome.TRUNCATED)
-        await workflow.execute_local_activity(
+        stored: StoredOutcome = await workflow.execute_local_activity(
             "finalize_rollout",
             FinalizeRolloutInput(
                 run_id=inp.run_id,
@@ -365,20 +371,26 @@ class RolloutWorkflow:
                 turns=self._turn,
                 extra=extra,
             ),
+            result_type=StoredOutcome,
             start_to_close_timeout=timedelta(seconds=60),
             retry_policy=FINALIZE_RETRY,
         )
-        self._enter(Phase.DONE, outcome=ended.outcome)
+        if (stored.outcome, stored.reason) != (ended.outcome, ended.reason):
+            workflow.logger.warning(
+                "rollout %s: ended %s (%s) but its record already says %s (%s); the record stands",
+                inp.rollout_id, ended.outcome.value, ended.reason, stored.outcome.value, stored.reason,
+            )  # fmt: skip
+        self._enter(Phase.DONE, outcome=stored.outcome)
         return RolloutResult(
             rollout_id=inp.rollout_id,
             sample_index=inp.sample_index,
-            outcome=ended.outcome,
-            reason=ended.reason,
-            reward=ended.reward if scorable else None,
-            scorable=scorable,
+            outcome=stored.outcome,
+            reason=stored.reason,
+            reward=stored.reward,
+            scorable=stored.scorable,
             num_tokens=self._tokens,
             turns=self._turn,
-            wasted_tokens=wasted,
+            wasted_tokens=stored.wasted_tokens,
         )
 
 

@@ -226,11 +226,16 @@ class RunWorkflow:
                     reasons.append(f"sandbox pool {poll.pool.model_dump()}: admit {room} -> {wanted}")
                 room = wanted
             healthy = [u for u in cfg.engine.urls if u in d.healthy]
+            max_groups = cfg.run.max_inflight_groups
+            if adm.max_queued_groups is not None:  # freshness: do not outrun the trainer
+                max_groups = min(max_groups, adm.max_queued_groups - poll.unconsumed_groups)
+                if len(self._inflight) >= max_groups:
+                    reasons.append(f"queue: {poll.unconsumed_groups} groups wait for the trainer")
             admitted = 0
             while (
                 inp.next_group < cfg.run.num_groups
                 and healthy
-                and len(self._inflight) < cfg.run.max_inflight_groups
+                and len(self._inflight) < max_groups
                 and (room >= size or (room > 0 and not inflight and admitted == 0))
             ):
                 await self._start_group(inp, cfg, template, healthy)
@@ -270,6 +275,7 @@ class RunWorkflow:
                     groups=sorted(inp.slots),
                     pool_json=template.pool_json,
                     log=inp.last_log,
+                    count_unconsumed=cfg.admission.max_queued_groups is not None,
                 ),
                 result_type=FleetPoll,
                 start_to_close_timeout=timedelta(seconds=30),

@@ -288,6 +288,8 @@ class PollFleetInput(_Data):
     """Sandbox pool config (JSON); empty for runs without sandboxes."""
     log: DispatchLog | None = None
     """The previous decision, to be written to the store (idempotent on its seq)."""
+    count_unconsumed: bool = False
+    """Also count the run's complete groups the trainer feed has not taken (admission.max_queued_groups)."""
 
 
 class FleetPoll(_Data):
@@ -298,6 +300,7 @@ class FleetPoll(_Data):
     errors: list[str] = Field(default_factory=list)
     counts: dict[str, GroupCounts] = Field(default_factory=dict)
     pool: PoolStatus | None = None
+    unconsumed_groups: int = 0
 
 
 class RunProgress(_Data):
@@ -389,6 +392,18 @@ class FinalizeRolloutInput(_Data):
     turns: int
     extra: dict[str, Any] = Field(default_factory=dict)
     """Additional record fields (e.g. sandbox_replays), exported beside the contract's fields."""
+
+
+class StoredOutcome(_Data):
+    """A rollout's record as the store holds it (the first write wins; a retry returns the stored one)."""
+
+    outcome: Outcome
+    reason: str | None = None
+    reward: float | None = None
+    scorable: bool = False
+    wasted_tokens: int = 0
+    inserted: bool = True
+    """Whether this call wrote the record (False: it existed already)."""
 
 
 class FinalizeGroupInput(_Data):
