@@ -14,6 +14,7 @@ import os
 import sqlite3
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -59,6 +60,10 @@ CREATE TABLE IF NOT EXISTS feed (
 """
 
 
+CONTEXT_CACHE = 1024
+"""Rollouts whose context a store object keeps in memory (see `RunStore.token_ids`)."""
+
+
 class Segment(BaseModel):
     """A contiguous piece of a rollout's token sequence: the prompt, one model turn, or one observation."""
 
@@ -95,6 +100,8 @@ class RunStore:
         self.blob_dir.mkdir(parents=True, exist_ok=True)
         self.db_path = self.root / "store.sqlite"
         self._local = threading.local()
+        self._contexts: OrderedDict[str, tuple[tuple[str, ...], list[int]]] = OrderedDict()
+        self._cache_lock = threading.Lock()
         self._conn().executescript(_SCHEMA)
 
     # -- plumbing -------------------------------------------------------------------------------------
@@ -249,15 +256,36 @@ class RunStore:
         return [self._load(r) for r in rows]
 
     def token_ids(self, rollout_id: str) -> list[int]:
-        """The rollout's whole context so far: prompt followed by every turn and observation."""
-        out: list[int] = []
-        for seg in self.segments(rollout_id):
-            if seg.start != len(out):
+        """The rollout's whole context so far: prompt followed by every turn and observation.
+
+        Segments are immutable once written, so the context read last time is cached (per store object,
+        the most recent ``CONTEXT_CACHE`` rollouts) and only segments written since are read from their
+        blobs: a turn costs one blob read, not one per earlier segment.
+        """
+        rows = (
+            self._conn()
+            .execute(
+                "SELECT name, start, length, blob FROM segments WHERE rollout_id=? ORDER BY start, name",
+                (rollout_id,),
+            )
+            .fetchall()
+        )
+        with self._cache_lock:
+            names, out = self._contexts.pop(rollout_id, ((), []))
+        if tuple(r["name"] for r in rows[: len(names)]) != names:
+            names, out = (), []
+        out = list(out)
+        for r in rows[len(names) :]:
+            if r["start"] != len(out):
                 raise ValueError(
-                    f"rollout {rollout_id}: segment {seg.name} starts at {seg.start}, not {len(out)}"
+                    f"rollout {rollout_id}: segment {r['name']} starts at {r['start']}, not {len(out)}"
                 )
-            out.extend(seg.token_ids)
-        return out
+            out.extend(json.loads((self.root / r["blob"]).read_text())["token_ids"])
+        with self._cache_lock:
+            self._contexts[rollout_id] = (tuple(r["name"] for r in rows), out)
+            while len(self._contexts) > CONTEXT_CACHE:
+                self._contexts.popitem(last=False)
+        return list(out)
 
     # -- sandboxes ------------------------------------------------------------------------------------
     def put_sandbox(self, rollout_id: str, handle: BaseModel) -> None:

@@ -30,6 +30,24 @@ def test_token_sequence_is_the_concatenation_in_order(tmp_path: Path) -> None:
     assert store.token_ids("r") == [5, 6, 7, 8, 9]
 
 
+def test_a_growing_context_reads_only_the_new_segments_and_another_store_sees_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store, other = RunStore(tmp_path), RunStore(tmp_path)
+    store.put_segment("r", seg("prompt", 0, [5, 6], kind="prompt"))
+    assert store.token_ids("r") == [5, 6]
+    reads: list[str] = []
+    real = Path.read_text
+    monkeypatch.setattr(Path, "read_text", lambda p, *a, **k: reads.append(p.name) or real(p, *a, **k))
+    other.put_segment("r", seg("t00000.model", 2, [7]))  # written by another worker's store
+    other.put_segment("r", seg("t00000.obs", 3, [8], kind="observation"))
+    reads.clear()
+    context = store.token_ids("r")
+    assert context == [5, 6, 7, 8] and len(reads) == 2  # the prompt's blob is not read again
+    context.append(99)  # the caller's list is its own
+    assert store.token_ids("r") == [5, 6, 7, 8]
+
+
 def test_a_gap_in_the_sequence_is_an_error(tmp_path: Path) -> None:
     store = RunStore(tmp_path)
     store.put_segment("r", seg("prompt", 0, [5, 6], kind="prompt"))
