@@ -3,8 +3,10 @@
 Invariants:
 - One sandbox per rollout, keyed by the rollout id; it is destroyed when the rollout ends, however it ends
   (the workflow's finalize path; a reaper covers terminated workflows).
-- A create that finds no free pool slot waits on a durable timer and asks again (the pool says how
-  long); it never fails the rollout. The record counts the waits (``sandbox_slot_waits``).
+- A create that finds no free pool slot, or a sandbox backend that is not ready, waits on a durable timer
+  and asks again (the pool says how long; else exponential back-off to 30 s); waiting for a slot never
+  fails the rollout (only its own timeout ends the wait), a backend not ready after ~2.5 min does.
+  The record counts the waits (``sandbox_slot_waits``).
 - A sandbox that dies is recovered by replaying the rollout's recorded actions into a fresh one (the
   record counts the replays); if that fails too, the rollout fails as ``infra: SandboxGone``. A dead
   sandbox is never scored.
@@ -28,6 +30,11 @@ SANDBOX_RETRY = RetryPolicy(
     non_retryable_error_types=["SandboxGone", "SandboxPathError"],
 )
 MAX_RECOVERIES = 2
+NOT_READY = ("SandboxSlotPending", "SandboxNotReady")
+"""Create failures that wait (durable timer) and try again instead of failing the rollout: no pool slot
+yet (until the rollout's timeout), or the daemon not ready after the activity's own retries."""
+MAX_NOT_READY_WAITS = 8
+"""Waits (~2.5 min in all) before a backend that stays not ready fails the rollout as infra."""
 TOOL_ACTIVITY = {
     "bash": "sandbox_exec",
     "write_file": "sandbox_write_file",
@@ -76,12 +83,15 @@ class CodingSteps:
                 return
             except ActivityError as e:
                 cause = e.cause
-                if not (isinstance(cause, ApplicationError) and cause.type == "SandboxSlotPending"):
+                if not (isinstance(cause, ApplicationError) and cause.type in NOT_READY):
                     raise
-                hint = float(cause.details[0]) if cause.details else 2.0
+                if cause.type == "SandboxNotReady" and waits >= MAX_NOT_READY_WAITS:
+                    raise  # not a passing hiccup (e.g. the image is missing): fail as infra
+                # the pool's estimate of when its slot is ready; else exponential back-off
+                hint = float(cause.details[0]) if cause.details else 2.0 ** min(waits + 1, 5)
             waits += 1
             self.slot_waits += 1
-            delay = min(30.0, max(0.5, hint))  # the pool's estimate of when a slot is ready
+            delay = min(30.0, max(0.5, hint))
             workflow.set_current_details(f"waiting for a sandbox slot ({waits}): {cause.message}"[:300])
             await workflow.sleep(delay)
 
