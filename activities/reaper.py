@@ -14,6 +14,7 @@ from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.service import RPCError, RPCStatusCode
 
 from sandboxes import AsyncSandboxBackend
+from sandboxes.pool import SandboxPool
 
 log = logging.getLogger(__name__)
 
@@ -29,19 +30,35 @@ async def _running(client: Client, workflow_id: str) -> bool:
 
 
 async def reap_orphans(
-    client: Client, backend: AsyncSandboxBackend, run_id: str | None = None, min_age_s: float = 30.0
+    client: Client,
+    backend: AsyncSandboxBackend,
+    run_id: str | None = None,
+    min_age_s: float = 30.0,
+    pool: SandboxPool | None = None,
 ) -> list[str]:
-    """Remove the project's containers (of one run, or all) whose rollout is not running; returns names."""
+    """Remove the project's containers (of one run, or all) whose rollout is not running; returns names.
+
+    With ``pool``, also give back the slots of rollouts that are not running (a terminated rollout never
+    runs its destroy step).
+    """
     keep = {info.key for info in await backend.list_containers(run_id) if await _running(client, info.key)}
-    return await backend.reap(run_id=run_id, older_than_s=min_age_s, keep=keep)
+    removed = await backend.reap(run_id=run_id, older_than_s=min_age_s, keep=keep)
+    if pool is not None:
+        for key in await asyncio.to_thread(pool.holders):
+            mine = run_id is None or key.startswith(f"{run_id}/")
+            if mine and key not in keep and not await _running(client, key):
+                await asyncio.to_thread(pool.release, key)
+    return removed
 
 
-async def reap_forever(client: Client, backend: AsyncSandboxBackend, every_s: float = 60.0) -> None:
+async def reap_forever(
+    client: Client, backend: AsyncSandboxBackend, every_s: float = 60.0, pool: SandboxPool | None = None
+) -> None:
     """Run the reaper periodically (a worker's background task); errors are logged, never fatal."""
     while True:
         await asyncio.sleep(every_s)
         try:
-            removed = await reap_orphans(client, backend)
+            removed = await reap_orphans(client, backend, pool=pool)
         except Exception as e:  # a daemon hiccup must not take the worker down
             log.warning("sandbox reaper: %s", e)
             continue

@@ -159,12 +159,15 @@ def reap(
 ) -> None:
     """Remove sandboxes whose rollout workflow is no longer running (terminated, finished, unknown)."""
     from activities.reaper import reap_orphans
+    from config.paths import rollouts_home
     from sandboxes import SandboxError
+    from sandboxes.pool import SandboxPool
     from workers.worker import docker_sandboxes
 
     async def go() -> list[str]:
         client = await _client(address)
-        return await reap_orphans(client, docker_sandboxes(), run_id, min_age_s=0)
+        pool = SandboxPool(rollouts_home() / "pool.sqlite")
+        return await reap_orphans(client, docker_sandboxes(), run_id, min_age_s=0, pool=pool)
 
     try:
         removed = asyncio.run(go())

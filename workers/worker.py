@@ -66,7 +66,7 @@ async def serve(address: str, task_queue: str, namespace: str = "default", home:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    reaper = _start_reaper(client)
+    reaper = _start_reaper(client, SandboxPool(store.root / "pool.sqlite"))
     try:
         async with build_worker(client, task_queue, RolloutActivities(store, engine)):
             print(f"worker polling {task_queue!r} on {address}", flush=True)
@@ -77,13 +77,13 @@ async def serve(address: str, task_queue: str, namespace: str = "default", home:
         await engine.aclose()
 
 
-def _start_reaper(client: Client) -> asyncio.Task | None:
+def _start_reaper(client: Client, pool: SandboxPool) -> asyncio.Task | None:
     """Reap orphaned sandboxes in the background where a Docker daemon answers."""
     try:
         backend = docker_sandboxes()
     except SandboxError:
         return None
-    return asyncio.create_task(reap_forever(client, backend))
+    return asyncio.create_task(reap_forever(client, backend, pool=pool))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -210,6 +210,7 @@ async def test_terminated_rollout_gets_a_failed_record_and_the_reaper_removes_it
 ) -> None:
     from activities.reaper import reap_orphans
     from sandboxes import AsyncSandboxBackend
+    from sandboxes.pool import SandboxPool
 
     run_id = "sleep-terminate"
     rid = rollout_id(run_id, group_id(0), 0)
@@ -220,7 +221,10 @@ async def test_terminated_rollout_gets_a_failed_record_and_the_reaper_removes_it
         await client.get_workflow_handle(rid).terminate(reason="test")
         await handle.result()
         assert len(docker.list_containers(run_id)) == 1  # terminated code cannot clean up after itself
-        removed = await reap_orphans(client, AsyncSandboxBackend(docker), run_id, min_age_s=0)
+        pool = SandboxPool(store.root / "pool.sqlite")
+        assert rid in pool.holders()  # nor give back its pool slot
+        removed = await reap_orphans(client, AsyncSandboxBackend(docker), run_id, min_age_s=0, pool=pool)
+        assert rid not in pool.holders()
     (rec,), _ = export(store, run_id)
     assert rec["outcome"] == "failed" and rec["reason"].startswith("infra: child workflow")
     assert len(removed) == 1
