@@ -63,11 +63,11 @@ class RolloutActivities:
         await asyncio.to_thread(self.store.register_run, inp.run_id, inp.config_json, inp.config_hash)
         return await asyncio.to_thread(self.store.put_tasks, inp.run_id, tasks)
 
-    @activity.defn(name="task_id_at")
-    async def task_id_at(self, run_id: str, idx: int) -> str:
-        """The id of the run's idx-th task (a local activity of the run workflow)."""
-        task = await asyncio.to_thread(self.store.task_at, run_id, idx)
-        return task["id"]
+    @activity.defn(name="task_ids_at")
+    async def task_ids_at(self, run_id: str, idxs: list[int]) -> list[str]:
+        """The ids of the run's tasks at these indexes (a local activity of the run workflow)."""
+        tasks = await asyncio.to_thread(lambda: [self.store.task_at(run_id, i) for i in idxs])
+        return [t["id"] for t in tasks]
 
     @activity.defn(name="latest_policy_version")
     async def latest_policy_version(self) -> str | None:
@@ -99,16 +99,29 @@ class RolloutActivities:
     async def generate_turn(self, inp: GenerateInput) -> TurnResult:
         """One model call on the rollout's stored context; the sampled tokens are stored, not returned."""
         name = model_segment(inp.turn)
+        if inp.prepare is not None:
+            await self.prepare_rollout(inp.prepare)
         seg = await asyncio.to_thread(self.store.get_segment, inp.rollout_id, name)
         if seg is None:
             context = await asyncio.to_thread(self.store.token_ids, inp.rollout_id)
+            room = inp.max_total_tokens - len(context) if inp.max_total_tokens else inp.max_tokens
+            if room <= 0:  # the prompt alone fills the rollout's token budget
+                return TurnResult(
+                    turn=inp.turn,
+                    start=len(context),
+                    end=len(context),
+                    finish_reason="length",
+                    policy_version=None,
+                    truncated_reason=TruncationReason.TOKEN_BUDGET,
+                )
+            max_tokens = min(inp.max_tokens, room)
             info = activity.info()
             queued = max(0.0, (info.started_time - info.current_attempt_scheduled_time).total_seconds())
             request_id = f"{inp.rollout_id}/{inp.turn}/{info.attempt}"
             try:
                 gen = await heartbeating(
                     self.engine.generate(
-                        inp.engine_url, inp.model, context, inp.sampling, inp.max_tokens, request_id
+                        inp.engine_url, inp.model, context, inp.sampling, max_tokens, request_id
                     )
                 )
             except ContextLengthExceeded as e:
@@ -143,7 +156,8 @@ class RolloutActivities:
             seg = await asyncio.to_thread(self.store.put_segment, inp.rollout_id, seg)
         versions = [v for v in seg.policy_versions or [] if v is not None]
         env = None
-        over_budget = seg.meta["finish_reason"] == "length" and seg.end - seg.start >= inp.budget
+        limit = inp.max_total_tokens or seg.end + 1
+        over_budget = seg.meta["finish_reason"] == "length" and seg.end >= limit
         if inp.env_after is not None and not over_budget:
             env = await self.env_step(inp.env_after)
         return TurnResult(
@@ -261,7 +275,7 @@ class RolloutActivities:
         """Every activity of this class, for ``Worker(activities=...)``."""
         return [
             self.load_run,
-            self.task_id_at,
+            self.task_ids_at,
             self.latest_policy_version,
             self.prepare_rollout,
             self.generate_turn,

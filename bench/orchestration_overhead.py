@@ -262,7 +262,10 @@ async def main(args: argparse.Namespace) -> dict:
         engine = EngineClient()
         store = RunStore(home / "store")
         acts = RolloutActivities(store, engine)
-        async with temporal_env() as env, build_worker(env.client, cfg.temporal.task_queue, acts):
+        async with (
+            temporal_env() as env,
+            build_worker(env.client, cfg.temporal.task_queue, acts, sandboxed=not args.unsandboxed),
+        ):
             servers = [p for p in child_pids() if proc_name(p).startswith("temporal")]
             meter = CpuMeter(servers[0] if servers else None, engine_pid)
             await bare_round(engine, url, warm, tasks, "warm-bare")
@@ -357,6 +360,9 @@ if __name__ == "__main__":
     parser.add_argument("--rounds", type=int, default=2, help="rounds per driver (alternating)")
     parser.add_argument("--round-timeout-s", type=float, default=600.0, help="give up on a stuck round")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--unsandboxed", action="store_true", help="worker without the SDK's workflow sandbox (less CPU)"
+    )
     a = parser.parse_args()
     result = asyncio.run(main(a))
     print(json.dumps({k: v for k, v in result.items() if k != "rounds"}, indent=2))

@@ -207,11 +207,16 @@ def policy_publish(
 def worker(
     address: Annotated[str, typer.Option(help="Temporal frontend host:port.")] = "127.0.0.1:7233",
     task_queue: Annotated[str, typer.Option(help="Task queue to poll.")] = "rollouts",
+    unsandboxed: Annotated[
+        bool, typer.Option(help="Run workflow code without the SDK's sandbox (less CPU per workflow task).")
+    ] = False,
 ) -> None:
     """Start an additional worker (runs until Ctrl-C)."""
     from workers.worker import main as worker_main
 
-    worker_main(["--address", address, "--task-queue", task_queue])
+    worker_main(
+        ["--address", address, "--task-queue", task_queue] + (["--unsandboxed"] if unsandboxed else [])
+    )
 
 
 def _mount_stack() -> None:

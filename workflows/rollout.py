@@ -168,10 +168,10 @@ class RolloutWorkflow:
         return await self._finalize(inp, ended)
 
     async def _loop(self, inp: RolloutInput, started: float) -> None:
-        if self._turn == 0 and self._tokens == 0:
-            self._enter(Phase.PREPARE, index=self._coding is not None)
-            if self._coding is not None:
-                await self._coding.create()
+        if self._turn == 0 and self._tokens == 0 and self._coding is not None:
+            # A math rollout's prompt is rendered by its first model call's activity (one step less).
+            self._enter(Phase.PREPARE)
+            await self._coding.create()
             prep: PrepareResult = await self._with_failover(inp, self._prepare_on)
             self._tokens = prep.prompt_tokens
         while True:
@@ -183,10 +183,10 @@ class RolloutWorkflow:
             if budget <= 0:
                 raise await self._score_truncated(inp, TruncationReason.TOKEN_BUDGET)
             last = self._turn + 1 >= inp.max_turns
-            turn = await self._generate(inp, min(budget, inp.sampling.max_tokens), budget, last)
+            turn = await self._generate(inp, min(budget, inp.sampling.max_tokens), last)
             if turn.truncated_reason is not None:
                 raise await self._score_truncated(inp, turn.truncated_reason)
-            if turn.finish_reason == "length" and turn.end - turn.start >= budget:
+            if turn.finish_reason == "length" and turn.end >= inp.max_total_tokens:
                 raise await self._score_truncated(inp, TruncationReason.TOKEN_BUDGET)
             step = turn.env if turn.env is not None else await self._env_step(inp, last=last)
             self._turn += 1
@@ -234,9 +234,9 @@ class RolloutWorkflow:
             retry_policy=RetryPolicy(maximum_interval=timedelta(seconds=10)),
         )
 
-    async def _generate(self, inp: RolloutInput, max_tokens: int, budget: int, last: bool) -> TurnResult:
+    async def _generate(self, inp: RolloutInput, max_tokens: int, last: bool) -> TurnResult:
         return await self._with_failover(
-            inp, lambda i, engine: self._generate_on(i, engine, max_tokens, budget, last)
+            inp, lambda i, engine: self._generate_on(i, engine, max_tokens, last)
         )
 
     async def _with_failover(self, inp: RolloutInput, call: Callable[[RolloutInput, str], Awaitable[T]]) -> T:
@@ -256,29 +256,31 @@ class RolloutWorkflow:
                 self._coding.engine = self._engine
             workflow.logger.warning("rollout %s: failing over to %s", inp.rollout_id, self._engine)
 
+    def _prepare_input(self, inp: RolloutInput, engine: str) -> PrepareInput:
+        return PrepareInput(
+            run_id=inp.run_id,
+            rollout_id=inp.rollout_id,
+            task_id=inp.task_id,
+            engine_url=engine,
+            model=inp.engine.model,
+            env=inp.env,
+        )
+
     async def _prepare_on(self, inp: RolloutInput, engine: str) -> PrepareResult:
         return await workflow.execute_local_activity(
             "prepare_rollout",
-            PrepareInput(
-                run_id=inp.run_id,
-                rollout_id=inp.rollout_id,
-                task_id=inp.task_id,
-                engine_url=engine,
-                model=inp.engine.model,
-                env=inp.env,
-            ),
+            self._prepare_input(inp, engine),
             result_type=PrepareResult,
             start_to_close_timeout=timedelta(seconds=30),
             retry_policy=_engine_retry(inp),
         )
 
-    async def _generate_on(
-        self, inp: RolloutInput, engine: str, max_tokens: int, budget: int, last: bool
-    ) -> TurnResult:
+    async def _generate_on(self, inp: RolloutInput, engine: str, max_tokens: int, last: bool) -> TurnResult:
         self._enter(Phase.GENERATE)
         # The math env step (detokenize, verify, maybe one observation) rides in the model call's
         # activity: one workflow task per turn instead of two. Sandboxed envs step in their own activities.
         env_after = self._math_step_input(inp, last) if self._coding is None else None
+        prepare = self._prepare_input(inp, engine) if self._coding is None and self._tokens == 0 else None
         turn: TurnResult = await workflow.execute_activity(
             "generate_turn",
             GenerateInput(
@@ -289,7 +291,8 @@ class RolloutWorkflow:
                 sampling=inp.sampling,
                 max_tokens=max_tokens,
                 env_after=env_after,
-                budget=budget,
+                max_total_tokens=inp.max_total_tokens,
+                prepare=prepare,
             ),
             result_type=TurnResult,
             start_to_close_timeout=timedelta(seconds=inp.engine.request_timeout_s + 30),

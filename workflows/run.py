@@ -103,6 +103,10 @@ def rollout_template(cfg: Config, run_id: str) -> RolloutInput:
     )
 
 
+TASK_ID_BATCH = 32
+"""Task ids the run looks up at once (one local activity per this many groups, off the critical path)."""
+
+
 def controller_config(cfg: Config) -> AdmissionConfig:
     """The controller's constants from the run's admission section (group size from the run)."""
     fields = cfg.admission.model_dump(include=set(AdmissionConfig.model_fields))
@@ -121,6 +125,7 @@ class RunWorkflow:
         self._total = self._cfg.run.num_groups
         self._group_size = self._cfg.run.group_size
         self._counts: dict[str, GroupCounts] = {}
+        self._task_ids: dict[int, str] = {}
         self._cap: int | None = None
         self._freed = False
 
@@ -299,12 +304,15 @@ class RunWorkflow:
         assert inp.num_tasks > 0
         idx = inp.next_group
         gid = group_id(idx)
-        task_id: str = await workflow.execute_local_activity(
-            "task_id_at",
-            args=[inp.run_id, idx % inp.num_tasks],
-            result_type=str,
-            start_to_close_timeout=timedelta(seconds=30),
-        )
+        if idx not in self._task_ids:  # the next TASK_ID_BATCH groups' task ids, in one local activity
+            ids: list[str] = await workflow.execute_local_activity(
+                "task_ids_at",
+                args=[inp.run_id, [(idx + k) % inp.num_tasks for k in range(TASK_ID_BATCH)]],
+                result_type=list[str],
+                start_to_close_timeout=timedelta(seconds=30),
+            )
+            self._task_ids = {idx + k: t for k, t in enumerate(ids)}
+        task_id = self._task_ids.pop(idx)
         run_wf_id = workflow.info().workflow_id
         engine = self._choose_engine(inp, cfg, task_id, healthy)
         inp.slots[gid] = GroupSlot(

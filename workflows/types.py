@@ -360,8 +360,11 @@ class GenerateInput(_Data):
     env_after: EnvStepInput | None = None
     """Run this (cheap, pure) env step in the same activity once the turn is stored, unless the turn
     was truncated; saves a workflow task per turn (math)."""
-    budget: int = 0
-    """Tokens the rollout had left: a turn that used them all is truncated (token_budget), not stepped."""
+    max_total_tokens: int = 0
+    """The rollout's token limit (prompt + every turn): the call samples at most what is left, and a turn
+    that reaches it is truncated (token_budget), not stepped. 0 = no limit beyond max_tokens."""
+    prepare: PrepareInput | None = None
+    """Render and store the prompt first if it is not stored yet (a math rollout's first call)."""
 
 
 class EnvStepInput(_Data):

@@ -43,12 +43,14 @@ def make_config(engine_urls: list[str], task_queue: str, **sections: dict[str, A
 
 
 @asynccontextmanager
-async def worker(client: Client, task_queue: str, home: Path) -> AsyncIterator[RunStore]:
+async def worker(
+    client: Client, task_queue: str, home: Path, sandboxed: bool = True
+) -> AsyncIterator[RunStore]:
     """An in-process worker with its own store; yields the store."""
     store = RunStore(home)
     engine = EngineClient()
     try:
-        async with build_worker(client, task_queue, RolloutActivities(store, engine)):
+        async with build_worker(client, task_queue, RolloutActivities(store, engine), sandboxed=sandboxed):
             yield store
     finally:
         await engine.aclose()

@@ -202,3 +202,22 @@ async def test_rollouts_of_an_unreachable_replica_fail_over(
             assert rec["engine_failovers"] == 1 and rec["reprefill_tokens"] == 0
         else:
             assert "engine_failovers" not in rec
+
+
+@pytest.mark.timeout(300)
+async def test_an_unsandboxed_worker_runs_the_same_run_to_the_same_records(
+    client: Client, engine: Engine, task_queue: str, tmp_path: Path
+) -> None:
+    cfg = make_config([engine.url], task_queue, run={"num_groups": 2, "group_size": 2})
+    async with worker(client, task_queue, tmp_path / "a", sandboxed=False) as store:
+        await run_to_end(client, cfg, "unsandboxed")
+    async with worker(client, task_queue, tmp_path / "b") as other:
+        await run_to_end(client, cfg, "sandboxed")
+    plain, _ = export(store, "unsandboxed")
+    boxed, _ = export(other, "sandboxed")
+    assert len(plain) == len(boxed) == 4
+    assert all(r["outcome"] in ("completed", "truncated") for r in plain)
+    # same config and seeds per rollout index: the same prompts, the same sampled token ids
+    key = lambda r: (r["group_id"], r["sample_index"])  # noqa: E731
+    for a, b in zip(sorted(plain, key=key), sorted(boxed, key=key), strict=True):
+        assert a["prompt_length"] == b["prompt_length"]
