@@ -106,14 +106,7 @@ class RolloutActivities:
             context = await asyncio.to_thread(self.store.token_ids, inp.rollout_id)
             room = inp.max_total_tokens - len(context) if inp.max_total_tokens else inp.max_tokens
             if room <= 0:  # the prompt alone fills the rollout's token budget
-                return TurnResult(
-                    turn=inp.turn,
-                    start=len(context),
-                    end=len(context),
-                    finish_reason="length",
-                    policy_version=None,
-                    truncated_reason=TruncationReason.TOKEN_BUDGET,
-                )
+                return _no_turn(inp, len(context), "length", TruncationReason.TOKEN_BUDGET)
             max_tokens = min(inp.max_tokens, room)
             info = activity.info()
             queued = max(0.0, (info.started_time - info.current_attempt_scheduled_time).total_seconds())
@@ -126,14 +119,7 @@ class RolloutActivities:
                 )
             except ContextLengthExceeded as e:
                 activity.logger.info("rollout %s turn %d: %s", inp.rollout_id, inp.turn, e)
-                return TurnResult(
-                    turn=inp.turn,
-                    start=len(context),
-                    end=len(context),
-                    finish_reason="context_length",
-                    policy_version=None,
-                    truncated_reason=TruncationReason.CONTEXT_LENGTH,
-                )
+                return _no_turn(inp, len(context), "context_length", TruncationReason.CONTEXT_LENGTH)
             except RolloutError as e:
                 raise _edge(e) from e
             meta = {
@@ -289,3 +275,10 @@ class RolloutActivities:
 def _strip_stop(text: str) -> str:
     """The answer is what the model wrote before its end-of-turn marker."""
     return text.split("<|end|>", 1)[0]
+
+
+def _no_turn(inp: GenerateInput, at: int, finish: str, reason: TruncationReason) -> TurnResult:
+    """A turn that sampled nothing because a limit was reached first (the rollout ends truncated)."""
+    return TurnResult(
+        turn=inp.turn, start=at, end=at, finish_reason=finish, policy_version=None, truncated_reason=reason
+    )

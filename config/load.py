@@ -63,6 +63,19 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     Raises:
         ConfigError: one line naming the file (or override) and the field.
     """
+    data, source = read_toml(path, overrides)
+    try:
+        return Config.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_one_line(source, e)) from e
+
+
+def read_toml(path: str | Path | None, overrides: list[str] | None = None) -> tuple[dict[str, Any], str]:
+    """The TOML at ``path`` (empty when None) with overrides applied, and how errors should name it.
+
+    Raises:
+        ConfigError: the file cannot be read or parsed, or an override is malformed (one line).
+    """
     source = str(path) if path is not None else "(defaults)"
     data: dict[str, Any] = {}
     if path is not None:
@@ -75,10 +88,7 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     if overrides:
         data = apply_overrides(data, overrides)
         source = f"{source} (with overrides)"
-    try:
-        return Config.model_validate(data)
-    except ValidationError as e:
-        raise ConfigError(_one_line(source, e)) from e
+    return data, source
 
 
 def config_hash(cfg: Config) -> str:

@@ -9,13 +9,11 @@ Invariants:
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
-from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from config.load import ConfigError, _one_line, apply_overrides
+from config.load import ConfigError, _one_line, read_toml
 from config.models import Config
 
 
@@ -84,18 +82,7 @@ def load_loop_config(
     Raises:
         ConfigError: One line naming the file (or override) and the field.
     """
-    source = str(path) if path is not None else "(defaults)"
-    data: dict[str, Any] = {}
-    if path is not None:
-        try:
-            data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
-        except OSError as e:
-            raise ConfigError(f"{source}: cannot read config: {e.strerror or e}") from e
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{source}: invalid TOML: {e}") from e
-    if overrides:
-        data = apply_overrides(data, overrides)
-        source = f"{source} (with overrides)"
+    data, source = read_toml(path, overrides)
     table = data.pop("trainer", {})
     if not isinstance(table, dict):
         raise ConfigError(f"{source}: trainer: must be a table")
