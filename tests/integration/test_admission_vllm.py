@@ -2,8 +2,9 @@
 
 The engine gets 20 blocks of 32 tokens (``--num-gpu-blocks-override``): a few multi-turn math rollouts
 fill it. Started all at once, the same rollouts overflow it and vLLM preempts (recomputes) requests; under
-the adaptive controller the cap is trimmed as usage passes 80% and the run completes with at most a few
-preemptions, never a storm.
+the adaptive controller (starting at KV capacity / max length) the cap grows only while there is headroom,
+is trimmed when a poll sees usage over 80 % and cut on the first preemptions, and the run completes with a
+few preemptions, never a storm.
 """
 
 from __future__ import annotations
