@@ -353,9 +353,8 @@ class RolloutWorkflow:
             extra.update(engine_failovers=self._failovers, reprefill_tokens=self._reprefill)
         if ended.outcome == Outcome.TRUNCATED:
             extra["score_truncated"] = inp.score_truncated  # whether this run scores truncated rollouts
-        wasted = self._sampled if ended.reason == CANCEL_REASON else 0
         if ended.reason == CANCEL_REASON:
-            extra["wasted_tokens"] = wasted
+            extra["wasted_tokens"] = self._sampled
         scorable = ended.reward is not None and ended.outcome in (Outcome.COMPLETED, Outcome.TRUNCATED)
         stored: StoredOutcome = await workflow.execute_local_activity(
             "finalize_rollout",

@@ -118,9 +118,8 @@ class RunWorkflow:
     @workflow.init
     def __init__(self, inp: RunInput) -> None:
         # State comes from the input here, not in run(): signals buffered across continue-as-new are
-        # delivered before run() starts and must find the carried in-flight set.
+        # delivered before run() starts and must find the carried in-flight groups (slots).
         self._inp = inp
-        self._inflight: set[str] = set(inp.inflight)
         self._cfg = Config.model_validate(inp.config)
         self._total = self._cfg.run.num_groups
         self._group_size = self._cfg.run.group_size
@@ -132,10 +131,8 @@ class RunWorkflow:
     @workflow.signal
     def group_done(self, record: GroupResult) -> None:
         """A group closed; duplicate signals for the same group are ignored."""
-        if record.group_id not in self._inflight:
+        if self._inp.slots.pop(record.group_id, None) is None:
             return
-        self._inflight.discard(record.group_id)
-        self._inp.slots.pop(record.group_id, None)
         self._counts.pop(record.group_id, None)
         self._freed = True
         self._inp.groups_done += 1
@@ -151,7 +148,7 @@ class RunWorkflow:
             run_id=inp.run_id,
             total_groups=self._total,
             groups_done=inp.groups_done,
-            groups_inflight=len(self._inflight),
+            groups_inflight=len(self._inp.slots),
             rollouts_total=self._total * self._group_size,
             outcomes=dict(inp.outcomes),
             segment=inp.segment,
@@ -163,7 +160,7 @@ class RunWorkflow:
 
     @workflow.run
     async def run(self, inp: RunInput) -> RunProgress:
-        cfg = self._cfg
+        inp, cfg = self._inp, self._cfg  # one state object, shared with the signal handler
         if inp.num_tasks == 0:
             inp.num_tasks = await workflow.execute_activity(
                 "load_run",
@@ -184,11 +181,11 @@ class RunWorkflow:
         else:
             started = 0
             while inp.next_group < cfg.run.num_groups:
-                await workflow.wait_condition(lambda: len(self._inflight) < cfg.run.max_inflight_groups)
+                await workflow.wait_condition(lambda: len(self._inp.slots) < cfg.run.max_inflight_groups)
                 await self._start_group(inp, cfg, template, cfg.engine.urls)
                 started += 1
                 await self._maybe_continue_as_new(inp, started >= cfg.run.groups_per_run_segment)
-        await workflow.wait_condition(lambda: not self._inflight)
+        await workflow.wait_condition(lambda: not self._inp.slots)
         await workflow.execute_activity(
             "finish_run", inp.run_id, start_to_close_timeout=timedelta(seconds=60)
         )
@@ -198,9 +195,7 @@ class RunWorkflow:
         if not (segment_full or workflow.info().is_continue_as_new_suggested()):
             return
         await workflow.wait_condition(workflow.all_handlers_finished)
-        workflow.continue_as_new(
-            inp.model_copy(update={"inflight": sorted(self._inflight), "segment": inp.segment + 1})
-        )
+        workflow.continue_as_new(inp.model_copy(update={"segment": inp.segment + 1}))
 
     async def _dispatch_adaptive(self, inp: RunInput, cfg: Config, template: RolloutInput) -> None:
         """Poll, decide, cancel, admit; until every group has ended (the controller keeps trimming while
@@ -208,7 +203,7 @@ class RunWorkflow:
         ctl = AdmissionController(controller_config(cfg), inp.admission)
         adm, pool_cfg = cfg.admission, cfg.sandbox_pool
         size, started = cfg.run.group_size, 0
-        while inp.next_group < cfg.run.num_groups or self._inflight:
+        while inp.next_group < cfg.run.num_groups or self._inp.slots:
             poll = await self._poll(inp, cfg, template)
             now = workflow.now().timestamp()
             for r in poll.readings:
@@ -234,13 +229,13 @@ class RunWorkflow:
             max_groups = cfg.run.max_inflight_groups
             if adm.max_queued_groups is not None:  # freshness: do not outrun the trainer
                 max_groups = min(max_groups, adm.max_queued_groups - poll.unconsumed_groups)
-                if len(self._inflight) >= max_groups:
+                if len(self._inp.slots) >= max_groups:
                     reasons.append(f"queue: {poll.unconsumed_groups} groups wait for the trainer")
             admitted = 0
             while (
                 inp.next_group < cfg.run.num_groups
                 and healthy
-                and len(self._inflight) < max_groups
+                and len(self._inp.slots) < max_groups
                 and (room >= size or (room > 0 and not inflight and admitted == 0))
             ):
                 await self._start_group(inp, cfg, template, healthy)
@@ -263,7 +258,7 @@ class RunWorkflow:
                 reasons=reasons,
             )
             await self._maybe_continue_as_new(inp, started >= cfg.run.groups_per_run_segment)
-            if inp.next_group >= cfg.run.num_groups and not self._inflight:
+            if inp.next_group >= cfg.run.num_groups and not self._inp.slots:
                 await self._poll(inp, cfg, template)  # writes the last decision to the dispatch log
             else:
                 self._freed = False
@@ -294,8 +289,7 @@ class RunWorkflow:
     def _choose_engine(self, inp: RunInput, cfg: Config, task_id: str, healthy: list[str]) -> str | None:
         if cfg.engine.affinity != "group":
             return None
-        counts = self._counts
-        load = replica_load(inp.slots, counts, cfg.admission.redispatch_cancelled)
+        load = replica_load(inp.slots, self._counts, cfg.admission.redispatch_cancelled)
         return choose_replica(healthy, task_id, load, cfg.run.group_size, cfg.admission.load_factor)
 
     async def _start_group(
@@ -315,12 +309,11 @@ class RunWorkflow:
         task_id = self._task_ids.pop(idx)
         run_wf_id = workflow.info().workflow_id
         engine = self._choose_engine(inp, cfg, task_id, healthy)
+        # In flight before the start resolves: on replay the group's group_done signal can be delivered in
+        # the same activation as its start, and signal handlers run first.
         inp.slots[gid] = GroupSlot(
             admitted_at=workflow.now().timestamp(), engine=engine or "", size=cfg.run.group_size
         )
-        # In flight before the start resolves: on replay the group's group_done signal can be delivered in
-        # the same activation as its start, and signal handlers run first.
-        self._inflight.add(gid)
         await workflow.start_child_workflow(
             GroupWorkflow.run,
             GroupInput(

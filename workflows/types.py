@@ -215,7 +215,6 @@ class RunInput(_Data):
     num_tasks: int = 0
     next_group: int = 0
     groups_done: int = 0
-    inflight: list[str] = Field(default_factory=list)
     outcomes: dict[str, int] = Field(default_factory=dict)
     segment: int = 0
     # The dispatcher's carry (adaptive admission): see workflows/run.py.
