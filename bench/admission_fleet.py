@@ -48,8 +48,8 @@ from typing import Any
 
 import httpx
 
-from activities.engine_client import EngineClient
-from activities.engine_metrics import fetch_reading
+from engines.client import EngineClient
+from engines.metrics import fetch_reading
 from simengine import PolicyName, SimEngine, SimSettings, TimingSettings
 from simengine.clock import PacedClock
 from workflows.admission import AdmissionConfig, AdmissionController, Inflight

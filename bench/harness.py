@@ -25,10 +25,10 @@ from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
-from activities.engine_client import EngineClient
 from config.load import config_hash
 from config.models import Config
 from config.paths import venv_bin
+from engines.client import EngineClient
 from envs.math import RETRY_PROMPT, verify
 from workflows import search_attributes as sa
 from workflows.group import member_seed

@@ -34,13 +34,13 @@ from harness import bare_round, child_pids, cpu_s, pipeline_round, proc_name, te
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client
 
-from activities.engine_client import EngineClient
-from activities.rollout_activities import RolloutActivities
-from activities.store import RunStore
+from activities.rollout import RolloutActivities
 from config.load import load_config
 from config.models import Config
 from config.paths import REPO_ROOT
+from engines.client import EngineClient
 from envs.tasks import load_tasks
+from store.runstore import RunStore
 from workers import procs
 from workers.worker import build_worker
 

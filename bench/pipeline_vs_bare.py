@@ -18,13 +18,13 @@ from pathlib import Path
 
 from harness import bare_round, pipeline_round, temporal_env
 
-from activities.engine_client import EngineClient
-from activities.rollout_activities import RolloutActivities
-from activities.store import RunStore
+from activities.rollout import RolloutActivities
 from config.load import load_config
 from config.models import StackConfig
 from config.paths import REPO_ROOT
+from engines.client import EngineClient
 from envs.tasks import load_tasks
+from store.runstore import RunStore
 from workers import procs
 from workers.worker import build_worker
 

@@ -1,7 +1,7 @@
 """The stale-queue workbench: the same trainer capacity under different admission and queue limits.
 
 A trainer consumes ``--batch-groups`` (B) complete groups per step, trains for ``--step-s`` (T) simulated
-seconds, then publishes a new policy version; it takes its groups from the real `activities.feed.TrainerFeed`
+seconds, then publishes a new policy version; it takes its groups from the real `trainer.feed.TrainerFeed`
 (``take(need, current_version, max_lag)``) over a real `RunStore` in which every finished rollout is written
 as the pipeline writes it (prompt segment, one model segment with the engine's per-token versions, the
 rollout row, the group row once every member is in) and every version is published in the store's
@@ -47,10 +47,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from activities.feed import Count, TrainerFeed
-from activities.store import RunStore, Segment, model_segment
 from simengine.settings import TimingSettings
 from simengine.timing import Seq, StepScheduler
+from store.runstore import RunStore, Segment, model_segment
+from trainer.feed import Count, TrainerFeed
 
 RUN = "stale-queue"
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
-from activities.errors import TaskFileError
+from errors import TaskFileError
 
 FileMap = dict[str, str]
 """Relative path -> file content."""

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from activities.errors import TaskFileError
+from errors import TaskFileError
 
 REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {"math": ("id", "prompt", "answer")}
 

@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from pydantic import ValidationError
 
-    from activities.errors import TaskFileError
+    from errors import TaskFileError
     from simengine.engine import SimEngine
 
     try:

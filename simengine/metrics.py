@@ -1,6 +1,6 @@
 """The simulated engine's ``GET /metrics``: Prometheus text with vLLM 0.32's names, types and labels.
 
-Invariant: the exposition always carries every series `activities.engine_metrics.parse_metrics` needs
+Invariant: the exposition always carries every series `engines.metrics.parse_metrics` needs
 (KV usage, running, waiting and waiting by reason, preemptions, cache config), read from the one
 scheduler and prefix cache the server admits requests through (`Scheduler` and `PrefixCache`, or the timing
 model's `StepScheduler` and `BlockPool`), so what the admission controller reads is what the engine is

@@ -1,6 +1,6 @@
 """Request bodies the simulated engine accepts, and vLLM's error body.
 
-Invariant: exactly the subset of vLLM's API that `activities.engine_client.EngineClient` and the stack
+Invariant: exactly the subset of vLLM's API that `engines.client.EngineClient` and the stack
 scripts use is accepted. A field outside it is a 400 here, although vLLM 0.32 accepts and ignores unknown
 fields: stricter on purpose, so a client that starts relying on a field this engine does not implement
 fails loudly instead of being silently simulated wrong. Errors use vLLM's shape:

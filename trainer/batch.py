@@ -1,4 +1,4 @@
-"""Trainer-feed records (the export contract, activities/export.py) as padded tensors for the loss.
+"""Trainer-feed records (the export contract, records/export.py) as padded tensors for the loss.
 
 Invariants:
 - Nothing is re-tokenized: the tensors hold the records' ``token_ids`` exactly, right-padded.

@@ -35,10 +35,10 @@ def train(
     math accuracy is measured through the engine before and after."""
     import time
 
-    from activities.errors import TaskFileError
     from config.load import ConfigError
     from config.paths import resolve_repo_path, rollouts_home
     from envs.tasks import load_tasks
+    from errors import TaskFileError
     from trainer.settings import load_loop_config
 
     overrides = list(set_ or [])
@@ -68,7 +68,7 @@ def train(
 
 
 def _run(cfg, ts, rid: str, home: Path) -> dict:
-    from activities.policy import PolicyError
+    from engines.policy import PolicyError
     from trainer.batch import BatchError
     from trainer.loop import Loop, TrainerError
     from trainer.policy_io import PolicyIOError

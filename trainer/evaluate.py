@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from activities.engine_client import EngineClient
+from engines.client import EngineClient
 from envs import math as math_env
 from workflows.types import SamplingParams
 

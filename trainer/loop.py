@@ -28,13 +28,13 @@ from typing import Any
 
 import torch
 
-from activities.feed import FeedGroup, TrainerFeed
-from activities.policy import publish
-from activities.store import RunStore
 from config.load import config_hash
 from config.models import Config
 from config.paths import resolve_repo_path
+from engines.policy import publish
+from store.runstore import RunStore
 from trainer.batch import TensorBatch, to_tensors
+from trainer.feed import FeedGroup, TrainerFeed
 from trainer.loss import clipped_policy_loss, token_logprobs
 from trainer.policy_io import load_policy, save_policy
 from trainer.settings import TrainerSettings

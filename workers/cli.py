@@ -53,10 +53,10 @@ def run(
     set_: Annotated[list[str] | None, typer.Option("--set", help="section.field=value")] = None,
 ) -> None:
     """Start a run (or attach to an existing run id) and print its id."""
-    from activities.errors import TaskFileError
     from config.load import ConfigError, config_hash, load_config
     from config.paths import resolve_repo_path
     from envs.tasks import load_tasks
+    from errors import TaskFileError
 
     overrides = list(set_ or [])
     if task_file is not None:
@@ -140,9 +140,9 @@ def export(
     output: Annotated[Path, typer.Option("-o", "--output", help="JSONL file to write.")],
 ) -> None:
     """Write a run's rollout and group records as JSONL (the trainer contract; see README)."""
-    from activities.export import export_run
-    from activities.store import RunStore
     from config.paths import rollouts_home
+    from records.export import export_run
+    from store.runstore import RunStore
 
     store = RunStore(rollouts_home())
     if store.get_run(run_id) is None:
@@ -158,10 +158,10 @@ def reap(
     address: Annotated[str, typer.Option(help="Temporal frontend host:port.")] = "127.0.0.1:7233",
 ) -> None:
     """Remove sandboxes whose rollout workflow is no longer running (terminated, finished, unknown)."""
-    from activities.reaper import reap_orphans
     from config.paths import rollouts_home
     from sandboxes import SandboxError
     from sandboxes.pool import SandboxPool
+    from sandboxes.reaper import reap_orphans
     from workers.worker import docker_sandboxes
 
     async def go() -> list[str]:
@@ -190,9 +190,9 @@ def policy_publish(
 ) -> None:
     """Pause every engine (keeping in-flight requests), reload weights, set the version, reset the prefix
     cache, resume; record the publish in the store. Version ids are immutable."""
-    from activities.policy import PolicyError, publish
-    from activities.store import RunStore
     from config.paths import rollouts_home
+    from engines.policy import PolicyError, publish
+    from store.runstore import RunStore
 
     urls = engine or ["http://127.0.0.1:8000"]
     try:

@@ -1,6 +1,6 @@
 """`rollouts feed status|take|batch`: the trainer feed of a run, from the command line.
 
-Invariant: a view of :class:`activities.feed.TrainerFeed` and nothing more; every decision (freshness,
+Invariant: a view of :class:`trainer.feed.TrainerFeed` and nothing more; every decision (freshness,
 discards, marks) is made there. Mistakes print one `error: ...` line and exit 2; heavy imports wait
 until a command runs.
 """
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 if TYPE_CHECKING:
-    from activities.feed import TrainerFeed
+    from trainer.feed import TrainerFeed
 
 feed_app = typer.Typer(
     help="Take fresh, complete groups of a run for training; show the books.", no_args_is_help=True
@@ -27,9 +27,9 @@ def _fail(message: str) -> typer.Exit:
 
 
 def _feed(run_id: str) -> TrainerFeed:
-    from activities.feed import TrainerFeed
-    from activities.store import RunStore
     from config.paths import rollouts_home
+    from store.runstore import RunStore
+    from trainer.feed import TrainerFeed
 
     store = RunStore(rollouts_home())
     if store.get_run(run_id) is None:
@@ -87,7 +87,7 @@ def take(
     drop_zero_variance: Annotated[bool, typer.Option(help="Discard zero-variance groups.")] = False,
 ) -> None:
     """Consume up to N complete groups fresh for VERSION (stale ones are discarded with a reason)."""
-    from activities.feed import FeedError
+    from trainer.feed import FeedError
 
     feed = _feed(run_id)
     try:
@@ -113,7 +113,7 @@ def batch(
     output: Annotated[Path, typer.Option("-o", "--output", help="JSONL file to write.")],
 ) -> None:
     """Write an already consumed batch again (for a trainer that restarted)."""
-    from activities.feed import FeedError
+    from trainer.feed import FeedError
 
     try:
         lines = _feed(run_id).batch(batch_id)

@@ -68,8 +68,8 @@ def summary_table(p: RunProgress, groups: list[dict] | None = None) -> Table:
 
 def print_summary(p: RunProgress) -> None:
     """Print the summary, with reward figures when this machine's store holds the run."""
-    from activities.store import RunStore
     from config.paths import rollouts_home
+    from store.runstore import RunStore
 
     home = rollouts_home()
     groups = RunStore(home).groups(p.run_id) if (home / "store.sqlite").exists() else None
@@ -92,8 +92,8 @@ async def show_status(client: Client, run_id: str) -> None:
 
 def _print_dispatch(run_id: str, last: int = 5) -> None:
     """The dispatcher's latest decisions (adaptive admission), when this machine's store holds the run."""
-    from activities.store import RunStore
     from config.paths import rollouts_home
+    from store.runstore import RunStore
 
     home = rollouts_home()
     log = RunStore(home).dispatch_log(run_id)[-last:] if (home / "store.sqlite").exists() else []

@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 if TYPE_CHECKING:  # heavy imports wait until a reproduction runs, so `rollouts --help` stays instant
-    from activities.engine_client import Generation
-    from activities.store import RunStore
+    from engines.client import Generation
+    from store.runstore import RunStore
     from workflows.types import SamplingParams
 
 
@@ -97,10 +97,10 @@ def reproduce(
         ReproduceError: The run, the rollout, its prompt or first model call, or the stored config is
             missing or unreadable; or the engine cannot be reached.
     """
-    from activities.export import env_versions, rollout_record
-    from activities.store import model_segment
     from config.load import config_hash
     from config.models import Config
+    from records.export import env_versions, rollout_record
+    from store.runstore import model_segment
     from workflows.group import member_seed
     from workflows.types import SamplingParams
 
@@ -209,8 +209,8 @@ def _engine_version(url: str, timeout_s: float) -> str | None:
 async def _generate(
     url: str, model: str, prompt: list[int], sampling: SamplingParams, max_tokens: int, rollout_id: str
 ) -> Generation:
-    from activities.engine_client import EngineClient
-    from activities.errors import RolloutError
+    from engines.client import EngineClient
+    from errors import RolloutError
 
     client = EngineClient()
     try:
@@ -252,8 +252,8 @@ def reproduce_command(
 ) -> None:
     """Re-run a recorded rollout's first model call from the stored config, prompt and seed; compare the
     token ids and the lineage. Exit 0 when reproduced, 1 when tokens or lineage differ, 2 on bad input."""
-    from activities.store import RunStore
     from config.paths import rollouts_home
+    from store.runstore import RunStore
 
     home = rollouts_home()
     if not (home / "store.sqlite").exists():

@@ -207,14 +207,14 @@ def _start(cfg: StackConfig, home: Path, components: Collection[str], started: d
 def _register_policy(cfg: StackConfig, home: Path, engine_url: str) -> None:
     """Record the served model as published version ``cfg.policy_version`` in the home's run store.
 
-    Goes through :func:`activities.policy.publish`, which skips an engine that already serves the version
+    Goes through :func:`engines.policy.publish`, which skips an engine that already serves the version
     unpaused, so it only writes the store (idempotently) and never rolls engines back behind a newer version.
 
     Raises:
         StackError: The version id is already bound to other weights in this home's store.
     """
-    from activities.policy import PolicyError, publish
-    from activities.store import RunStore
+    from engines.policy import PolicyError, publish
+    from store.runstore import RunStore
 
     try:
         publish([engine_url], cfg.policy_version, resolve_repo_path(cfg.model_dir), RunStore(home))

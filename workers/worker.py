@@ -15,15 +15,15 @@ from pathlib import Path
 from temporalio.client import Client
 from temporalio.worker import UnsandboxedWorkflowRunner, Worker
 
-from activities.dispatch_activities import DispatchActivities
-from activities.engine_client import EngineClient
-from activities.reaper import reap_forever
-from activities.rollout_activities import RolloutActivities
-from activities.sandbox_activities import SandboxActivities
-from activities.store import RunStore
+from activities.dispatch import DispatchActivities
+from activities.rollout import RolloutActivities
+from activities.sandbox import SandboxActivities
 from config.paths import rollouts_home
+from engines.client import EngineClient
 from sandboxes import AsyncSandboxBackend, DockerBackend, SandboxError
 from sandboxes.pool import SandboxPool
+from sandboxes.reaper import reap_forever
+from store.runstore import RunStore
 from workers.client import connect
 from workflows.group import GroupWorkflow
 from workflows.rollout import RolloutWorkflow

@@ -19,7 +19,7 @@ from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError
 
 with workflow.unsafe.imports_passed_through():
-    from activities.errors import ENVIRONMENT_TYPES
+    from errors import ENVIRONMENT_TYPES
     from workflows import search_attributes as sa
     from workflows.admission import CANCEL_REASON
     from workflows.coding import CodingSteps

@@ -11,14 +11,14 @@ from typing import Any
 
 from temporalio.client import Client
 
-from activities.engine_client import EngineClient
-from activities.export import iter_run
-from activities.rollout_activities import RolloutActivities
-from activities.store import RunStore
+from activities.rollout import RolloutActivities
 from config.load import config_hash, load_config
 from config.models import Config
 from config.paths import REPO_ROOT
+from engines.client import EngineClient
+from records.export import iter_run
 from sandboxes import DockerBackend
+from store.runstore import RunStore
 from workers.worker import build_worker
 from workflows.run import RunWorkflow
 from workflows.types import RunInput, RunProgress

@@ -16,7 +16,7 @@ import httpx
 import pytest
 from temporalio.client import Client
 
-from activities.engine_metrics import parse_metrics
+from engines.metrics import parse_metrics
 from tests.conftest import Engine, start_engine
 from tests.integration.support import export, make_config, run_to_end, worker
 

@@ -158,8 +158,8 @@ async def test_container_killed_mid_command_is_recovered_by_replay(
 
 
 def test_coding_task_file_errors_name_the_line(tmp_path: Path) -> None:
-    from activities.errors import TaskFileError
     from envs.tasks import load_tasks
+    from errors import TaskFileError
 
     bad = tmp_path / "c.jsonl"
     bad.write_text(json.dumps({"id": "x", "prompt": "p"}) + "\n")
@@ -208,9 +208,9 @@ async def test_cancelled_rollout_is_recorded_and_its_sandbox_destroyed(
 async def test_terminated_rollout_gets_a_failed_record_and_the_reaper_removes_its_sandbox(
     client: Client, docker: DockerBackend, sim: str, task_queue: str, tmp_path: Path
 ) -> None:
-    from activities.reaper import reap_orphans
     from sandboxes import AsyncSandboxBackend
     from sandboxes.pool import SandboxPool
+    from sandboxes.reaper import reap_orphans
 
     run_id = "sleep-terminate"
     rid = rollout_id(run_id, group_id(0), 0)

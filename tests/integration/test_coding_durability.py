@@ -12,9 +12,9 @@ import pytest
 from temporalio.client import Client
 from temporalio.testing import WorkflowEnvironment
 
-from activities.store import RunStore
 from sandboxes import DockerBackend
 from simengine import Mode, ModeRule, SimEngine, SimSettings
+from store.runstore import RunStore
 from tests.integration.support import (
     CODING_TASKS,
     assert_no_containers,

@@ -162,8 +162,8 @@ async def test_a_slow_scaling_sandbox_pool_delays_rollouts_but_fails_none(
 async def test_generation_waits_for_the_trainer_when_the_queue_limit_is_reached(
     client: Client, task_queue: str, tmp_path: Path
 ) -> None:
-    from activities.feed import TrainerFeed
     from tests.integration.support import start_run
+    from trainer.feed import TrainerFeed
 
     async with SimEngine(SimSettings(policy="random")).serve(port=0) as url:
         cfg = make_config(

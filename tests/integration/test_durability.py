@@ -12,7 +12,7 @@ import pytest
 from temporalio.client import Client
 from temporalio.testing import WorkflowEnvironment
 
-from activities.store import RunStore
+from store.runstore import RunStore
 from tests.conftest import Engine
 from tests.integration.support import export, make_config, run_to_end, start_run, worker
 from workers import procs

@@ -17,9 +17,9 @@ from typing import Any
 import httpx
 import pytest
 
-from activities.engine_client import _parse_generation
-from activities.policy import PolicyError, publish, rescore
-from activities.store import RunStore, Segment
+from engines.client import _parse_generation
+from engines.policy import PolicyError, publish, rescore
+from store.runstore import RunStore, Segment
 from tests.conftest import MODEL_DIR, Engine, start_engine
 
 # "What is 12+30?" through the bundled chat template.

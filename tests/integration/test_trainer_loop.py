@@ -14,10 +14,10 @@ import httpx
 import pytest
 from temporalio.client import Client
 
-from activities.feed import TrainerFeed
-from activities.policy import publish, weights_hash
+from engines.policy import publish, weights_hash
 from tests.conftest import MODEL_DIR, Engine, start_engine
 from tests.integration.support import export, make_config, run_to_end, worker
+from trainer.feed import TrainerFeed
 from trainer.loop import Loop
 from trainer.settings import TrainerSettings
 

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from activities.errors import TaskFileError
 from config.paths import REPO_ROOT
 from envs.coding_tasks import CodingTask, load_coding_tasks
 from envs.tool_calls import ToolCall, render_call
+from errors import TaskFileError
 
 BUNDLED = REPO_ROOT / "envs" / "data" / "coding.jsonl"
 

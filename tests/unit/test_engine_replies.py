@@ -5,8 +5,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from activities.engine_client import EngineClient
-from activities.errors import ContextLengthExceeded, EngineBadReply, EngineBadRequest, EngineUnavailable
+from engines.client import EngineClient
+from errors import ContextLengthExceeded, EngineBadReply, EngineBadRequest, EngineUnavailable
 from workflows.types import SamplingParams
 
 SAMPLING = SamplingParams(

@@ -19,8 +19,8 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from activities.feed import Count, FeedError, TrainerFeed
-from activities.store import RunStore, Segment
+from store.runstore import RunStore, Segment
+from trainer.feed import Count, FeedError, TrainerFeed
 
 RUN = "run"
 

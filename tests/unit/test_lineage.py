@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from activities.export import rollout_record, versions_in_order
-from activities.rollout_activities import RolloutActivities
-from activities.store import RunStore, Segment
+from activities.rollout import RolloutActivities
 from config.load import config_hash, load_config
 from envs import coding as coding_env
 from envs import math as math_env
+from records.export import rollout_record, versions_in_order
+from store.runstore import RunStore, Segment
 from workers.reproduce import ReproduceError, Reproduction, reproduce
 from workflows.types import FinalizeRolloutInput, Outcome, SamplingParams
 

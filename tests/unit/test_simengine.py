@@ -17,12 +17,12 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from activities.engine_client import EngineClient, Generation
-from activities.engine_metrics import parse_metrics
-from activities.errors import ContextLengthExceeded, EngineBadRequest, EngineUnavailable
 from config.paths import REPO_ROOT
+from engines.client import EngineClient, Generation
+from engines.metrics import parse_metrics
 from envs.coding_tasks import load_coding_tasks
 from envs.tool_calls import ToolCall, ToolCallError, parse_tool_call
+from errors import ContextLengthExceeded, EngineBadRequest, EngineUnavailable
 from simengine import SCRIPTED_LOGPROB, Mode, ModeRule, PolicyName, SimEngine, SimSettings
 from simengine.scheduler import PrefixCache, Scheduler
 from workflows.types import SamplingParams

@@ -15,8 +15,8 @@ from typing import Any
 import httpx
 import pytest
 
-from activities.engine_client import EngineClient
-from activities.engine_metrics import parse_metrics
+from engines.client import EngineClient
+from engines.metrics import parse_metrics
 from simengine import PolicyName, SimEngine, SimSettings, TimingSettings
 from simengine.clock import PacedClock
 from simengine.policies import heavy_tail_length

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from activities.store import RunStore, Segment
+from store.runstore import RunStore, Segment
 
 
 def seg(name: str, start: int, ids: list[int], kind: str = "model") -> Segment:

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from activities.errors import TaskFileError
 from config.paths import REPO_ROOT
 from envs.math import verify
 from envs.tasks import load_tasks
+from errors import TaskFileError
 
 
 def test_bundled_addition_tasks_load() -> None:

@@ -18,12 +18,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from activities.feed import TrainerFeed
-from activities.policy import weights_hash
-from activities.store import RunStore
 from config.load import ConfigError
 from config.paths import REPO_ROOT
+from engines.policy import weights_hash
+from store.runstore import RunStore
 from trainer.batch import BatchError, to_tensors
+from trainer.feed import TrainerFeed
 from trainer.loop import Optimiser, next_version, train_step
 from trainer.loss import clipped_policy_loss, token_logprobs
 from trainer.policy_io import PolicyIOError, load_policy, save_policy

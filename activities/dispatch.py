@@ -16,9 +16,9 @@ import time
 import httpx
 from temporalio import activity
 
-from activities.engine_metrics import fetch_reading
-from activities.store import RunStore
+from engines.metrics import fetch_reading
 from sandboxes.pool import PoolSettings, SandboxPool
+from store.runstore import RunStore
 from workflows.types import FleetPoll, GroupCounts, PollFleetInput, PoolStatus
 
 METRICS_TIMEOUT_S = 3.0

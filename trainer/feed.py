@@ -22,8 +22,8 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from activities.export import group_record, rollout_record
-from activities.store import RunStore
+from records.export import group_record, rollout_record
+from store.runstore import RunStore
 
 
 class FeedError(RuntimeError):

@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from activities.errors import ContextLengthExceeded, EngineBadReply, EngineBadRequest, EngineUnavailable
+from errors import ContextLengthExceeded, EngineBadReply, EngineBadRequest, EngineUnavailable
 from workflows.types import SamplingParams
 
 _CONTEXT_MARKERS = ("maximum context length", "maximum model length", "max_model_len", "context length")

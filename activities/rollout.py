@@ -4,7 +4,7 @@ Invariants:
 - Idempotent on keys that survive retries: the run id, the rollout id, and (rollout id, turn). A retried
   activity finds what an earlier attempt wrote and returns it, so no sample is produced twice or lost.
 - Inputs and results are small (keys, counts, scalars); token arrays go to the store, never to history.
-- Errors leave as ``ApplicationError`` whose type names the boundary (see ``activities.errors``).
+- Errors leave as ``ApplicationError`` whose type names the boundary (see ``errors``).
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ from typing import TypeVar
 
 from temporalio import activity
 
-from activities.engine_client import EngineClient
-from activities.errors import ContextLengthExceeded, EnvironmentFailure, RolloutError
-from activities.export import rollout_lineage
 from activities.heartbeat import heartbeating
-from activities.store import RunStore, Segment, model_segment, obs_segment
+from engines.client import EngineClient
 from envs import coding as coding_env
 from envs import math as math_env
 from envs.tasks import load_tasks
+from errors import ContextLengthExceeded, EnvironmentFailure, RolloutError
+from records.export import rollout_lineage
+from store.runstore import RunStore, Segment, model_segment, obs_segment
 from workflows.types import (
     EnvStepInput,
     EnvStepResult,
@@ -209,7 +209,7 @@ class RolloutActivities:
         always agree with the store even when a retried workflow task decided differently the second time.
 
         The record carries its lineage (policy versions, config hash, env/verifier versions, sandbox image;
-        see ``activities.export.rollout_lineage``) in ``extra_json["lineage"]``.
+        see ``records.export.rollout_lineage``) in ``extra_json["lineage"]``.
         """
         segs = await asyncio.to_thread(self.store.segments, inp.rollout_id)
         run = await asyncio.to_thread(self.store.get_run, inp.run_id)

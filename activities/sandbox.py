@@ -20,15 +20,15 @@ from typing import Any
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from activities.engine_client import EngineClient
-from activities.errors import RolloutError
 from activities.heartbeat import heartbeating
-from activities.store import RunStore, Segment, model_segment, obs_segment
+from engines.client import EngineClient
 from envs import coding
 from envs.tool_calls import ToolCallError, parse_tool_call
+from errors import RolloutError
 from sandboxes import AsyncSandboxBackend, SandboxError, SandboxGone, SandboxHandle, SandboxSpec
 from sandboxes.base import SandboxFileError, SandboxPathError
 from sandboxes.pool import PoolSettings, SandboxPool, SandboxSlotPending
+from store.runstore import RunStore, Segment, model_segment, obs_segment
 from workflows.types import ActionResult, SandboxStepInput, TruncationReason
 
 READ_LIMIT = 16384

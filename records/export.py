@@ -18,7 +18,7 @@ import json
 from collections.abc import Iterator
 from typing import IO, Any
 
-from activities.store import RunStore, Segment
+from store.runstore import RunStore, Segment
 
 LINEAGE_FIELDS = (
     "policy_versions",
