@@ -24,9 +24,8 @@ from activities.heartbeat import heartbeating
 from engines.client import EngineClient
 from envs import coding
 from envs.tool_calls import ToolCallError, parse_tool_call
-from errors import RolloutError
+from errors import RolloutError, SandboxFileError, SandboxPathError
 from sandboxes import AsyncSandboxBackend, SandboxError, SandboxGone, SandboxHandle, SandboxSpec
-from sandboxes.base import SandboxFileError, SandboxPathError
 from sandboxes.pool import PoolSettings, SandboxPool, SandboxSlotPending
 from store.runstore import RunStore, Segment, model_segment, obs_segment
 from workflows.types import ActionResult, SandboxStepInput, TruncationReason

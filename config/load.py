@@ -15,10 +15,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from config.models import Config
-
-
-class ConfigError(Exception):
-    """A config file or override is invalid; str(e) is one line naming the file and field."""
+from errors import ConfigError
 
 
 def _one_line(source: str, err: ValidationError) -> str:

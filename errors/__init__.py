@@ -1,25 +1,45 @@
-"""One error model: a base rollout error with one subclass per boundary.
+"""One error model: a base error with one subclass per boundary (engine, sandbox, environment, task, store,
+config).
 
-Invariant: an error is attributed once, where it crosses a boundary (engine HTTP, environment, task file),
-and converted to ``ApplicationError(type=<class name>, non_retryable=...)`` at the activity edge, so the
-workflow can tell infrastructure failures from environment failures without parsing messages.
+Invariants:
+- An error is attributed once, where it crosses a boundary (engine HTTP, the sandbox, the environment, a
+  task or config file, the store), as an instance of the subclass for that boundary.
+- At the activity edge it becomes ``ApplicationError(type=<class name>, non_retryable=not retryable)``
+  (`RolloutError.to_application_error`); workflows classify what comes back with `error_type` /
+  `is_error` against these classes, never against string literals, so a renamed class is a type error.
+- ``kind`` says whose fault a final failure is: ``infra`` (engine, sandbox, store, worker) or
+  ``environment`` (the verifier, the task's own setup). Infra failures are never recorded as a reward.
+
+This module imports nothing heavier than ``temporalio.exceptions``: workflows, sandboxes, environments and
+config all import it.
 """
 
 from __future__ import annotations
 
-from temporalio.exceptions import ApplicationError
+from typing import Any
+
+from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflowError
 
 
 class RolloutError(Exception):
     """Base of every error the project raises on purpose."""
 
     retryable = False
+    """Whether the activity that raised it should be retried by its retry policy."""
     kind = "infra"
+    """``infra`` or ``environment``: whose fault a final failure is."""
+
+    def details(self) -> tuple[Any, ...]:
+        """Extra values the workflow reads from the failure (``ApplicationError.details``)."""
+        return ()
 
     def to_application_error(self) -> ApplicationError:
-        return ApplicationError(str(self), type=type(self).__name__, non_retryable=not self.retryable)
+        return ApplicationError(
+            str(self)[:1000], *self.details(), type=type(self).__name__, non_retryable=not self.retryable
+        )
 
 
+# -- engine -------------------------------------------------------------------------------------------
 class EngineError(RolloutError):
     """The engine could not serve a model call."""
 
@@ -44,8 +64,58 @@ class ContextLengthExceeded(EngineError):
     """The prompt no longer fits the engine's context: a truncation, not a failure."""
 
 
+# -- sandbox ------------------------------------------------------------------------------------------
+class SandboxError(RolloutError):
+    """Base class of every sandbox failure (the sandbox itself, never the program's output)."""
+
+    retryable = True
+
+
+class SandboxGone(SandboxError):
+    """The container is dead, removed, OOM-killed as a whole, or frozen: the sandbox is lost.
+
+    Never report this as command output: the rollout's sandbox must be recreated (or the rollout failed as an
+    infrastructure error), not scored.
+    """
+
+    retryable = False
+
+
+class SandboxPathError(SandboxError):
+    """A file path was rejected: absolute, with `..`, with NUL, or leaving the workdir through a symlink."""
+
+    retryable = False
+
+
+class SandboxNotReady(SandboxError):
+    """The sandbox cannot be used yet: daemon unreachable, image missing, or container failed to start."""
+
+
+class SandboxFileError(SandboxError):
+    """A file operation failed because of the sandbox's contents (missing, not a regular file, too large).
+
+    This is an outcome of the model's actions, not an infrastructure failure.
+    """
+
+    retryable = False
+
+
+class SandboxSlotPending(SandboxError):
+    """No sandbox slot is free yet; one is starting (or the pool is at its limit). Retry after a while."""
+
+    retryable = False  # the workflow waits on a durable timer instead
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+    def details(self) -> tuple[Any, ...]:
+        return (self.retry_after_s,)
+
+
+# -- environment, tasks, store, config ----------------------------------------------------------------
 class EnvironmentFailure(RolloutError):
-    """The environment (verifier, harness) failed on this rollout."""
+    """The environment (verifier, harness, the task's setup) failed on this rollout."""
 
     kind = "environment"
 
@@ -54,8 +124,59 @@ class TaskFileError(RolloutError):
     """A task file is missing or malformed; the message names the file and line."""
 
 
-# Types the workflow treats as infrastructure vs environment when an activity finally fails.
-INFRA_TYPES = frozenset(
-    {"EngineUnavailable", "EngineBadReply", "EngineBadRequest", "TaskFileError", "StoreError"}
-)
-ENVIRONMENT_TYPES = frozenset({"EnvironmentFailure"})
+class StoreError(RolloutError):
+    """The run store misses something it must hold (a turn never stored, no sandbox recorded)."""
+
+    retryable = True
+
+
+class ConfigError(RolloutError):
+    """A config file or override is invalid; str(e) is one line naming the file and field."""
+
+
+def _subclasses(cls: type[RolloutError]) -> list[type[RolloutError]]:
+    out = [cls]
+    for sub in cls.__subclasses__():
+        out.extend(_subclasses(sub))
+    return out
+
+
+def error_class(type_name: str) -> type[RolloutError] | None:
+    """The class an ``ApplicationError.type`` names, or None for a type outside this model."""
+    for cls in _subclasses(RolloutError):
+        if cls.__name__ == type_name:
+            return cls
+    return None
+
+
+def application_error(e: BaseException) -> ApplicationError | None:
+    """The ApplicationError inside an activity's or child workflow's failure (or ``e`` itself)."""
+    while isinstance(e, ActivityError | ChildWorkflowError) and e.cause is not None:
+        e = e.cause
+    return e if isinstance(e, ApplicationError) else None
+
+
+def error_type(e: BaseException) -> str:
+    """The failure's type name: the ApplicationError's type, else the exception class's name."""
+    app = application_error(e)
+    if app is not None and app.type:
+        return app.type
+    cause = e.cause if isinstance(e, ActivityError | ChildWorkflowError) and e.cause is not None else e
+    return type(cause).__name__
+
+
+def is_error(e: BaseException, *classes: type[RolloutError]) -> bool:
+    """Whether a failure that crossed Temporal is one of ``classes`` (or a subclass of one)."""
+    cls = error_class(error_type(e))
+    return cls is not None and issubclass(cls, classes)
+
+
+def names(*classes: type[RolloutError]) -> list[str]:
+    """Type names of ``classes`` and all their subclasses (for ``RetryPolicy.non_retryable_error_types``)."""
+    return sorted({c.__name__ for cls in classes for c in _subclasses(cls)})
+
+
+def failure_kind(e: BaseException) -> str:
+    """``environment`` for environment errors, else ``infra`` (unknown types are infrastructure)."""
+    cls = error_class(error_type(e))
+    return cls.kind if cls is not None else "infra"

@@ -4,18 +4,14 @@ Invariant: model-generated code runs only inside a hardened sandbox, and a lost 
 `SandboxGone`, never reported as the program's output.
 """
 
+from errors import SandboxError, SandboxFileError, SandboxGone, SandboxNotReady, SandboxPathError
 from sandboxes.base import (
     DEFAULT_IMAGE,
     AsyncSandboxBackend,
     ExecResult,
     SandboxBackend,
-    SandboxError,
-    SandboxFileError,
-    SandboxGone,
     SandboxHandle,
     SandboxInfo,
-    SandboxNotReady,
-    SandboxPathError,
     SandboxSpec,
     validate_relative_path,
 )

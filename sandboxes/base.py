@@ -16,6 +16,10 @@ from typing import Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from errors import (
+    SandboxPathError,
+)
+
 DEFAULT_IMAGE = "durable-rollouts-sandbox:latest"
 """Tag built by `sandboxes/image/build_image.sh`."""
 
@@ -24,33 +28,6 @@ RESERVED_LABEL_PREFIX = "durable-rollouts"
 
 _MAX_PATH_CHARS = 1024
 """Longest relative path accepted by `validate_relative_path`."""
-
-
-class SandboxError(Exception):
-    """Base class of every sandbox failure."""
-
-
-class SandboxGone(SandboxError):
-    """The container is dead, removed, OOM-killed as a whole, or frozen: the sandbox is lost.
-
-    Never report this as command output: the rollout's sandbox must be recreated (or the rollout failed as an
-    infrastructure error), not scored.
-    """
-
-
-class SandboxPathError(SandboxError):
-    """A file path was rejected: absolute, with `..`, with NUL, or leaving the workdir through a symlink."""
-
-
-class SandboxNotReady(SandboxError):
-    """The sandbox cannot be used yet: daemon unreachable, image missing, or container failed to start."""
-
-
-class SandboxFileError(SandboxError):
-    """A file operation failed because of the sandbox's contents (missing, not a regular file, too large).
-
-    This is an outcome of the model's actions, not an infrastructure failure.
-    """
 
 
 class SandboxSpec(BaseModel):

@@ -19,6 +19,7 @@ from collections.abc import Set as AbstractSet
 import docker
 import docker.errors
 
+from errors import SandboxError, SandboxFileError, SandboxGone, SandboxNotReady, SandboxPathError
 from sandboxes._docker_exec import (
     EXEC_WRAPPER,
     KILL_AFTER_S,
@@ -31,13 +32,8 @@ from sandboxes._docker_exec import (
 )
 from sandboxes.base import (
     ExecResult,
-    SandboxError,
-    SandboxFileError,
-    SandboxGone,
     SandboxHandle,
     SandboxInfo,
-    SandboxNotReady,
-    SandboxPathError,
     SandboxSpec,
     validate_relative_path,
 )

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from sandboxes.base import SandboxError
+from errors import SandboxSlotPending
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS pool_state (id INTEGER PRIMARY KEY CHECK (id = 1), ready INTEGER NOT NULL);
@@ -53,14 +53,6 @@ class SlotStatus(BaseModel):
     in_use: int
     max_size: int
     waiting: int = 0
-
-
-class SandboxSlotPending(SandboxError):
-    """No sandbox slot is free yet; one is starting (or the pool is at its limit). Retry after a while."""
-
-    def __init__(self, message: str, retry_after_s: float) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
 
 
 class SandboxPool:

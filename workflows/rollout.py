@@ -19,7 +19,7 @@ from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError
 
 with workflow.unsafe.imports_passed_through():
-    from errors import ENVIRONMENT_TYPES
+    from errors import failure_kind
     from workflows import search_attributes as sa
     from workflows.admission import CANCEL_REASON
     from workflows.coding import CodingSteps
@@ -410,5 +410,5 @@ def _failure(e: ActivityError | ApplicationError) -> _Ended:
     cause = e.cause if isinstance(e, ActivityError) else e
     err_type = cause.type if isinstance(cause, ApplicationError) else type(cause).__name__
     message = cause.message if isinstance(cause, ApplicationError) else str(cause)
-    kind = FailureKind.ENVIRONMENT if err_type in ENVIRONMENT_TYPES else FailureKind.INFRA
+    kind = FailureKind(failure_kind(e))
     return _Ended(Outcome.FAILED, f"{kind.value}: {err_type}: {message}"[:500])

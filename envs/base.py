@@ -1,0 +1,220 @@
+"""The environment interface: what a rollout environment implements.
+
+An environment owns everything task-specific about a rollout; the pipeline owns everything else (the model
+calls, the token bookkeeping, durability, sandboxes' lifecycle, records). A new environment subclasses
+`Environment`, declares its task model, and is registered under the entry-point group
+``durable_rollouts.environments`` of its own package (see ``envs.registry`` and the README, "Write your own
+environment"); nothing in the core changes.
+
+How the pipeline drives an environment, per rollout:
+
+1. ``load_tasks(path)`` once per run, at submit: every task validated by ``task_model``; a bad file raises
+   `TaskFileError` naming file, line and field. Tasks are stored with the run, so workers read them from
+   the store, never from the submitter's files.
+2. ``sandbox(task, default)``: ``None`` when the task needs no sandbox, else a `SandboxPlan` (image and
+   limits for this task, files to copy in, setup commands). Called only when ``uses_sandbox`` is true.
+3. ``prompt(task)``: the first prompt, as chat messages (rendered once through the engine's chat template)
+   or as token ids. The context then only grows: model turns (loss mask 1) and observations (loss mask 0).
+4. ``step(ctx, text)`` after every model turn: the turn's text becomes an action and an observation, or
+   ends the rollout (``done``, with a reward or to be scored by ``score``).
+5. ``score(ctx, text)``: the reward of a rollout that is done without one, or truncated (when the run
+   scores truncated rollouts). ``text`` is the last model turn, if any.
+6. ``replay(ctx, action)``: a lost sandbox is replaced and the recorded actions of earlier turns replayed
+   into the fresh one before the turn is retried.
+
+Invariants the pipeline relies on:
+- ``step``, ``score`` and ``replay`` run inside activities: they may do I/O, and they may run more than
+  once for one turn (activities are retried), so they must be safe to repeat for the same turn.
+- An environment failure (the verifier crashed, the task cannot be set up) is raised as
+  `EnvironmentFailure`; a sandbox failure propagates as the sandbox's own error. Neither is ever a reward.
+- ``env_version`` and ``verifier_version`` change whenever behaviour or reward could change: every record
+  carries them (``lineage``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from errors import TaskFileError
+from sandboxes.base import ExecResult, SandboxSpec
+from workflows.types import TruncationReason
+
+Message = dict[str, str]
+"""One chat message: ``{"role": ..., "content": ...}``."""
+
+END_MARKER = "<|end|>"
+"""End-of-turn marker of the bundled policy's chat template; the text after it is not the model's."""
+
+
+def until_end(text: str) -> str:
+    """The model's turn up to its end-of-turn marker."""
+    return text.split(END_MARKER, 1)[0]
+
+
+class Task(BaseModel):
+    """Base of every environment's task model: one line of a task file, with a unique ``id``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    id: str = Field(min_length=1)
+    """Unique in the file; the rollout's task id."""
+
+    @field_validator("id")
+    @classmethod
+    def _id_is_one_token(cls, value: str) -> str:
+        if value != value.strip() or any(c.isspace() for c in value):
+            raise ValueError("must not contain whitespace")
+        return value
+
+
+class Prompt(BaseModel):
+    """The first prompt of a rollout: chat messages, or token ids that are used as they are."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    messages: list[Message] | None = None
+    token_ids: list[int] | None = None
+
+    @model_validator(mode="after")
+    def _one_of(self) -> Prompt:
+        if (self.messages is None) == (self.token_ids is None):
+            raise ValueError("a prompt is either messages or token_ids")
+        return self
+
+
+class SandboxPlan(BaseModel):
+    """The sandbox one task needs: image and limits, files laid out before the first turn, setup."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    spec: SandboxSpec
+    """Image (local tag, never pulled) and limits of this task's sandbox."""
+    files: dict[str, str] = Field(default_factory=dict)
+    """Relative path -> content, written into the workdir before the setup commands."""
+    setup: list[str] = Field(default_factory=list)
+    """Shell commands run in the workdir once the files are in; one that fails fails the rollout
+    (environment). Like every side effect they may run again on a retry: keep them idempotent."""
+    setup_timeout_s: float = Field(600.0, gt=0)
+    """Time limit of each setup command."""
+
+
+class Step(BaseModel):
+    """What the environment made of one model turn."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    observation: str | None = None
+    """Text appended to the context as an ``observation_role`` message (loss mask 0); None = nothing."""
+    done: bool = False
+    """The rollout is complete: ``reward`` holds its reward, or ``score`` is called when it is None."""
+    reward: float | None = None
+    truncated: TruncationReason | None = None
+    """The step hit a limit (e.g. ``command_timeout``): the rollout ends truncated after the observation."""
+    action: dict[str, Any] | None = None
+    """What the turn did, recorded with the turn (JSON); ``replay`` gets it back after a sandbox loss."""
+
+
+class Sandbox(Protocol):
+    """The rollout's sandbox, as an environment sees it (bound to its container; paths relative)."""
+
+    async def exec(self, cmd: str, timeout_s: float | None = None) -> ExecResult: ...
+
+    async def write_file(self, path: str, content: bytes | str) -> None: ...
+
+    async def read_file(self, path: str, max_bytes: int = 1 << 20) -> bytes: ...
+
+
+@dataclass(frozen=True)
+class TurnContext:
+    """What ``step``, ``score`` and ``replay`` get besides the turn's text."""
+
+    task: Task
+    rollout_id: str
+    turn: int
+    """Number of the model turn being stepped (0-based)."""
+    last_turn: bool
+    """No model turn follows this one (``rollout.max_turns``): say ``done`` or the rollout truncates."""
+    sandbox: Sandbox | None = None
+    """The rollout's sandbox; None when the task has none."""
+
+
+class Environment(ABC):
+    """Base class of every environment (see the module docstring for how the pipeline drives it)."""
+
+    name: ClassVar[str]
+    """Registry name (``run.env``); also the entry point's name."""
+    env_version: ClassVar[str]
+    """Version of the behaviour (prompt, actions, observations, turn rules)."""
+    verifier_version: ClassVar[str]
+    """Version of the reward."""
+    task_model: ClassVar[type[Task]] = Task
+    """The pydantic model of one task (a subclass of `Task`)."""
+    uses_sandbox: ClassVar[bool] = False
+    """Whether ``sandbox`` may return a plan; environments without sandboxes never touch Docker."""
+    inline_steps: ClassVar[bool] = False
+    """``step`` is cheap and needs no sandbox: the pipeline runs it inside the model call's activity
+    (one activity per turn instead of two)."""
+    observation_role: ClassVar[str] = "user"
+    """Chat role of observation messages (``tool`` for tool results)."""
+
+    def load_tasks(self, path: str | Path) -> list[Task]:
+        """Read and validate a JSONL task file (one task per line, ids unique).
+
+        Raises:
+            TaskFileError: one line naming the file, the line and the field at fault.
+        """
+        from envs.tasks import json_objects
+
+        p = Path(path)
+        tasks: list[Task] = []
+        seen: set[str] = set()
+        for n, obj in json_objects(p):
+            task = self.validate_task(obj, where=f"{p}:{n}")
+            if task.id in seen:
+                raise TaskFileError(f"{p}:{n}: field 'id': duplicate task id {task.id!r}")
+            seen.add(task.id)
+            tasks.append(task)
+        if not tasks:
+            raise TaskFileError(f"{p}: no tasks")
+        return tasks
+
+    def validate_task(self, obj: dict[str, Any], where: str = "task") -> Task:
+        """One task from its JSON object; a bad one raises `TaskFileError` naming ``where`` and the field."""
+        try:
+            return self.task_model.model_validate(obj)
+        except ValidationError as e:
+            raise TaskFileError(f"{where}: {_first_error(e)}") from None
+
+    @abstractmethod
+    def prompt(self, task: Task) -> Prompt:
+        """The rollout's first prompt."""
+
+    def sandbox(self, task: Task, default: SandboxSpec) -> SandboxPlan | None:
+        """The sandbox ``task`` needs (``default`` is the run's ``[sandbox]`` section), or None."""
+        return None
+
+    @abstractmethod
+    async def step(self, ctx: TurnContext, text: str) -> Step:
+        """Turn the model's turn ``text`` (detokenized, up to its end) into a `Step`."""
+
+    async def score(self, ctx: TurnContext, text: str | None) -> float | None:
+        """The reward of the rollout as it stands (``text``: its last model turn); None = unscorable."""
+        return None
+
+    async def replay(self, ctx: TurnContext, action: dict[str, Any]) -> None:
+        """Redo a recorded action in a fresh sandbox (its output is not compared). Default: nothing."""
+        return None
+
+
+def _first_error(e: ValidationError) -> str:
+    err = e.errors()[0]
+    loc = err["loc"]
+    field = str(loc[0]) if loc else "task"
+    where = f" at {'/'.join(str(x) for x in loc[1:])!r}" if len(loc) > 1 else ""
+    msg = err["msg"].removeprefix("Value error, ")
+    return f"field {field!r}{where}: {msg}"
