@@ -28,7 +28,12 @@ def _parser() -> argparse.ArgumentParser:
         "--model-dir", default=None, help="directory with tokenizer.json (default: bundled policy)"
     )
     p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--tasks", default=None, help="coding task file (JSONL); needed by --policy scripted")
+    p.add_argument(
+        "--tasks", default=None, help="coding task file (JSONL); --policy scripted needs it or --transcripts"
+    )
+    p.add_argument(
+        "--transcripts", default=None, help="transcripts file (JSONL): scripted turns for any environment"
+    )
     p.add_argument("--policy", default="scripted", choices=["scripted", "random"])
     p.add_argument(
         "--mode", default="reference", choices=["reference", "wrong", "malformed", "loop", "sleep"]
@@ -96,6 +101,7 @@ def _settings(args: argparse.Namespace) -> tuple[SimSettings, FaultUpdate]:
         "model": args.model,
         "max_model_len": args.max_model_len,
         "tasks": resolve_repo_path(args.tasks) if args.tasks else None,
+        "transcripts": resolve_repo_path(args.transcripts) if args.transcripts else None,
         "policy": args.policy,
         "mode": args.mode,
         "mode_rules": [ModeRule.parse(r) for r in args.mode_rule],

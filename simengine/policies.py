@@ -3,9 +3,12 @@
 Invariant: a policy decides the complete turn, ending with the end token, before any of it is sent; the
 server only cuts it short (``max_tokens``, context length) and paces it. Policies own no I/O.
 
-- `ScriptedPolicy`: for coding tasks. It reads the task id from the ``Task id: <id>`` line of the first user
-  message and the turn number from the ``<|assistant|>`` markers already in the context, and plays the
-  scripted turn of its mode (see `simengine.scripts`), each token with logprob `SCRIPTED_LOGPROB`.
+- `ScriptedPolicy`: for coding tasks, and for any environment through a transcripts file. It reads the task
+  id from the ``Task id: <id>`` line of the first user message and the turn number from the
+  ``<|assistant|>`` markers already in the context, and plays the scripted turn of its mode, each token
+  with logprob `SCRIPTED_LOGPROB`: the task's transcript in that mode (`load_transcripts`) when the
+  transcripts file names the task, else the coding script (see `simengine.scripts`). Past the last turn
+  of a script the last turn repeats.
 - `RandomPolicy`: random bytes then the end token, logprobs near ``-log(256)``; seeded requests (and
   temperature 0) are reproducible. Its turn length is uniform, or heavy-tailed (`heavy_tail_length`:
   a function of the request id alone, so every policy compared on one workload sees the same lengths).
@@ -18,9 +21,13 @@ import math
 import random
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
 from envs.coding_tasks import CodingTask, load_coding_tasks
+from errors import TaskFileError
 from simengine.scripts import script
 from simengine.settings import Mode, PolicyName, SimSettings
 from simengine.tokenizer import ASSISTANT, SimTokenizer
@@ -56,11 +63,63 @@ class Policy(Protocol):
     def turn(self, req: PolicyRequest) -> Turn: ...
 
 
-class ScriptedPolicy:
-    """Plays the scripted agent of `simengine.scripts` on the coding task named in the conversation."""
+class Transcript(BaseModel):
+    """One line of a transcripts file: the model turns of one task in one mode."""
 
-    def __init__(self, tasks: list[CodingTask], tokenizer: SimTokenizer, settings: SimSettings) -> None:
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    task_id: str = Field(min_length=1)
+    """The task's id, as the environment writes it in the ``Task id: <id>`` line of the prompt."""
+    mode: Mode = Field(strict=False)
+    """The scripted mode these turns are played in."""
+    turns: list[str] = Field(min_length=1)
+    """The text of each model turn in order (without the end token); the last one repeats."""
+
+
+Transcripts = dict[tuple[str, Mode], list[str]]
+"""(task id, mode) -> the model turns of that task in that mode."""
+
+
+def load_transcripts(path: str | Path) -> Transcripts:
+    """Read a transcripts file (JSONL, one `Transcript` per line, each (task id, mode) at most once).
+
+    Raises:
+        TaskFileError: one line naming the file, the line and the field at fault.
+    """
+    from envs.tasks import json_objects
+
+    p = Path(path)
+    out: Transcripts = {}
+    for n, obj in json_objects(p):
+        try:
+            t = Transcript.model_validate(obj)
+        except ValidationError as e:
+            err = e.errors()[0]
+            field = str(err["loc"][0]) if err["loc"] else "transcript"
+            raise TaskFileError(f"{p}:{n}: field {field!r}: {err['msg']}") from None
+        if (t.task_id, t.mode) in out:
+            raise TaskFileError(
+                f"{p}:{n}: field 'mode': task {t.task_id!r} already has a {t.mode} transcript"
+            )
+        out[(t.task_id, t.mode)] = list(t.turns)
+    if not out:
+        raise TaskFileError(f"{p}: no transcripts")
+    return out
+
+
+class ScriptedPolicy:
+    """Plays the transcript, or else the coding script, of the task named in the conversation."""
+
+    def __init__(
+        self,
+        tasks: list[CodingTask],
+        tokenizer: SimTokenizer,
+        settings: SimSettings,
+        transcripts: Transcripts | None = None,
+    ) -> None:
         self._tasks = {t.id: t for t in tasks}
+        self._transcripts = transcripts or {}
+        self._transcript_ids = {task_id for task_id, _ in self._transcripts}
         self._tok = tokenizer
         self._settings = settings
         self._assistant_id = tokenizer.encode(ASSISTANT)[0]
@@ -72,18 +131,24 @@ class ScriptedPolicy:
         match = _TASK_ID.search(self._tok.decode(ids[:first_reply], skip_special_tokens=False))
         if match is None:
             raise PolicyError("scripted policy: no 'Task id: <id>' line before the first assistant turn")
-        task = self._tasks.get(match.group(1))
-        if task is None:
-            raise PolicyError(f"scripted policy: unknown task id {match.group(1)[:80]!r}")
+        task_id = match.group(1)
+        if task_id not in self._transcript_ids and task_id not in self._tasks:
+            raise PolicyError(f"scripted policy: unknown task id {task_id[:80]!r}")
         done = ids.count(self._assistant_id) - (1 if ids and ids[-1] == self._assistant_id else 0)
-        steps = self._steps(task, self._settings.mode_for(task.id, req.request_id))
+        steps = self._steps(task_id, self._settings.mode_for(task_id, req.request_id))
         token_ids = steps[min(done, len(steps) - 1)]
         return Turn(token_ids, [SCRIPTED_LOGPROB] * len(token_ids))
 
-    def _steps(self, task: CodingTask, mode: Mode) -> list[list[int]]:
-        key = (task.id, mode)
+    def _steps(self, task_id: str, mode: Mode) -> list[list[int]]:
+        key = (task_id, mode)
         if key not in self._cache:
-            self._cache[key] = [[*self._tok.encode(text), self._tok.eos_id] for text in script(task, mode)]
+            if task_id in self._transcript_ids:
+                texts = self._transcripts.get(key)
+                if texts is None:
+                    raise PolicyError(f"scripted policy: task {task_id[:80]!r} has no {mode} transcript")
+            else:
+                texts = script(self._tasks[task_id], mode)
+            self._cache[key] = [[*self._tok.encode(text), self._tok.eos_id] for text in texts]
         return self._cache[key]
 
 
@@ -126,11 +191,13 @@ def _unit(text: str) -> float:
 
 
 def make_policy(settings: SimSettings, tokenizer: SimTokenizer) -> Policy:
-    """The policy ``settings`` names (reads the task file for ``scripted``; raises TaskFileError)."""
+    """The policy ``settings`` names (reads the task and transcripts files for ``scripted``; raises
+    TaskFileError)."""
     if settings.policy == PolicyName.RANDOM:
         return RandomPolicy(tokenizer, settings)
-    assert settings.tasks is not None  # checked by SimSettings
-    return ScriptedPolicy(load_coding_tasks(settings.tasks), tokenizer, settings)
+    tasks = load_coding_tasks(settings.tasks) if settings.tasks is not None else []
+    transcripts = load_transcripts(settings.transcripts) if settings.transcripts is not None else None
+    return ScriptedPolicy(tasks, tokenizer, settings, transcripts)
 
 
 def _seed(req: PolicyRequest) -> int | None:

@@ -101,7 +101,12 @@ class SimSettings(BaseModel):
     """Context length: prompts of this many tokens or more are rejected with HTTP 400."""
     policy: PolicyName = PolicyName.SCRIPTED
     tasks: Path | None = None
-    """Coding task file (JSONL) the scripted policy reads its actions from; required for ``scripted``."""
+    """Coding task file (JSONL) the scripted policy reads its actions from; ``scripted`` needs it or
+    ``transcripts``."""
+    transcripts: Path | None = None
+    """Transcripts file (JSONL) for any environment: lines ``{"task_id": ..., "mode": ..., "turns": [...]}``
+    give the model turns the scripted policy plays on that task in that mode (see
+    `simengine.policies.load_transcripts`). For the task ids it names it takes precedence over ``tasks``."""
     mode: Mode = Mode.REFERENCE
     """Scripted mode for requests no rule matches."""
     mode_rules: list[ModeRule] = Field(default_factory=list)
@@ -143,8 +148,8 @@ class SimSettings(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> SimSettings:
-        if self.policy == PolicyName.SCRIPTED and self.tasks is None:
-            raise ValueError("the scripted policy needs a coding task file (tasks)")
+        if self.policy == PolicyName.SCRIPTED and self.tasks is None and self.transcripts is None:
+            raise ValueError("the scripted policy needs a coding task file (tasks) or a transcripts file")
         if self.random_min_tokens > self.random_max_tokens:
             raise ValueError("random_min_tokens must not exceed random_max_tokens")
         if self.timing is not None:
