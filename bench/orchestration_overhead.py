@@ -28,10 +28,12 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from harness import bare_round, child_pids, cpu_s, pipeline_round, proc_name, temporal_env
 from temporalio.api.enums.v1 import EventType
+from temporalio.api.history.v1 import HistoryEvent
 from temporalio.client import Client
 
 from activities.rollout import RolloutActivities
@@ -92,7 +94,12 @@ class CpuMeter:
 async def pipeline_stats(client: Client, store: RunStore, run_id: str) -> dict:
     """Per-rollout wall time (workflow start to close) and the per-turn breakdown from the run store."""
     recs = store.rollouts(run_id)
-    turn_lat, queue, model, env, turns, outcomes = [], [], [], [], 0, {}
+    turn_lat: list[float] = []
+    queue: list[float] = []
+    model: list[float] = []
+    env: list[float] = []
+    turns = 0
+    outcomes: dict[str, int] = {}
     for rec in recs:
         outcomes[rec["outcome"]] = outcomes.get(rec["outcome"], 0) + 1
         segs = [s for s in store.segments(rec["rollout_id"]) if s.kind == "model"]
@@ -116,11 +123,11 @@ async def pipeline_stats(client: Client, store: RunStore, run_id: str) -> dict:
     }
 
 
-def _t(event) -> float:
+def _t(event: HistoryEvent) -> float:
     return event.event_time.ToNanoseconds() / 1e9
 
 
-async def _events(client: Client, wf_id: str) -> list:
+async def _events(client: Client, wf_id: str) -> list[HistoryEvent]:
     return [e async for e in client.get_workflow_handle(wf_id).fetch_history_events()]
 
 
@@ -134,9 +141,17 @@ async def history_profile(client: Client, store: RunStore, run_id: str) -> dict:
     lag (a group closed -> the next group started).
     """
     et = EventType
-    wft_s2s, wft_run, act_s2s, gaps, head, tail, wfts = [], [], [], [], [], [], []
+    wft_s2s: list[float] = []
+    wft_run: list[float] = []
+    act_s2s: list[float] = []
+    gaps: list[float] = []
+    head: list[float] = []
+    tail: list[float] = []
+    wfts: list[int] = []
     group_ids = sorted({r["group_id"] for r in store.rollouts(run_id)})
-    spread, g_tail, g_spans = [], [], []
+    spread: list[float] = []
+    g_tail: list[float] = []
+    g_spans: list[tuple[float, float]] = []
     for gid in group_ids:
         gev = await _events(client, f"{run_id}/{gid}")
         g0 = _t(gev[0])
@@ -148,7 +163,7 @@ async def history_profile(client: Client, store: RunStore, run_id: str) -> dict:
     for rec in store.rollouts(run_id):
         ev = await _events(client, rec["rollout_id"])
         sched: dict[int, float] = {}
-        last_done = None
+        last_done: float | None = None
         n_wft = 0
         for e in ev:
             t = _t(e)
@@ -174,7 +189,7 @@ async def history_profile(client: Client, store: RunStore, run_id: str) -> dict:
             tail.append(_t(ev[-1]) - last_done)
         wfts.append(n_wft)
     g_spans.sort()
-    lags = []
+    lags: list[float] = []
     for start, _ in g_spans:
         before = [end for _, end in g_spans if end <= start]
         if before:
@@ -194,7 +209,7 @@ async def history_profile(client: Client, store: RunStore, run_id: str) -> dict:
     }
 
 
-def _mean(xs: list[float]) -> float:
+def _mean(xs: Sequence[float]) -> float:
     return statistics.fmean(xs) if xs else 0.0
 
 

@@ -12,6 +12,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from sandboxes import DockerBackend, SandboxSpec
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -33,11 +42,11 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[rank]
 
 
-def timed_phase(pool, fn, items) -> dict:
+def timed_phase(pool: Executor, fn: Callable[[T], R], items: Sequence[T]) -> dict[str, Any]:
     """Run `fn` over `items` on `pool`; return per-call p50/p95 (ms) and calls per second."""
     import time
 
-    def one(item):
+    def one(item: T) -> tuple[float, R]:
         start = time.perf_counter()
         result = fn(item)
         return time.perf_counter() - start, result
@@ -56,7 +65,9 @@ def timed_phase(pool, fn, items) -> dict:
     }
 
 
-def run_level(backend, spec, run_id: str, threads: int, sandboxes: int, execs: int) -> dict:
+def run_level(
+    backend: DockerBackend, spec: SandboxSpec, run_id: str, threads: int, sandboxes: int, execs: int
+) -> dict[str, Any]:
     """Create, exec and destroy `sandboxes` sandboxes with `threads` threads; return the phase stats."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -73,7 +84,7 @@ def run_level(backend, spec, run_id: str, threads: int, sandboxes: int, execs: i
     return {"threads": threads, "create": created, "exec": executed, "destroy": destroyed}
 
 
-def print_table(levels: list[dict]) -> None:
+def print_table(levels: list[dict[str, Any]]) -> None:
     header = f"{'threads':>7} | {'op':<7} | {'calls':>5} | {'p50 ms':>8} | {'p95 ms':>8} | {'calls/s':>8}"
     print(header)
     print("-" * len(header))

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, BatchEncoding, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / "models" / "tiny-policy"
@@ -194,7 +194,8 @@ def check_tokenizer(tok: PreTrainedTokenizerBase) -> None:
     chat = tok.apply_chat_template(
         [{"role": "user", "content": "37+45="}], add_generation_prompt=True, tokenize=True
     )
-    chat = chat["input_ids"] if isinstance(chat, dict) or hasattr(chat, "keys") else chat
+    if isinstance(chat, BatchEncoding):  # transformers >= 5 returns a dict by default
+        chat = chat["input_ids"]
     assert list(chat) == [ids["<|user|>"], *b"37+45=", ids[END], ids["<|assistant|>"]], chat
 
 
@@ -219,7 +220,7 @@ def build_model(tok: PreTrainedTokenizerBase, seed: int) -> LlamaForCausalLM:
         head_dim=32,
         hidden_act="silu",
         max_position_embeddings=4096,
-        rope_theta=10000.0,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         rms_norm_eps=1e-5,
         initializer_range=0.02,
         tie_word_embeddings=False,
@@ -261,6 +262,7 @@ def prompt_ids(tok: PreTrainedTokenizerBase, prompt: str) -> list[int]:
     rendered = tok.apply_chat_template(
         [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
     )
+    assert isinstance(rendered, str)
     return tok.encode(rendered, add_special_tokens=False)
 
 
@@ -296,7 +298,9 @@ def sampled_accuracy(
     for task, row in zip(tasks, ids[:, prompt_len:].tolist(), strict=True):
         if tok.eos_token_id in row:
             row = row[: row.index(tok.eos_token_id)]
-        correct += tok.decode(row).strip() == task["answer"]
+        answer = tok.decode(row)
+        assert isinstance(answer, str)
+        correct += answer.strip() == task["answer"]
     model.train(was_training)
     return correct / len(tasks)
 

@@ -59,7 +59,7 @@ class ModeRule(BaseModel):
         on, colon, prefix = head.partition(":")
         if not sep or not colon or on not in ("task", "request"):
             raise ValueError(f"mode rule {text!r}: expected task:PREFIX=MODE or request:PREFIX=MODE")
-        return cls(on=on, prefix=prefix, mode=Mode(mode))  # type: ignore[arg-type]
+        return cls(on=on, prefix=prefix, mode=Mode(mode))
 
     def matches(self, task_id: str, request_id: str) -> bool:
         return (task_id if self.on == "task" else request_id).startswith(self.prefix)

@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+
+if TYPE_CHECKING:
+    from config.models import Config
+    from trainer.settings import TrainerSettings
 
 
 def _fail(msg: str, code: int = 2) -> typer.Exit:
@@ -67,7 +71,7 @@ def train(
     _summary(metrics)
 
 
-def _run(cfg, ts, rid: str, home: Path) -> dict:
+def _run(cfg: Config, ts: TrainerSettings, rid: str, home: Path) -> dict[str, Any]:
     from engines.policy import PolicyError
     from trainer.batch import BatchError
     from trainer.loop import Loop, TrainerError
@@ -82,7 +86,7 @@ def _run(cfg, ts, rid: str, home: Path) -> dict:
         raise _fail(str(e), 1) from None
 
 
-def _summary(m: dict) -> None:
+def _summary(m: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
