@@ -1,4 +1,4 @@
-"""Scripted agent turns for coding tasks: (task, mode, turn number) -> the text of that turn.
+"""Scripted agent turns for coding tasks: (task, mode) -> the text of every turn, in order.
 
 Invariant: pure and deterministic. The same task, mode and turn always give the same text, so a rollout
 replayed or retried against the simulated engine produces the same tokens. Every well-formed action is
@@ -22,16 +22,6 @@ MALFORMED_TURNS: tuple[str, ...] = (
 )
 LOOP_CMD = "echo step"
 SLEEP_CMD = "sleep 30"
-
-
-def scripted_turn(task: CodingTask, mode: Mode, turn: int) -> str:
-    """The text of turn ``turn`` (0-based) of the scripted agent in ``mode`` on ``task``.
-
-    Past the end of a finite script the last action repeats (a harness that keeps going after submit()
-    gets submit() again).
-    """
-    steps = script(task, mode)
-    return steps[min(turn, len(steps) - 1)]
 
 
 def script(task: CodingTask, mode: Mode) -> list[str]:
