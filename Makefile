@@ -45,3 +45,4 @@ test-unit: setup
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy $(shell $(BIN)/python -c 'import tomllib; print(*tomllib.load(open("pyproject.toml", "rb"))["tool"]["setuptools"]["packages"])') bench models/build_tiny_policy.py
