@@ -1,8 +1,14 @@
 """Export a run as JSONL: one rollout object per line, then one group object per group.
 
-This is a stable contract that trainers read (see README, "Export format"); fields keep their names and
-meaning, new fields may be added. Invariant: token_ids, logprobs, loss_mask and policy_versions of a record
-have the same length, and logprobs/policy_versions are null exactly where loss_mask is 0.
+This is a stable contract that trainers read (see README, "Export format"): every line is built through
+the models of ``records/models.py`` (whose committed JSON Schemas are ``records/schema/*.json``) and carries
+``schema_version``. Fields keep their names and meaning. Invariant: token_ids, logprobs, loss_mask and
+policy_versions of a record have the same length, and logprobs/policy_versions are null exactly where
+loss_mask is 0.
+
+Optional fields: of what the rollout workflow stores beside the record (``extra_json``), only the declared
+optional fields (``records.models.ROLLOUT_OPTIONAL``) are exported, and only where stored; any other key
+stays in the store and is not exported.
 
 Lineage: every rollout record carries ``lineage`` (see :func:`rollout_lineage`): the policy versions that
 sampled its tokens in order of first use, the run's config hash, the environment and verifier versions
@@ -18,6 +24,7 @@ import json
 from collections.abc import Iterator
 from typing import IO, Any
 
+from records.models import ROLLOUT_OPTIONAL, SCHEMA_VERSION, GroupRecord, RolloutRecord
 from store.runstore import RunStore, Segment
 
 LINEAGE_FIELDS = (
@@ -131,8 +138,9 @@ def rollout_record(store: RunStore, row: dict[str, Any]) -> dict[str, Any]:
         loss_mask.extend([1 if sampled else 0] * len(s.token_ids))
     extra = json.loads(row["extra_json"] or "{}")
     lineage = _export_lineage(extra.pop("lineage", None), store.get_run(row["run_id"]), row["env"], segs)
-    return {
-        **extra,
+    fields = {
+        "schema_version": SCHEMA_VERSION,
+        **{k: extra[k] for k in ROLLOUT_OPTIONAL if k in extra},
         "kind": "rollout",
         "run_id": row["run_id"],
         "group_id": row["group_id"],
@@ -154,10 +162,26 @@ def rollout_record(store: RunStore, row: dict[str, Any]) -> dict[str, Any]:
         "turns": _turns(segs),
         "lineage": lineage,
     }
+    return _dump_rollout(fields)
+
+
+_TOKEN_ARRAYS = {"token_ids", "logprobs", "loss_mask", "policy_versions"}
+"""The per-token lists of a rollout record: validated by the model, then exported as they are."""
+
+
+def _dump_rollout(fields: dict[str, Any]) -> dict[str, Any]:
+    """``fields`` validated as a :class:`RolloutRecord` and dumped as JSON data (optional fields only where
+    given). The per-token lists are validated but not re-serialized (a copy of thousands of plain ints,
+    floats and strings would cost as much as the validation): they go out as given, in field order."""
+    model = RolloutRecord.model_validate(fields)
+    out = model.model_dump(mode="json", exclude_unset=True, exclude=_TOKEN_ARRAYS)
+    return {k: fields[k] if k in _TOKEN_ARRAYS else out[k] for k in fields}
 
 
 def group_record(rec: dict[str, Any]) -> dict[str, Any]:
-    return {
+    """The export object of one group (its stored record)."""
+    fields = {
+        "schema_version": SCHEMA_VERSION,
         "kind": "group",
         "run_id": rec["run_id"],
         "group_id": rec["group_id"],
@@ -172,6 +196,7 @@ def group_record(rec: dict[str, Any]) -> dict[str, Any]:
         "admission_cancelled": rec.get("admission_cancelled", 0),
         "wasted_tokens": rec.get("wasted_tokens", 0),
     }
+    return GroupRecord.model_validate(fields).model_dump(mode="json", exclude_unset=True)
 
 
 def iter_run(store: RunStore, run_id: str) -> Iterator[dict[str, Any]]:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+from jsonschema import Draft202012Validator  # type: ignore[import-untyped]
 from temporalio.client import Client
 
 from activities.rollout import RolloutActivities
@@ -16,7 +18,8 @@ from config.load import config_hash, load_config
 from config.models import Config
 from config.paths import REPO_ROOT
 from engines.client import EngineClient
-from records.export import iter_run
+from records.export import export_run, iter_run
+from records.models import RECORDS, committed_schema
 from sandboxes import DockerBackend
 from store.runstore import RunStore
 from workers.worker import build_worker
@@ -74,6 +77,27 @@ def export(store: RunStore, run_id: str) -> tuple[list[dict], list[dict]]:
     """The run's exported rollout and group records."""
     records = list(iter_run(store, run_id))
     return [r for r in records if r["kind"] == "rollout"], [r for r in records if r["kind"] == "group"]
+
+
+def export_lines(store: RunStore, run_id: str) -> list[str]:
+    """The run's export as the JSONL lines `rollouts export` writes."""
+    buf = io.StringIO()
+    export_run(store, run_id, buf)
+    return buf.getvalue().splitlines()
+
+
+def assert_schema_valid(lines: Iterable[str | dict[str, Any]]) -> None:
+    """Every exported line (JSON text or a parsed object) validates against the committed JSON Schema of
+    its kind (records/schema/KIND.json); the first violation is named by line, id and field path."""
+    validators = {kind: Draft202012Validator(committed_schema(kind)) for kind in RECORDS}
+    for i, line in enumerate(lines):
+        obj = json.loads(line) if isinstance(line, str) else line
+        kind = obj.get("kind")
+        assert kind in validators, f"line {i}: unknown kind {kind!r}"
+        errors = sorted(validators[kind].iter_errors(obj), key=lambda e: list(e.absolute_path))
+        if errors:
+            name, where = obj.get("rollout_id") or obj.get("group_id"), list(errors[0].absolute_path)
+            raise AssertionError(f"line {i} ({kind} {name}): {errors[0].message} at {where}")
 
 
 SANDBOX = {"memory_mb": 512, "workdir_size_mb": 64, "tmp_size_mb": 64, "command_timeout_s": 20}

@@ -13,7 +13,15 @@ from transformers import AutoTokenizer
 
 from envs.math import verify
 from tests.conftest import MODEL_DIR, POLICY_VERSION, Engine, free_port
-from tests.integration.support import export, make_config, run_to_end, start_run, worker
+from tests.integration.support import (
+    assert_schema_valid,
+    export,
+    export_lines,
+    make_config,
+    run_to_end,
+    start_run,
+    worker,
+)
 from workflows.rollout import pick_engine
 from workflows.run import RunWorkflow
 from workflows.types import group_id, rollout_id
@@ -40,6 +48,7 @@ async def test_math_run_8x4_gives_complete_provenance_records(
     assert result.done and result.groups_done == 8 and sum(result.outcomes.values()) == 32
     rollouts, groups = export(store, "math-8x4")
     assert len(rollouts) == 32 and len(groups) == 8
+    assert_schema_valid(export_lines(store, "math-8x4"))  # every line matches records/schema/*.json
     assert len({r["rollout_id"] for r in rollouts}) == 32
     tok = AutoTokenizer.from_pretrained(str(MODEL_DIR))
     tasks = {t["id"]: t for t in map(json.loads, Path(cfg.run.task_file).read_text().splitlines())}
@@ -107,6 +116,7 @@ async def test_unreachable_engine_fails_one_member_as_infra_and_the_group_closes
         result = await run_to_end(client, cfg, run_id)
     assert result.done and result.outcomes.get("failed") == 1
     rollouts, groups = export(store, run_id)
+    assert_schema_valid(export_lines(store, run_id))  # a failed record too
     (failed,) = [r for r in rollouts if r["outcome"] == "failed"]
     assert failed["reason"].startswith("infra: EngineUnavailable")
     assert failed["reward"] is None and failed["advantage"] is None and not failed["scorable"]
@@ -195,6 +205,7 @@ async def test_rollouts_of_an_unreachable_replica_fail_over(
         result = await run_to_end(client, cfg, "failover")
     rollouts, groups = export(store, "failover")
     assert result.outcomes == {"completed": 12} and len(rollouts) == 12 and len(groups) == 3
+    assert_schema_valid(export_lines(store, "failover"))  # with the optional failover fields
     for rec in rollouts:
         assert {t["engine"] for t in rec["turns"]} == {engine.url}
         if rec["rollout_id"] in moved:

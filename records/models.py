@@ -1,0 +1,225 @@
+"""The export records as typed models: the contract trainers read, one JSON object per line.
+
+The committed JSON Schemas ``records/schema/rollout.json`` and ``records/schema/group.json`` are generated
+from these models (``python -m records.schema``; a unit test fails when they differ). Every line carries
+``schema_version`` (:data:`SCHEMA_VERSION`); the format before it had none and is version 1.
+
+Invariants: unknown keys are rejected (nothing a workflow happens to store leaks into the contract); the
+optional fields of a rollout are written only where the rollout has them (the exporter dumps with
+``exclude_unset``), so an absent optional field means its default; existing fields keep their names and
+meaning, and any change to these models bumps :data:`SCHEMA_VERSION` and regenerates the schemas.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+SCHEMA_VERSION = 2
+"""Version of the export format written today (1 = the implicit format before ``schema_version``)."""
+
+ROLLOUT_OPTIONAL = (
+    "sandbox_replays",
+    "sandbox_slot_waits",
+    "partial_steps",
+    "engine_failovers",
+    "reprefill_tokens",
+    "score_truncated",
+    "wasted_tokens",
+)
+"""Optional rollout fields, as the rollout workflow stores them (``extra_json``) when they apply."""
+
+
+class _Record(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+class Lineage(_Record):
+    """What produced a rollout (see README, "Lineage and reproduction")."""
+
+    policy_versions: list[str]
+    """Policy versions that sampled the rollout's tokens, in order of first use (engine-reported)."""
+    config_hash: str | None
+    """Hash of the run's resolved config (the store's ``runs`` table keeps the config); null if unknown."""
+    env: str
+    """Environment of the rollout (e.g. math, coding)."""
+    env_version: str | None
+    """The environment's ENV_VERSION when the rollout was recorded; null if never recorded."""
+    verifier_version: str | None
+    """The environment's VERIFIER_VERSION when the rollout was recorded; null if never recorded."""
+    sandbox_image: str | None
+    """Coding only: the stored config's sandbox.image tag (not the digest); null otherwise."""
+
+
+class TurnRecord(_Record):
+    """Timing and provenance of one model turn of a rollout."""
+
+    turn: int = Field(ge=0)
+    """Index of the turn in the rollout, from 0."""
+    engine: str | None
+    """Base URL of the engine replica that sampled the turn."""
+    finish_reason: str | None
+    """The engine's finish reason of the turn (e.g. stop, length)."""
+    range: list[int] = Field(min_length=2, max_length=2)
+    """[start, end): the token range of ``token_ids`` this turn sampled."""
+    queue_s: float
+    """Seconds the turn waited before the engine started it (task queue and engine queue)."""
+    model_s: float
+    """Seconds the engine spent on the turn."""
+    env_s: float
+    """Seconds the environment step after the turn took (0 if none)."""
+    reward_s: float
+    """Seconds the reward computation took (0 if the turn was not scored)."""
+    attempt: int | None
+    """Activity attempt that produced the turn (1 = first try)."""
+
+
+class SamplingRecord(_Record):
+    """The behaviour policy's sampling settings (identical for every member of a group).
+
+    Always written in full by a run; a field absent from a record means its default here.
+    """
+
+    temperature: float = 1.0
+    """Sampling temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling mass; 1 = disabled."""
+    top_k: int = -1
+    """Top-k cut-off; -1 = disabled."""
+    max_tokens: int | None = None
+    """Most tokens one model call could sample."""
+    seed: int | None = None
+    """Base seed of the run (each rollout derives its own from it); null = random."""
+    logprob_mode: Literal["processed_logprobs", "raw_logprobs"] = "processed_logprobs"
+    """Meaning of ``logprobs``: after temperature and top-k/top-p (processed) or raw."""
+    min_tokens: int = 0
+    """The end-of-turn token was suppressed until a turn had this many tokens (absent in old records)."""
+
+
+class RolloutRecord(_Record):
+    """One rollout: its outcome, reward and the full token sequence with per-token sampling data.
+
+    Invariant: ``token_ids``, ``logprobs``, ``loss_mask`` and ``policy_versions`` have the same length, and
+    ``logprobs``/``policy_versions`` are null exactly where ``loss_mask`` is 0.
+    """
+
+    schema_version: int = Field(json_schema_extra={"const": SCHEMA_VERSION})
+    """Version of the export format (records.models.SCHEMA_VERSION)."""
+    sandbox_replays: int = Field(0, ge=0)
+    """Sandboxed envs only (e.g. coding): times a lost sandbox was recreated and its commands replayed."""
+    sandbox_slot_waits: int = Field(0, ge=0)
+    """Sandboxed envs only, present when non-zero: times the rollout waited for a free sandbox slot."""
+    partial_steps: int = Field(0, ge=0)
+    """Present when non-zero: times the rollout paused at rollout.step_token_budget for a new policy."""
+    engine_failovers: int = Field(0, ge=0)
+    """Present when non-zero: times the rollout moved to another engine replica."""
+    reprefill_tokens: int = Field(0, ge=0)
+    """Present with engine_failovers: context tokens the new replicas had to prefill again."""
+    score_truncated: bool | None = None
+    """Truncated rollouts only: whether the run scores truncated rollouts."""
+    wasted_tokens: int = Field(0, ge=0)
+    """Cancelled rollouts only: tokens sampled before the cancel."""
+    kind: Literal["rollout"]
+    """Line type."""
+    run_id: str
+    """The run."""
+    group_id: str
+    """The rollout's group (same task, same sampling)."""
+    rollout_id: str
+    """Unique id of the rollout."""
+    task_id: str
+    """The task (prompt) the rollout answered."""
+    sample_index: int = Field(ge=0)
+    """Position of the rollout in its group."""
+    env: str
+    """Environment (e.g. math, coding)."""
+    outcome: Literal["completed", "truncated", "failed", "cancelled"]
+    """How the rollout ended."""
+    reason: str | None
+    """Why it ended that way (e.g. max_turns, token_budget, admission); null for a plain completion."""
+    reward: float | None
+    """The environment's reward; null where the rollout is not scorable."""
+    scorable: bool
+    """Whether the rollout has a reward and takes part in its group's statistics."""
+    advantage: float | None
+    """(reward - group mean) / (group std + eps); 0 in a zero-variance group; null if not scorable."""
+    prompt_length: int = Field(ge=0)
+    """Tokens of the prompt at the start of token_ids."""
+    token_ids: list[int]
+    """The prompt followed by everything after it (sampled turns and observations)."""
+    logprobs: list[float | None]
+    """Per token: the sampled token's logprob (see sampling.logprob_mode); null where not sampled."""
+    loss_mask: list[Literal[0, 1]]
+    """Per token: 1 where the policy sampled the token, 0 elsewhere (prompt, observations)."""
+    policy_versions: list[str | None]
+    """Per token: the engine-reported policy version that sampled it; null where not sampled."""
+    sampling: SamplingRecord
+    """The sampling settings of the rollout."""
+    turns: list[TurnRecord]
+    """One entry per model turn, in order."""
+    lineage: Lineage
+    """What produced the rollout."""
+
+
+class GroupRecord(_Record):
+    """One closed group: counts and reward statistics over its scorable members.
+
+    Statistics and advantages use scorable members only; members that failed for infrastructure reasons
+    count toward ``size``.
+    """
+
+    schema_version: int = Field(json_schema_extra={"const": SCHEMA_VERSION})
+    """Version of the export format (records.models.SCHEMA_VERSION)."""
+    kind: Literal["group"]
+    """Line type."""
+    run_id: str
+    """The run."""
+    group_id: str
+    """The group."""
+    task_id: str
+    """The task every member answered."""
+    size: int = Field(ge=0)
+    """Members of the group (every outcome)."""
+    scorable: int = Field(ge=0)
+    """Members with a reward."""
+    failed: int = Field(ge=0)
+    """Members that failed."""
+    reward_mean: float | None
+    """Mean reward of the scorable members; null if none."""
+    reward_std: float | None
+    """Standard deviation of the scorable members' rewards; null if none."""
+    zero_variance: bool
+    """Fewer than two scorable members or equal rewards (advantages 0)."""
+    outcomes: dict[str, int] = Field(default_factory=dict)
+    """Members per outcome."""
+    admission_cancelled: int = Field(0, ge=0)
+    """Members cancelled by the dispatcher (reason admission); with redispatch, their slots ran again."""
+    wasted_tokens: int = Field(0, ge=0)
+    """Tokens those cancelled members had sampled."""
+
+
+RECORDS: dict[str, type[_Record]] = {"rollout": RolloutRecord, "group": GroupRecord}
+"""The model of each line kind; the JSON Schema of kind K is ``records/schema/K.json``."""
+
+
+def json_schema(kind: str) -> dict[str, Any]:
+    """The JSON Schema (draft 2020-12) of one line kind, as generated from its model."""
+    schema = RECORDS[kind].model_json_schema()
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema", **schema}
+
+
+def schema_text(kind: str) -> str:
+    """The committed form of :func:`json_schema`: 2-space indented JSON and a final newline."""
+    return json.dumps(json_schema(kind), indent=2) + "\n"
+
+
+SCHEMA_DIR = Path(__file__).parent / "schema"
+"""Where the committed schemas live (package data: ``records/schema/{rollout,group}.json``)."""
+
+
+def committed_schema(kind: str) -> dict[str, Any]:
+    """The committed JSON Schema of one line kind (what trainers validate against)."""
+    return json.loads((SCHEMA_DIR / f"{kind}.json").read_text())
