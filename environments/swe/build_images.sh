@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Build the SWE environment's task images offline: one per folder of images/ (images/NAME/Dockerfile).
+#
+# Usage (with dockerd running; the base image durable-rollouts-sandbox:latest built first by
+# sandboxes/image/build_image.sh):
+#     environments/swe/build_images.sh [--force] [NAME ...]
+#
+# - images/NAME becomes the tag durable-rollouts-swe-NAME:latest (the tag tasks name in their "image").
+# - Offline: every Dockerfile is FROM the local base image and only COPYs; nothing is pulled (the classic
+#   builder, no --pull), so no registry is needed.
+# - Idempotent: an image whose tag exists and whose source hash (label durable-rollouts-swe.source, the
+#   sha256 of the folder's files) matches is skipped; --force rebuilds it anyway. Exit status 0 when every
+#   image exists afterwards.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+BASE="durable-rollouts-sandbox:latest"
+FORCE=0
+NAMES=()
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --force) FORCE=1; shift ;;
+        -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+        -*) echo "unknown option: $1" >&2; exit 2 ;;
+        *) NAMES+=("$1"); shift ;;
+    esac
+done
+if [[ ${#NAMES[@]} -eq 0 ]]; then
+    for dir in images/*/; do NAMES+=("$(basename "$dir")"); done
+fi
+
+if ! docker image inspect "$BASE" >/dev/null 2>&1; then
+    echo "base image $BASE is missing; build it first: sandboxes/image/build_image.sh" >&2
+    exit 1
+fi
+
+for name in "${NAMES[@]}"; do
+    dir="images/$name"
+    tag="durable-rollouts-swe-$name:latest"
+    if [[ ! -f "$dir/Dockerfile" ]]; then
+        echo "no $dir/Dockerfile" >&2
+        exit 2
+    fi
+    # The base image's id is part of the hash: a rebuilt base image rebuilds every task image.
+    source=$( (docker image inspect -f '{{.Id}}' "$BASE"; cd "$dir" && find . -type f -not -path '*/__pycache__/*' -print0 | sort -z \
+        | xargs -0 sha256sum) | sha256sum | cut -c1-16)
+    found=$(docker image inspect -f '{{index .Config.Labels "durable-rollouts-swe.source"}}' "$tag" 2>/dev/null || true)
+    if [[ $FORCE -eq 0 && "$found" == "$source" ]]; then
+        echo "image $tag is up to date ($source); use --force to rebuild"
+        continue
+    fi
+    start=$(date +%s)
+    # The classic builder warns that it is deprecated: its output is shown only when the build fails.
+    if ! out=$(DOCKER_BUILDKIT=0 docker build -q --label "durable-rollouts-swe.source=$source" -t "$tag" "$dir" 2>&1); then
+        echo "$out" >&2
+        echo "building $tag failed" >&2
+        exit 1
+    fi
+    echo "built $tag ($source) in $(( $(date +%s) - start )) s"
+done

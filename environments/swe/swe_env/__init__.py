@@ -1,0 +1,210 @@
+"""The SWE environment: fix a bug in a repository baked into the task's own image; hidden tests score it.
+
+A plug-in, as a user writes one: it lives in its own distribution (``durable-rollouts-swe``), registers
+itself under the entry-point group ``durable_rollouts.environments`` as ``swe`` and uses only the core's
+public API (``envs.base``, ``envs.tool_calls``, ``errors``).
+
+How one rollout goes:
+
+1. ``sandbox``: the run's sandbox spec with the task's image; setup copies the task's visible files of
+   the repository (``repo_dir`` in the image) into the workdir, then runs the task's setup commands.
+2. ``prompt``: a system message with the tool format, a user message with ``Task id: <id>``, the problem
+   statement and the visible files.
+3. ``parse`` + ``act``: every model turn is one tool call (``envs.tool_calls``: bash, write_file, read_file,
+   submit); ``parse`` turns it into an action (recorded with the turn), ``act`` runs it in the sandbox and
+   its result is the observation (a ``tool`` message). ``submit`` ends the rollout; a malformed call is
+   an error observation and the rollout carries on.
+4. ``score``: the hidden tests enter the sandbox only now, at an unguessable path; they run with the task's
+   test command in a fresh copy of the repository (the image's, overlaid with the agent's visible paths).
+
+Invariants:
+- Model-generated code runs only in the sandbox; this module runs nothing on the host.
+- ``parse`` is pure; ``act``, ``score`` and ``replay`` are safe to repeat: ``act`` of one turn writes the
+  same file or runs the same command again, and a retried score uses fresh paths and rebuilds the scoring
+  copy. ``replay`` redoes bash and write_file actions (a write the sandbox rejected is rejected again).
+- Reward integrity (best effort): hidden tests and the JUnit report live at random paths outside what the
+  agent worked on and appear only after its last turn; the repository's own pytest configuration is
+  replaced by an empty one; a report counting another number of tests than the hidden ones scores 0.
+  Everything in the image is readable by the agent: never bake hidden tests or answers into an image.
+- A sandbox failure propagates as the sandbox's error; a task that cannot be scored (the scoring copy
+  fails) raises `EnvironmentFailure`. Neither becomes a reward.
+"""
+
+from __future__ import annotations
+
+import secrets
+import shlex
+import xml.etree.ElementTree as ET
+from typing import Any, ClassVar, cast
+
+from envs.base import Environment, Prompt, Sandbox, SandboxPlan, Step, Task, TurnContext, until_end
+from envs.tool_calls import ToolCallError, parse_tool_call
+from errors import EnvironmentFailure, SandboxFileError, SandboxPathError
+from sandboxes.base import SandboxSpec
+from swe_env.tasks import DEFAULT_TEST_COMMAND, SweTask
+
+__all__ = ["DEFAULT_TEST_COMMAND", "SweEnvironment", "SweTask", "reward_from_junit"]
+
+SYSTEM_PROMPT = (
+    "You are a software engineer fixing a bug in a repository checked out in your working directory. "
+    "Each turn, call exactly one tool by writing\n"
+    '<tool_call>{"name": TOOL, "arguments": {...}}</tool_call>\n'
+    "Tools: bash(cmd), write_file(path, content), read_file(path), submit(). Paths are relative to the "
+    "working directory; there is no network. Call submit() when the bug is fixed: hidden tests then score "
+    "your change."
+)
+READ_LIMIT = 16384
+"""Largest file read_file shows (bytes)."""
+EXIT_MARK = "swe-exit: "
+"""Line the scoring command prints with the test command's exit status, before the report."""
+
+
+class SweEnvironment(Environment):
+    """SWE-style repository tasks in per-task images (see the module docstring)."""
+
+    name: ClassVar[str] = "swe"
+    env_version: ClassVar[str] = "swe-v1"
+    verifier_version: ClassVar[str] = "swe-tests-v1"
+    task_model: ClassVar[type[Task]] = SweTask
+    uses_sandbox: ClassVar[bool] = True
+    observation_role: ClassVar[str] = "tool"
+
+    def prompt(self, task: Task) -> Prompt:
+        t = _swe(task)
+        files = ", ".join(t.visible)
+        user = f"Task id: {t.id}\n\n{t.problem}\n\nRepository (your working directory): {files}"
+        return Prompt(
+            messages=[{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user}]
+        )
+
+    def sandbox(self, task: Task, default: SandboxSpec) -> SandboxPlan:
+        t = _swe(task)
+        paths = " ".join(shlex.quote(p) for p in t.visible)
+        copy = f"cd {shlex.quote(t.repo_dir)} && cp -r --parents -- {paths} {shlex.quote(default.workdir)}/"
+        return SandboxPlan(
+            spec=default.model_copy(update={"image": t.image}),
+            setup=[copy, *t.setup],
+            setup_timeout_s=t.setup_timeout_s,
+        )
+
+    def parse(self, ctx: TurnContext, text: str) -> dict[str, Any] | Step:
+        """The turn's tool call as an action (``{"name", "arguments"}``), or a `Step`: the parser's error
+        message as the observation, or ``done`` for ``submit``."""
+        call = parse_tool_call(until_end(text))
+        if isinstance(call, ToolCallError):
+            return Step(observation=call.message)
+        if call.name == "submit":
+            return Step(done=True)
+        return call.model_dump(mode="json")
+
+    async def act(self, ctx: TurnContext, action: dict[str, Any]) -> Step:
+        """Run a parsed tool call in the sandbox; its result is the observation. A bash command over its
+        time limit truncates the rollout (``command_timeout``); a rejected path is an error observation."""
+        box = _sandbox(ctx)
+        name, args = action["name"], action.get("arguments", {})
+        if name == "bash":
+            res = await box.exec(args["cmd"])
+            status = "timed out" if res.timed_out else f"exit code {res.exit_code}"
+            obs = f"{res.output}\n[{status}]" if res.output else f"[{status}]"
+            return Step(observation=obs, truncated="command_timeout" if res.timed_out else None)
+        try:
+            if name == "write_file":
+                await box.write_file(args["path"], args["content"])
+                obs = f"wrote {len(args['content'].encode())} bytes to {args['path']}"
+            elif name == "read_file":
+                obs = (await box.read_file(args["path"], READ_LIMIT)).decode("utf-8", errors="replace")
+            else:
+                raise EnvironmentFailure(f"rollout {ctx.rollout_id}: unknown action {name!r}")
+        except (SandboxPathError, SandboxFileError) as e:
+            obs = f"error: {e}"
+        return Step(observation=obs)
+
+    async def step(self, ctx: TurnContext, text: str) -> Step:
+        """``parse`` then ``act`` in one call, the action recorded on the step where `Step` has the field
+        (for pipelines that drive environments through ``step``)."""
+        parsed = self.parse(ctx, text)
+        if isinstance(parsed, Step):
+            return parsed
+        result = await self.act(ctx, parsed)
+        return result.model_copy(update={"action": parsed}) if "action" in Step.model_fields else result
+
+    async def score(self, ctx: TurnContext, text: str | None) -> float | None:
+        t = _swe(ctx.task)
+        box = _sandbox(ctx)
+        token = secrets.token_hex(8)
+        hidden = f".swe-hidden-{token}"
+        for path, src in t.hidden_tests.items():
+            await box.write_file(f"{hidden}/{path}", src)
+        cmd = scoring_command(t, hidden, token)
+        res = await box.exec(cmd, timeout_s=t.test_timeout_s + 60)
+        head, mark, tail = res.output.partition(EXIT_MARK)
+        if not mark:
+            if res.timed_out:
+                return 0.0  # the tests (the agent's code) ran out of time before the status was printed
+            raise EnvironmentFailure(f"task {t.id}: the scoring copy failed: {head.strip()[-300:]}")
+        status, _, xml_text = tail.partition("\n")
+        if t.reward == "exit_status":
+            return 1.0 if status.strip() == "0" else 0.0
+        return reward_from_junit(xml_text, t.expected_tests)
+
+    async def replay(self, ctx: TurnContext, action: dict[str, Any]) -> None:
+        """Redo a recorded bash or write_file action in a fresh sandbox (reads change nothing)."""
+        if action.get("name") in ("bash", "write_file"):
+            await self.act(ctx, action)
+
+
+def scoring_command(task: SweTask, hidden: str, token: str) -> str:
+    """The shell command (run in the workdir) that scores ``task``.
+
+    It builds ``/tmp/swe-score-<token>``: the image's repository, overlaid with the agent's visible paths
+    (those still present), the hidden tests moved in from ``hidden`` and an empty ``pytest.ini``; runs the
+    test command there with its output to a log, prints ``swe-exit: <status>`` and then the report.
+    """
+    run = f"/tmp/swe-score-{token}"
+    report = f"{run}/.report-{secrets.token_hex(8)}.xml"
+    tests = " ".join(shlex.quote(p) for p in task.hidden_tests)
+    test_cmd = task.test_command.replace("{tests}", tests).replace("{junit}", report)
+    visible = " ".join(shlex.quote(p) for p in task.visible)
+    limit = f"{task.test_timeout_s:g}"
+    cmd = (
+        f"set -e; rm -rf {run}; mkdir -p {run}; cp -r {shlex.quote(task.repo_dir)}/. {run}/; "
+        f'for p in {visible}; do rm -rf {run}/"$p"; '
+        f'if [ -e "$p" ]; then cp -r --parents -- "$p" {run}/; fi; done; '
+        f"cp -r {hidden}/. {run}/; rm -rf {hidden}; printf '[pytest]\\n' > {run}/pytest.ini; "
+        f"cd {run}; set +e; "
+        f"timeout -k 5 {limit} bash -c {shlex.quote(test_cmd)} > {run}/.log-{token} 2>&1 </dev/null; "
+        f'echo "{EXIT_MARK}$?"; cat {report} 2>/dev/null; true'
+    )
+    return cmd
+
+
+def reward_from_junit(xml_text: str, expected_tests: int) -> float:
+    """Fraction of tests passed in a JUnit report; 0 when it is missing, unreadable or counts another number
+    of tests than ``expected_tests`` (failures, errors and skips all count as not passed)."""
+    try:
+        root = ET.fromstring(xml_text.strip() or "<none/>")
+    except ET.ParseError:
+        return 0.0
+    suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
+    try:
+        total = sum(int(s.get("tests", 0)) for s in suites)
+        bad = sum(int(s.get(k, 0)) for s in suites for k in ("failures", "errors", "skipped"))
+    except ValueError:
+        return 0.0
+    if expected_tests <= 0 or total != expected_tests:
+        return 0.0
+    return max(total - bad, 0) / total
+
+
+def _swe(task: Task | dict[str, Any]) -> SweTask:
+    """The task as a `SweTask` (the pipeline hands over the validated model; a plain one is revalidated)."""
+    if isinstance(task, SweTask):
+        return task
+    obj = task if isinstance(task, dict) else task.model_dump(mode="json")
+    return cast(SweTask, SweEnvironment().validate_task(obj, where=f"task {obj.get('id')!r}"))
+
+
+def _sandbox(ctx: TurnContext) -> Sandbox:
+    if ctx.sandbox is None:
+        raise EnvironmentFailure(f"rollout {ctx.rollout_id}: the swe environment needs a sandbox")
+    return ctx.sandbox
