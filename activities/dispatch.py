@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import asyncio
 import time
+from datetime import timedelta
 
 import httpx
 from temporalio import activity
+from temporalio.common import RetryPolicy
 
+from activities.calls import Options, options
+from contracts.types import FleetPoll, GroupCounts, PollFleetInput
 from engines.metrics import fetch_reading
-from sandboxes.pool import PoolSettings, SandboxPool
+from sandboxes.pool import SandboxPool
 from store.runstore import RunStore
-from workflows.types import FleetPoll, GroupCounts, PollFleetInput, PoolStatus
 
 METRICS_TIMEOUT_S = 3.0
 
@@ -42,7 +45,14 @@ class DispatchActivities:
         if self._http is not None:
             await self._http.aclose()
 
-    @activity.defn(name="poll_fleet")
+    @options(
+        Options(
+            timedelta(seconds=30),
+            RetryPolicy(maximum_attempts=3, maximum_interval=timedelta(seconds=5)),
+            local=True,
+        )
+    )
+    @activity.defn
     async def poll_fleet(self, inp: PollFleetInput) -> FleetPoll:
         """Read every engine's /metrics, the run's group counts and the pool; log the last decision."""
         if inp.log is not None:
@@ -61,11 +71,8 @@ class DispatchActivities:
                 readings.append(r)
         counts = await asyncio.to_thread(self.store.group_counts, inp.run_id, inp.groups)
         pool = None
-        if inp.pool_json:
-            status = await asyncio.to_thread(
-                self.pool.status, PoolSettings.model_validate_json(inp.pool_json)
-            )
-            pool = PoolStatus(**status.model_dump())
+        if inp.pool is not None:
+            pool = await asyncio.to_thread(self.pool.status, inp.pool)
         unconsumed = 0
         if inp.count_unconsumed:
             unconsumed = await asyncio.to_thread(self.store.unconsumed_groups, inp.run_id)

@@ -1,9 +1,10 @@
-"""Activities of a rollout: every side effect of the pipeline (engine HTTP, the run store, task files).
+"""Activities of a rollout: the run's tasks, the prompt, model calls, records.
 
 Invariants:
 - Idempotent on keys that survive retries: the run id, the rollout id, and (rollout id, turn). A retried
   activity finds what an earlier attempt wrote and returns it, so no sample is produced twice or lost.
 - Inputs and results are small (keys, counts, scalars); token arrays go to the store, never to history.
+- Environment-specific work goes through the environment interface (``envs.base``), never a name test.
 - Errors leave as ``ApplicationError`` whose type names the boundary (see ``errors``).
 """
 
@@ -11,91 +12,132 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
-from typing import TypeVar
+from datetime import timedelta
 
 from temporalio import activity
+from temporalio.common import RetryPolicy
 
+from activities.calls import Options, options
+from activities.environment import EnvironmentActivities
 from activities.heartbeat import heartbeating
-from engines.client import EngineClient
-from envs import coding as coding_env
-from envs import math as math_env
-from envs.tasks import load_tasks
-from errors import ContextLengthExceeded, EnvironmentFailure, RolloutError
-from records.export import rollout_lineage
-from store.runstore import RunStore, Segment, model_segment, obs_segment
-from workflows.types import (
-    EnvStepInput,
-    EnvStepResult,
+from contracts.types import (
+    EnvTraits,
     FinalizeGroupInput,
     FinalizeRolloutInput,
     GenerateInput,
     LoadRunInput,
+    LoadRunResult,
     Outcome,
     PrepareInput,
     PrepareResult,
+    RetrySettings,
     StoredOutcome,
     TruncationReason,
     TurnResult,
 )
+from engines.client import EngineClient
+from envs import registry
+from errors import (
+    ConfigError,
+    ContextLengthExceeded,
+    EngineBadRequest,
+    EnvironmentFailure,
+    RolloutError,
+    TaskFileError,
+    names,
+)
+from records.export import rollout_lineage
+from store import RunStore, Segment, model_segment
 
-T = TypeVar("T")
+RECORD_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=30))
+"""Writing a record retries until it lands: a record is never lost to a store hiccup."""
 
 
-def _edge(e: RolloutError) -> Exception:
-    return e.to_application_error()
+def engine_retry(retry: RetrySettings) -> RetryPolicy:
+    """Retry policy of every activity that calls an engine (from the run's ``[engine]`` section)."""
+    return RetryPolicy(
+        initial_interval=timedelta(seconds=retry.initial_s),
+        maximum_interval=timedelta(seconds=retry.max_s),
+        maximum_attempts=retry.max_attempts,
+        non_retryable_error_types=names(EngineBadRequest, TaskFileError, EnvironmentFailure, ConfigError),
+    )
+
+
+def env_traits(env: str) -> EnvTraits:
+    """What the workflows need to know of the environment registered as ``env``."""
+    e = registry.get(env)
+    return EnvTraits(name=e.name, uses_sandbox=e.uses_sandbox, inline_steps=e.inline_steps)
 
 
 class RolloutActivities:
-    """The activities a worker registers; holds the worker's store and engine client."""
+    """The activities a worker registers for runs and rollouts; holds the store and engine client."""
 
-    def __init__(self, store: RunStore, engine: EngineClient) -> None:
+    def __init__(
+        self, store: RunStore, engine: EngineClient, env_steps: EnvironmentActivities | None = None
+    ) -> None:
         self.store = store
         self.engine = engine
+        self.env_steps = env_steps
+        """Runs the inline env steps of ``generate_turn`` (environments with ``inline_steps``)."""
 
-    @activity.defn(name="load_run")
-    async def load_run(self, inp: LoadRunInput) -> int:
-        """Record the run with its resolved config and store its tasks; returns the number of tasks."""
+    @options(
+        Options(
+            timedelta(minutes=5),
+            RetryPolicy(maximum_attempts=3, non_retryable_error_types=names(TaskFileError, ConfigError)),
+        )
+    )
+    @activity.defn
+    async def load_run(self, inp: LoadRunInput) -> LoadRunResult:
+        """Record the run with its resolved config and store its tasks; returns their number and the env."""
         try:
-            tasks = await asyncio.to_thread(load_tasks, inp.task_file, inp.env)
+            traits = env_traits(inp.env)
+            tasks = await asyncio.to_thread(registry.get(inp.env).load_tasks, inp.task_file)
         except RolloutError as e:
-            raise _edge(e) from e
+            raise e.to_application_error() from e
         await asyncio.to_thread(self.store.register_run, inp.run_id, inp.config_json, inp.config_hash)
-        return await asyncio.to_thread(self.store.put_tasks, inp.run_id, tasks)
+        dumped = [t.model_dump(mode="json") for t in tasks]
+        return LoadRunResult(
+            num_tasks=await asyncio.to_thread(self.store.put_tasks, inp.run_id, dumped), env=traits
+        )
 
-    @activity.defn(name="task_ids_at")
+    @options(Options(timedelta(seconds=30), local=True))
+    @activity.defn
     async def task_ids_at(self, run_id: str, idxs: list[int]) -> list[str]:
         """The ids of the run's tasks at these indexes (a local activity of the run workflow)."""
         tasks = await asyncio.to_thread(lambda: [self.store.task_at(run_id, i) for i in idxs])
         return [t["id"] for t in tasks]
 
-    @activity.defn(name="latest_policy_version")
+    @options(Options(timedelta(seconds=30), RetryPolicy(maximum_interval=timedelta(seconds=10)), local=True))
+    @activity.defn
     async def latest_policy_version(self) -> str | None:
         """The most recently published policy version in the store (None before the first)."""
         rows = await asyncio.to_thread(self.store.policies)
         published = [r["version"] for r in rows if r["status"] == "published"]
         return published[-1] if published else None
 
-    @activity.defn(name="prepare_rollout")
+    @options(Options(timedelta(seconds=30), local=True))  # callers pass the engine retry policy
+    @activity.defn
     async def prepare_rollout(self, inp: PrepareInput) -> PrepareResult:
-        """Render the task prompt through the chat template once and store it as segment 'prompt'."""
+        """Build the environment's first prompt once and store it as segment 'prompt'."""
         existing = await asyncio.to_thread(self.store.get_segment, inp.rollout_id, "prompt")
         if existing is None:
-            task = await asyncio.to_thread(self.store.get_task, inp.run_id, inp.task_id)
-            messages = (
-                coding_env.first_messages(task)
-                if inp.env == "coding"
-                else [{"role": "user", "content": task["prompt"]}]
-            )
             try:
-                ids = await self.engine.tokenize_chat(inp.engine_url, inp.model, messages)
+                env = registry.get(inp.env)
+                row = await asyncio.to_thread(self.store.get_task, inp.run_id, inp.task_id)
+                prompt = env.prompt(env.validate_task(row, where=f"run {inp.run_id} task {inp.task_id}"))
+                ids = prompt.token_ids
+                if ids is None:
+                    assert prompt.messages is not None
+                    ids = await self.engine.tokenize_chat(inp.engine_url, inp.model, prompt.messages)
             except RolloutError as e:
-                raise _edge(e) from e
+                raise e.to_application_error() from e
             seg = Segment(name="prompt", kind="prompt", turn=None, start=0, token_ids=ids)
             existing = await asyncio.to_thread(self.store.put_segment, inp.rollout_id, seg)
         return PrepareResult(prompt_tokens=len(existing.token_ids), engine=inp.engine_url)
 
-    @activity.defn(name="generate_turn")
+    # start-to-close is derived from engine.request_timeout_s by the caller; retry from [engine]
+    @options(Options(timedelta(minutes=5), heartbeat=timedelta(seconds=10)))
+    @activity.defn
     async def generate_turn(self, inp: GenerateInput) -> TurnResult:
         """One model call on the rollout's stored context; the sampled tokens are stored, not returned."""
         name = model_segment(inp.turn)
@@ -121,7 +163,7 @@ class RolloutActivities:
                 activity.logger.info("rollout %s turn %d: %s", inp.rollout_id, inp.turn, e)
                 return _no_turn(inp, len(context), "context_length", TruncationReason.CONTEXT_LENGTH)
             except RolloutError as e:
-                raise _edge(e) from e
+                raise e.to_application_error() from e
             meta = {
                 "engine": inp.engine_url,
                 "finish_reason": gen.finish_reason,
@@ -145,7 +187,8 @@ class RolloutActivities:
         limit = inp.max_total_tokens or seg.end + 1
         over_budget = seg.meta["finish_reason"] == "length" and seg.end >= limit
         if inp.env_after is not None and not over_budget:
-            env = await self.env_step(inp.env_after)
+            assert self.env_steps is not None, "a worker registers generate_turn with its env steps"
+            env = await self.env_steps.env_step(inp.env_after)
         return TurnResult(
             turn=inp.turn,
             start=seg.start,
@@ -155,53 +198,8 @@ class RolloutActivities:
             env=env,
         )
 
-    @activity.defn(name="env_step")
-    async def env_step(self, inp: EnvStepInput) -> EnvStepResult:
-        """Score the turn, or store the observation that continues the rollout."""
-        if inp.env != "math":
-            raise _edge(EnvironmentFailure(f"rollout {inp.rollout_id}: unknown env {inp.env!r}"))
-        t0 = time.monotonic()
-        seg = await asyncio.to_thread(self._turn_to_score, inp)
-        task = await asyncio.to_thread(self.store.get_task, inp.run_id, inp.task_id)
-        if seg is None:
-            if inp.score_only:
-                return EnvStepResult(done=True, reward=None)
-            raise _edge(EnvironmentFailure(f"rollout {inp.rollout_id}: turn {inp.turn} was never stored"))
-        try:
-            text = await self.engine.detokenize(inp.engine_url, inp.model, seg.token_ids)
-            t1 = time.monotonic()
-            reward = math_env.verify(_strip_stop(text), task["answer"])
-            reward_s = time.monotonic() - t1
-            if reward == 1.0 or inp.last_turn or inp.score_only:
-                await asyncio.to_thread(
-                    self.store.update_segment_meta, inp.rollout_id, seg.name, env_s=t1 - t0, reward_s=reward_s
-                )
-                return EnvStepResult(done=True, reward=reward, env_s=t1 - t0, reward_s=reward_s)
-            obs = await self._store_observation(inp, seg.end, math_env.RETRY_PROMPT)
-        except RolloutError as e:
-            raise _edge(e) from e
-        env_s = time.monotonic() - t0
-        await asyncio.to_thread(self.store.update_segment_meta, inp.rollout_id, seg.name, env_s=env_s)
-        return EnvStepResult(done=False, observation_tokens=obs, env_s=env_s)
-
-    def _turn_to_score(self, inp: EnvStepInput) -> Segment | None:
-        if not inp.score_only:
-            return self.store.get_segment(inp.rollout_id, model_segment(inp.turn))
-        model_turns = [s for s in self.store.segments(inp.rollout_id) if s.kind == "model" and s.token_ids]
-        return model_turns[-1] if model_turns else None
-
-    async def _store_observation(self, inp: EnvStepInput, start: int, content: str) -> int:
-        name = obs_segment(inp.turn)
-        existing = await asyncio.to_thread(self.store.get_segment, inp.rollout_id, name)
-        if existing is None:
-            ids = await self.engine.tokenize_chat(
-                inp.engine_url, inp.model, [{"role": "user", "content": content}]
-            )
-            seg = Segment(name=name, kind="observation", turn=inp.turn, start=start, token_ids=ids)
-            existing = await asyncio.to_thread(self.store.put_segment, inp.rollout_id, seg)
-        return len(existing.token_ids)
-
-    @activity.defn(name="finalize_rollout")
+    @options(Options(timedelta(seconds=60), RECORD_RETRY, local=True))
+    @activity.defn
     async def finalize_rollout(self, inp: FinalizeRolloutInput) -> StoredOutcome:
         """Write the rollout's record once (keyed by rollout id); returns the record as stored.
 
@@ -213,7 +211,9 @@ class RolloutActivities:
         """
         segs = await asyncio.to_thread(self.store.segments, inp.rollout_id)
         run = await asyncio.to_thread(self.store.get_run, inp.run_id)
-        extra = {**inp.extra, "lineage": rollout_lineage(run, inp.env, segs)}
+        handle = await asyncio.to_thread(self.store.get_sandbox, inp.rollout_id)
+        image = handle.spec.image if handle is not None else None
+        extra = {**_extras(inp), "lineage": rollout_lineage(run, inp.env, segs, image)}
         prompt_len = segs[0].end if segs and segs[0].kind == "prompt" else 0
         rec = {
             "rollout_id": inp.rollout_id,
@@ -244,7 +244,8 @@ class RolloutActivities:
             inserted=inserted,
         )
 
-    @activity.defn(name="finalize_group")
+    @options(Options(timedelta(seconds=60), RECORD_RETRY, local=True))
+    @activity.defn
     async def finalize_group(self, inp: FinalizeGroupInput) -> bool:
         """Write the group record and its members' advantages (idempotent on run + group id)."""
         rec = inp.record
@@ -253,7 +254,8 @@ class RolloutActivities:
             self.store.put_group, rec.run_id, rec.group_id, rec.task_id, rec.model_dump(mode="json")
         )
 
-    @activity.defn(name="finish_run")
+    @options(Options(timedelta(seconds=60), RECORD_RETRY))
+    @activity.defn
     async def finish_run(self, run_id: str) -> None:
         await asyncio.to_thread(self.store.finish_run, run_id)
 
@@ -265,16 +267,29 @@ class RolloutActivities:
             self.latest_policy_version,
             self.prepare_rollout,
             self.generate_turn,
-            self.env_step,
             self.finalize_rollout,
             self.finalize_group,
             self.finish_run,
         ]
 
 
-def _strip_stop(text: str) -> str:
-    """The answer is what the model wrote before its end-of-turn marker."""
-    return text.split("<|end|>", 1)[0]
+def _extras(inp: FinalizeRolloutInput) -> dict[str, int | bool]:
+    """The record's optional counters, as stored (only those that say something)."""
+    s = inp.state
+    out: dict[str, int | bool] = {}
+    if inp.uses_sandbox:
+        out["sandbox_replays"] = s.sandbox_replays
+        if s.sandbox_slot_waits:
+            out["sandbox_slot_waits"] = s.sandbox_slot_waits
+    if s.partial_steps:
+        out["partial_steps"] = s.partial_steps
+    if s.engine_failovers:
+        out.update(engine_failovers=s.engine_failovers, reprefill_tokens=s.reprefill_tokens)
+    if inp.score_truncated is not None:
+        out["score_truncated"] = inp.score_truncated  # whether this run scores truncated rollouts
+    if inp.wasted_tokens is not None:
+        out["wasted_tokens"] = inp.wasted_tokens
+    return out
 
 
 def _no_turn(inp: GenerateInput, at: int, finish: str, reason: TruncationReason) -> TurnResult:

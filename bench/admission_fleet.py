@@ -48,12 +48,12 @@ from typing import Any
 
 import httpx
 
+from contracts.types import SamplingParams
 from engines.client import EngineClient
 from engines.metrics import fetch_reading
 from simengine import PolicyName, SimEngine, SimSettings, TimingSettings
 from simengine.clock import PacedClock
 from workflows.admission import AdmissionConfig, AdmissionController, Inflight
-from workflows.types import SamplingParams
 
 MODEL = "tiny"
 POLICIES = ("adaptive", "fixed", "sync")
@@ -226,9 +226,11 @@ def fixed_cap(args: argparse.Namespace) -> int:
     return args.fixed_cap or max(1, args.replicas * args.kv_blocks * 16 // args.max_model_len)
 
 
-async def controlled(driver: Driver, cfg: AdmissionConfig, budget: float, trace: list[Any]) -> None:
+async def controlled(
+    driver: Driver, cfg: AdmissionConfig, group_size: int, budget: float, trace: list[Any]
+) -> None:
     """Adaptive or fixed: poll the engines' /metrics and follow `AdmissionController.step`."""
-    ctrl = AdmissionController(cfg)
+    ctrl = AdmissionController(cfg, group_size=group_size)
     async with httpx.AsyncClient(timeout=10) as http:
         while (now := driver.now()) < budget:
             polls = (fetch_reading(http, url, f"e{i}", now) for i, url in enumerate(driver.urls))
@@ -281,10 +283,8 @@ async def run_policy(name: str, args: argparse.Namespace, workload: Workload) ->
                     await synchronous(driver, cap, args.budget_s, trace)
                 else:
                     bounds = {"min_inflight": cap, "max_inflight": cap} if name == "fixed" else {}
-                    cfg = AdmissionConfig(
-                        max_model_len=args.max_model_len, group_size=args.group_size, **bounds
-                    )
-                    await controlled(driver, cfg, args.budget_s, trace)
+                    cfg = AdmissionConfig(max_model_len=args.max_model_len, **bounds)
+                    await controlled(driver, cfg, args.group_size, args.budget_s, trace)
         sampler.cancel()
         sim_s, wall_s = driver.now(), asyncio.get_running_loop().time() - wall0
         fleet = fleet_stats(engines, sim_s)

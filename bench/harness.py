@@ -28,12 +28,12 @@ from temporalio.testing import WorkflowEnvironment
 from config.load import config_hash
 from config.models import Config
 from config.paths import venv_bin
+from contracts.types import RunInput, group_id, rollout_id, sampling_params
 from engines.client import EngineClient
 from envs.math import RETRY_PROMPT, verify
 from workflows import search_attributes as sa
 from workflows.group import member_seed
-from workflows.run import RunWorkflow, rollout_template
-from workflows.types import RunInput, group_id, rollout_id
+from workflows.run import RunWorkflow
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -69,8 +69,8 @@ async def bare_rollout(engine: EngineClient, url: str, cfg: Config, task: dict, 
     """One math rollout with no orchestration, making the same engine calls as the pipeline's activities."""
     out = BareRollout()
     t0 = time.perf_counter()
-    tmpl = rollout_template(cfg, "bare")
-    sampling = tmpl.sampling.model_copy(update={"seed": member_seed(tmpl.sampling.seed, rid)})
+    base = sampling_params(cfg)
+    sampling = base.model_copy(update={"seed": member_seed(base.seed, rid)})
     model = cfg.engine.model
     context = await engine.tokenize_chat(url, model, [{"role": "user", "content": task["prompt"]}])
     for turn in range(cfg.rollout.max_turns):

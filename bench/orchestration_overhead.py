@@ -36,7 +36,6 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.api.history.v1 import HistoryEvent
 from temporalio.client import Client
 
-from activities.rollout import RolloutActivities
 from config.load import load_config
 from config.models import Config
 from config.paths import REPO_ROOT
@@ -276,10 +275,9 @@ async def main(args: argparse.Namespace) -> dict:
         tasks = load_tasks(TASKS, "math")
         engine = EngineClient()
         store = RunStore(home / "store")
-        acts = RolloutActivities(store, engine)
         async with (
             temporal_env() as env,
-            build_worker(env.client, cfg.temporal.task_queue, acts, sandboxed=not args.unsandboxed),
+            build_worker(env.client, cfg.temporal.task_queue, store, engine, sandboxed=not args.unsandboxed),
         ):
             servers = [p for p in child_pids() if proc_name(p).startswith("temporal")]
             meter = CpuMeter(servers[0] if servers else None, engine_pid)

@@ -18,7 +18,6 @@ from pathlib import Path
 
 from harness import bare_round, pipeline_round, temporal_env
 
-from activities.rollout import RolloutActivities
 from config.load import load_config
 from config.models import StackConfig
 from config.paths import REPO_ROOT
@@ -56,8 +55,7 @@ async def main(args: argparse.Namespace) -> dict:
         procs.set_weight_version(url, "v0")
         tasks = load_tasks(TASKS, "math")
         engine = EngineClient()
-        acts = RolloutActivities(RunStore(home / "store"), engine)
-        async with temporal_env() as env, build_worker(env.client, "bench", acts):
+        async with temporal_env() as env, build_worker(env.client, "bench", RunStore(home / "store"), engine):
             await bare_round(engine, url, cfg, tasks, "warmup")  # first requests compile kernels
             for r in range(args.rounds):
                 bare_s.append((await bare_round(engine, url, cfg, tasks, f"bare-{r}"))[0])

@@ -11,7 +11,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from sandboxes.base import SandboxSpec
-from workflows.admission import AdmissionConfig
+from sandboxes.pool import SandboxPoolConfig
 
 
 class _Strict(BaseModel):
@@ -34,8 +34,6 @@ class EngineConfig(_Strict):
     """Served model name passed in every request."""
     logprob_mode: Literal["processed_logprobs", "raw_logprobs"] = "processed_logprobs"
     """Meaning of the logprobs the engines return (vLLM's --logprobs-mode); recorded with every sample."""
-    policy_version: str = Field("v0", min_length=1)
-    """Policy version the engines serve when they do not report one themselves."""
     request_timeout_s: float = Field(120.0, gt=0, le=3600)
     """Per-request HTTP timeout for one model call."""
     failover: bool = True
@@ -87,9 +85,11 @@ class RolloutConfig(_Strict):
 
 class RunConfig(_Strict):
     task_file: str = Field("envs/data/addition.jsonl", min_length=1)
-    """JSONL task file (id, prompt, answer); a relative path resolves against the working directory."""
-    env: Literal["math", "coding"] = "math"
-    """Environment that drives and scores the rollouts: math (verifier) or coding (Docker sandbox)."""
+    """JSONL task file in the environment's task format; a relative path resolves against the submitter's
+    working directory. The tasks are read once, at submit, and stored with the run."""
+    env: str = Field("math", min_length=1)
+    """Environment that drives and scores the rollouts: a name registered under the entry-point group
+    ``durable_rollouts.environments`` (``rollouts envs`` lists them; bundled: math, coding)."""
     num_groups: int = Field(8, ge=1, le=10_000_000)
     """Groups to generate; group i samples task i modulo the number of tasks."""
     group_size: int = Field(4, ge=1, le=1024)
@@ -102,12 +102,78 @@ class RunConfig(_Strict):
     """eps in GRPO's (r - mean) / (std + eps)."""
 
 
+class AdmissionConfig(BaseModel):
+    """Constants of the admission controller; defaults follow the prime-rl orchestrator's."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    min_inflight: int = Field(1, ge=1, le=100_000)
+    """Smallest cap; equal to max_inflight gives fixed concurrency (no adaptation, no cancels)."""
+    max_inflight: int = Field(1024, ge=1, le=100_000)
+    """Largest cap."""
+    initial_cap: int | None = Field(None, ge=1, le=100_000)
+    """Starting cap; None derives it from the KV capacity (rule 2)."""
+    max_model_len: int = Field(4096, ge=1)
+    """Engines' context length in tokens: the most KV one rollout can hold (for the initial cap)."""
+    grow_factor: float = Field(1.25, gt=1.0, le=4.0)
+    """Multiplicative growth of the cap per turnover while the fleet has headroom."""
+    grow_below_usage: float = Field(0.6, gt=0.0, le=1.0)
+    """Growth needs every engine's KV usage below this."""
+    grow_when_inflight_fraction: float = Field(0.9, gt=0.0, le=1.0)
+    """Growth needs inflight >= this × cap (the cap binds; otherwise a bigger cap changes nothing)."""
+    grow_turnover: float = Field(1.0, ge=0.0, le=100.0)
+    """Growth needs this × cap admissions since the cap last changed (its effect shows); 0 = every poll."""
+    soft_trim_usage: float = Field(0.8, gt=0.0, le=1.0)
+    """KV usage above which the cap is trimmed to the size that would hold trim_target_usage."""
+    trim_target_usage: float = Field(0.7, gt=0.0, le=1.0)
+    """KV usage a trimmed cap aims at."""
+    hard_trim_usage: float = Field(0.9, gt=0.0, le=1.0)
+    """KV usage above which the trim also cancels the excess rollouts, youngest first."""
+    preemption_cut: float = Field(0.8, gt=0.0, lt=1.0)
+    """Cap := this × inflight when an engine reports a new preemption."""
+    queue_ratio: float = Field(0.5, ge=0.0, le=1000.0)
+    """A poll is queued when some engine's capacity-waiting requests exceed this × its running requests."""
+    queue_polls: int = Field(6, ge=1, le=10_000)
+    """Consecutive queued polls that make a persistent queue."""
+    queue_cut: float = Field(0.9, gt=0.0, lt=1.0)
+    """Cap := this × inflight on a persistent queue."""
+    repeat_window_polls: int = Field(6, ge=0, le=10_000)
+    """Polls after a drain ends during which a new overload counts as a repeat."""
+    repeat_cut: float = Field(0.5, gt=0.0, lt=1.0)
+    """Cap := this × inflight for a repeated overload right after a drain."""
+    admit_window_s: float = Field(5.0, ge=0.0, le=3600.0)
+    """Length of the admission-rate window in seconds; 0 disables pacing."""
+    admit_window_fraction: float = Field(0.1, gt=0.0, le=1.0)
+    """New admissions per window: at most max(group_size, ceil(this × cap))."""
+    metrics_max_age_s: float = Field(15.0, gt=0.0, le=3600.0)
+    """An engine whose newest reading is older than this is unhealthy."""
+
+    @model_validator(mode="after")
+    def _check(self) -> AdmissionConfig:
+        if self.min_inflight > self.max_inflight:
+            raise ValueError(f"min_inflight {self.min_inflight} > max_inflight {self.max_inflight}")
+        if self.initial_cap is not None and not self.min_inflight <= self.initial_cap <= self.max_inflight:
+            raise ValueError(f"initial_cap {self.initial_cap} outside [min_inflight, max_inflight]")
+        if not self.trim_target_usage < self.soft_trim_usage <= self.hard_trim_usage:
+            raise ValueError("need trim_target_usage < soft_trim_usage <= hard_trim_usage")
+        if self.grow_below_usage > self.soft_trim_usage:
+            raise ValueError("grow_below_usage must not exceed soft_trim_usage")
+        if self.repeat_cut > min(self.preemption_cut, self.queue_cut):
+            raise ValueError("repeat_cut must cut at least as hard as preemption_cut and queue_cut")
+        return self
+
+    @property
+    def fixed(self) -> bool:
+        """Whether the cap is fixed (min_inflight == max_inflight)."""
+        return self.min_inflight == self.max_inflight
+
+
 class AdmissionSection(AdmissionConfig):
     """The dispatcher: adaptive admission against the engines' /metrics (rules in workflows/admission.py).
 
     Disabled, the run keeps a fixed number of groups in flight (run.max_inflight_groups) and polls nothing.
     Enabled, the cap is in rollouts and follows the controller; run.max_inflight_groups still bounds
-    the groups in flight. group_size comes from run.group_size.
+    the groups in flight; the admission window always lets one whole group (run.group_size) in.
     """
 
     enabled: bool = False
@@ -124,29 +190,6 @@ class AdmissionSection(AdmissionConfig):
     load_factor: float = Field(1.25, ge=1.0, le=10.0)
     """Bounded-load affinity: a replica takes a new group only while its rollouts in flight stay within
     this x the fleet's mean; otherwise the group goes to its next replica in hash order."""
-
-
-class SandboxPoolConfig(_Strict):
-    """The sandbox pool the dispatcher tracks: capacity that scales up with a latency, to a maximum.
-
-    Every sandbox holds one slot; a create without a ready slot asks for one more (ready after
-    scale_up_latency_s) and backs off (SandboxNotReady) instead of failing the rollout.
-    """
-
-    initial_size: int = Field(64, ge=0, le=100_000)
-    """Slots ready when the pool is first used."""
-    max_size: int = Field(256, ge=1, le=100_000)
-    """Most slots the pool scales up to (e.g. nodes x sandboxes per node)."""
-    scale_up_latency_s: float = Field(0.0, ge=0.0, le=3600.0)
-    """Seconds from asking for a slot to its being ready (node boot, image pull)."""
-    tasks_per_minute: float = Field(600.0, gt=0.0, le=1_000_000.0)
-    """Admission rate of sandboxed rollouts while the pool scales up (token bucket, burst one group)."""
-
-    @model_validator(mode="after")
-    def _check(self) -> SandboxPoolConfig:
-        if self.initial_size > self.max_size:
-            raise ValueError(f"initial_size {self.initial_size} > max_size {self.max_size}")
-        return self
 
 
 class StackConfig(_Strict):
@@ -189,7 +232,8 @@ class Config(_Strict):
     engine: EngineConfig = Field(default_factory=EngineConfig)
     temporal: TemporalConfig = Field(default_factory=TemporalConfig)
     sandbox: SandboxSpec = Field(default_factory=SandboxSpec)
-    """Image and limits of the coding environment's sandboxes (hardened; see sandboxes/base.py)."""
+    """Default image and limits of sandboxes (hardened; see sandboxes/base.py); an environment may derive
+    each task's own from it (e.g. the task's image)."""
     sandbox_pool: SandboxPoolConfig = Field(default_factory=SandboxPoolConfig)
     admission: AdmissionSection = Field(default_factory=AdmissionSection)
     stack: StackConfig = Field(default_factory=StackConfig)

@@ -19,8 +19,8 @@ from typing import Any
 
 import httpx
 
+from contracts.types import SamplingParams
 from errors import ContextLengthExceeded, EngineBadReply, EngineBadRequest, EngineUnavailable
-from workflows.types import SamplingParams
 
 _CONTEXT_MARKERS = ("maximum context length", "maximum model length", "max_model_len", "context length")
 

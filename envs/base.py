@@ -15,16 +15,19 @@ How the pipeline drives an environment, per rollout:
    limits for this task, files to copy in, setup commands). Called only when ``uses_sandbox`` is true.
 3. ``prompt(task)``: the first prompt, as chat messages (rendered once through the engine's chat template)
    or as token ids. The context then only grows: model turns (loss mask 1) and observations (loss mask 0).
-4. ``step(ctx, text)`` after every model turn: the turn's text becomes an action and an observation, or
-   ends the rollout (``done``, with a reward or to be scored by ``score``).
-5. ``score(ctx, text)``: the reward of a rollout that is done without one, or truncated (when the run
+4. ``parse(ctx, text)`` after every model turn: the turn's text becomes an ``Action`` (a JSON object the
+   pipeline records with the turn *before* it runs) or directly a `Step` (an error observation for the
+   model, or the end of the rollout: ``done``, with a reward or to be scored by ``score``).
+5. ``act(ctx, action)``: run the action (in the sandbox, for environments that have one) and return the
+   `Step`: its observation, or the end of the rollout.
+6. ``score(ctx, text)``: the reward of a rollout that is done without one, or truncated (when the run
    scores truncated rollouts). ``text`` is the last model turn, if any.
-6. ``replay(ctx, action)``: a lost sandbox is replaced and the recorded actions of earlier turns replayed
-   into the fresh one before the turn is retried.
+7. ``replay(ctx, action)``: a lost sandbox is replaced and the recorded actions of earlier turns replayed
+   into the fresh one before the turn is retried (default: ``act`` again, its result ignored).
 
 Invariants the pipeline relies on:
-- ``step``, ``score`` and ``replay`` run inside activities: they may do I/O, and they may run more than
-  once for one turn (activities are retried), so they must be safe to repeat for the same turn.
+- ``parse`` is pure. ``act``, ``score`` and ``replay`` run inside activities: they may do I/O, and they may
+  run more than once for one turn (activities are retried), so they must be safe to repeat.
 - An environment failure (the verifier crashed, the task cannot be set up) is raised as
   `EnvironmentFailure`; a sandbox failure propagates as the sandbox's own error. Neither is ever a reward.
 - ``env_version`` and ``verifier_version`` change whenever behaviour or reward could change: every record
@@ -40,12 +43,14 @@ from typing import Any, ClassVar, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from contracts.types import TruncationReason
 from errors import TaskFileError
 from sandboxes.base import ExecResult, SandboxSpec
-from workflows.types import TruncationReason
 
 Message = dict[str, str]
 """One chat message: ``{"role": ..., "content": ...}``."""
+Action = dict[str, Any]
+"""What a model turn asks the environment to do (JSON; e.g. a tool call), recorded with the turn."""
 
 END_MARKER = "<|end|>"
 """End-of-turn marker of the bundled policy's chat template; the text after it is not the model's."""
@@ -115,8 +120,6 @@ class Step(BaseModel):
     reward: float | None = None
     truncated: TruncationReason | None = None
     """The step hit a limit (e.g. ``command_timeout``): the rollout ends truncated after the observation."""
-    action: dict[str, Any] | None = None
-    """What the turn did, recorded with the turn (JSON); ``replay`` gets it back after a sandbox loss."""
 
 
 class Sandbox(Protocol):
@@ -131,7 +134,7 @@ class Sandbox(Protocol):
 
 @dataclass(frozen=True)
 class TurnContext:
-    """What ``step``, ``score`` and ``replay`` get besides the turn's text."""
+    """What ``parse``, ``act``, ``score`` and ``replay`` get besides the turn's text or action."""
 
     task: Task
     rollout_id: str
@@ -157,7 +160,7 @@ class Environment(ABC):
     uses_sandbox: ClassVar[bool] = False
     """Whether ``sandbox`` may return a plan; environments without sandboxes never touch Docker."""
     inline_steps: ClassVar[bool] = False
-    """``step`` is cheap and needs no sandbox: the pipeline runs it inside the model call's activity
+    """Its steps are cheap and need no sandbox: the pipeline runs them inside the model call's activity
     (one activity per turn instead of two)."""
     observation_role: ClassVar[str] = "user"
     """Chat role of observation messages (``tool`` for tool results)."""
@@ -176,12 +179,16 @@ class Environment(ABC):
         for n, obj in json_objects(p):
             task = self.validate_task(obj, where=f"{p}:{n}")
             if task.id in seen:
-                raise TaskFileError(f"{p}:{n}: field 'id': duplicate task id {task.id!r}")
+                raise self.duplicate_id(f"{p}:{n}", task.id)
             seen.add(task.id)
             tasks.append(task)
         if not tasks:
             raise TaskFileError(f"{p}: no tasks")
         return tasks
+
+    def duplicate_id(self, where: str, task_id: str) -> TaskFileError:
+        """The error for a task id seen before in the file."""
+        return TaskFileError(f"{where}: field 'id': duplicate task id {task_id!r}")
 
     def validate_task(self, obj: dict[str, Any], where: str = "task") -> Task:
         """One task from its JSON object; a bad one raises `TaskFileError` naming ``where`` and the field."""
@@ -199,16 +206,21 @@ class Environment(ABC):
         return None
 
     @abstractmethod
-    async def step(self, ctx: TurnContext, text: str) -> Step:
-        """Turn the model's turn ``text`` (detokenized, up to its end) into a `Step`."""
+    def parse(self, ctx: TurnContext, text: str) -> Action | Step:
+        """The model's turn ``text`` (detokenized, end marker included) as an action to run, or a `Step`."""
+
+    async def act(self, ctx: TurnContext, action: Action) -> Step:
+        """Run ``action`` and say what came of it. Environments whose ``parse`` never returns an action
+        need not implement it."""
+        raise NotImplementedError(f"environment {self.name} has no actions")
 
     async def score(self, ctx: TurnContext, text: str | None) -> float | None:
         """The reward of the rollout as it stands (``text``: its last model turn); None = unscorable."""
         return None
 
-    async def replay(self, ctx: TurnContext, action: dict[str, Any]) -> None:
-        """Redo a recorded action in a fresh sandbox (its output is not compared). Default: nothing."""
-        return None
+    async def replay(self, ctx: TurnContext, action: Action) -> None:
+        """Redo a recorded action in a fresh sandbox (its output is not compared): ``act`` again."""
+        await self.act(ctx, action)
 
 
 def _first_error(e: ValidationError) -> str:

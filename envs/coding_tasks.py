@@ -21,23 +21,20 @@ both against the hidden tests. Paths are relative, use ``/`` and never leave the
 from __future__ import annotations
 
 from pathlib import Path, PurePosixPath
-from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import ConfigDict, Field, ValidationInfo, field_validator
 
-from errors import TaskFileError
+from envs.base import Task
 
 FileMap = dict[str, str]
 """Relative path -> file content."""
 
 
-class CodingTask(BaseModel):
-    """One coding task."""
+class CodingTask(Task):
+    """One coding task (``id``: the harness writes it as ``Task id: <id>`` in the first user message)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
-    id: str = Field(min_length=1)
-    """Unique in the file; the harness writes it as ``Task id: <id>`` in the first user message."""
     prompt: str = Field(min_length=1)
     """The task statement shown to the model."""
     files: FileMap
@@ -48,13 +45,6 @@ class CodingTask(BaseModel):
     """Files that solve the task."""
     wrong: FileMap = Field(min_length=1)
     """Files of a plausible but wrong solution."""
-
-    @field_validator("id")
-    @classmethod
-    def _id_is_one_token(cls, value: str) -> str:
-        if value != value.strip() or any(c.isspace() for c in value):
-            raise ValueError("must not contain whitespace")
-        return value
 
     @field_validator("files", "tests", "reference", "wrong")
     @classmethod
@@ -89,32 +79,9 @@ def load_coding_tasks(path: str | Path) -> list[CodingTask]:
     Raises:
         TaskFileError: one line naming the file, line and field at fault.
     """
-    from envs.tasks import json_objects
+    from envs.coding import CodingEnvironment
 
-    p = Path(path)
-    tasks: list[CodingTask] = []
-    seen: set[str] = set()
-    for n, obj in json_objects(p):
-        task = _validate(p, n, obj)
-        if task.id in seen:
-            raise TaskFileError(f"{p}:{n}: field 'id': duplicate task id {task.id!r}")
-        seen.add(task.id)
-        tasks.append(task)
-    if not tasks:
-        raise TaskFileError(f"{p}: no tasks")
-    return tasks
-
-
-def _validate(p: Path, n: int, obj: dict[str, Any]) -> CodingTask:
-    try:
-        return CodingTask.model_validate(obj)
-    except ValidationError as e:
-        err = e.errors()[0]
-        loc = err["loc"]
-        field = str(loc[0]) if loc else "task"
-        where = f" at {'/'.join(str(x) for x in loc[1:])!r}" if len(loc) > 1 else ""
-        msg = err["msg"].removeprefix("Value error, ")
-        raise TaskFileError(f"{p}:{n}: field {field!r}{where}: {msg}") from None
+    return [t for t in CodingEnvironment().load_tasks(path) if isinstance(t, CodingTask)]
 
 
 def _check_path(path: str) -> None:

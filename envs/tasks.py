@@ -1,4 +1,4 @@
-"""Task files: JSONL, one task per line.
+"""Task files: JSONL, one task per line, read by the run's environment.
 
 Invariant: a bad task file is reported in one line naming the file, the line number and the field;
 nothing downstream ever sees a half-valid task.
@@ -12,8 +12,6 @@ from pathlib import Path
 from typing import Any
 
 from errors import TaskFileError
-
-REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {"math": ("id", "prompt", "answer")}
 
 
 def json_objects(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -39,29 +37,12 @@ def json_objects(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
 
 
 def load_tasks(path: str | Path, env: str) -> list[dict[str, Any]]:
-    """Read and validate a task file for an environment.
+    """Read and validate a task file with the environment registered as ``env``; tasks as JSON objects.
 
     Raises:
         TaskFileError: one line naming the file, line and field at fault.
+        ConfigError: no environment of that name is installed.
     """
-    p = Path(path)
-    if env == "coding":
-        from envs.coding_tasks import load_coding_tasks
+    from envs import registry
 
-        return [t.model_dump(mode="json") for t in load_coding_tasks(p)]
-    required = REQUIRED_FIELDS.get(env, ("id", "prompt"))
-    tasks: list[dict[str, Any]] = []
-    seen: set[str] = set()
-    for n, task in json_objects(p):
-        for field in required:
-            if field not in task:
-                raise TaskFileError(f"{p}:{n}: missing field {field!r}")
-            if not isinstance(task[field], str) or not task[field]:
-                raise TaskFileError(f"{p}:{n}: field {field!r} must be a non-empty string")
-        if task["id"] in seen:
-            raise TaskFileError(f"{p}:{n}: duplicate task id {task['id']!r}")
-        seen.add(task["id"])
-        tasks.append(task)
-    if not tasks:
-        raise TaskFileError(f"{p}: no tasks")
-    return tasks
+    return [t.model_dump(mode="json") for t in registry.get(env).load_tasks(path)]

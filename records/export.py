@@ -39,16 +39,15 @@ LINEAGE_FIELDS = (
 
 
 def env_versions(env: str) -> tuple[str | None, str | None]:
-    """(environment version, verifier version) of the code running now; None for an unknown env."""
-    if env == "math":
-        from envs import math as math_env
+    """(environment version, verifier version) of the code running now; None for an env not installed."""
+    from envs import registry
+    from errors import ConfigError
 
-        return math_env.ENV_VERSION, math_env.VERIFIER_VERSION
-    if env == "coding":
-        from envs import coding as coding_env
-
-        return coding_env.ENV_VERSION, coding_env.VERIFIER_VERSION
-    return None, None
+    try:
+        e = registry.get(env)
+    except ConfigError:
+        return None, None
+    return e.env_version, e.verifier_version
 
 
 def versions_in_order(segs: list[Segment]) -> list[str]:
@@ -62,10 +61,13 @@ def versions_in_order(segs: list[Segment]) -> list[str]:
     return list(seen)
 
 
-def rollout_lineage(run: dict[str, Any] | None, env: str, segs: list[Segment]) -> dict[str, Any]:
+def rollout_lineage(
+    run: dict[str, Any] | None, env: str, segs: list[Segment], sandbox_image: str | None = None
+) -> dict[str, Any]:
     """What produced a rollout: policy versions, run config hash, env/verifier versions, sandbox image.
 
-    ``run`` is the store's run row (``config_json``, ``config_hash``) or None when the run is unknown.
+    ``run`` is the store's run row (``config_json``, ``config_hash``) or None when the run is unknown;
+    ``sandbox_image`` the image the rollout's sandbox ran (None: the run's default, for an env with one).
     """
     env_version, verifier_version = env_versions(env)
     return {
@@ -74,12 +76,20 @@ def rollout_lineage(run: dict[str, Any] | None, env: str, segs: list[Segment]) -
         "env": env,
         "env_version": env_version,
         "verifier_version": verifier_version,
-        "sandbox_image": _sandbox_image(run, env),
+        "sandbox_image": sandbox_image or _sandbox_image(run, env),
     }
 
 
 def _sandbox_image(run: dict[str, Any] | None, env: str) -> str | None:
-    if env != "coding" or not run:
+    """The run's default sandbox image, for an environment that uses sandboxes."""
+    from envs import registry
+    from errors import ConfigError
+
+    try:
+        uses_sandbox = registry.get(env).uses_sandbox
+    except ConfigError:
+        return None
+    if not uses_sandbox or not run:
         return None
     try:
         image = json.loads(run["config_json"])["sandbox"]["image"]

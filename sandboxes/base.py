@@ -269,3 +269,19 @@ class AsyncSandboxBackend:
     ) -> list[str]:
         """See `SandboxBackend.reap`."""
         return await asyncio.to_thread(self.backend.reap, run_id, older_than_s, keep)
+
+
+class BoundSandbox:
+    """One live sandbox as an environment sees it (``envs.base.Sandbox``): the backend bound to a handle."""
+
+    def __init__(self, backend: AsyncSandboxBackend, handle: SandboxHandle) -> None:
+        self.backend, self.handle = backend, handle
+
+    async def exec(self, cmd: str, timeout_s: float | None = None) -> ExecResult:
+        return await self.backend.exec(self.handle, cmd, timeout_s)
+
+    async def write_file(self, path: str, content: bytes | str) -> None:
+        await self.backend.write_file(self.handle, path, content)
+
+    async def read_file(self, path: str, max_bytes: int = 1 << 20) -> bytes:
+        return await self.backend.read_file(self.handle, path, max_bytes)

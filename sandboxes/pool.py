@@ -23,7 +23,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from errors import SandboxSlotPending
 
@@ -35,17 +35,33 @@ CREATE TABLE IF NOT EXISTS pool_waiters (key TEXT PRIMARY KEY, at REAL NOT NULL)
 """
 
 
-class PoolSettings(BaseModel):
-    """Size and scale-up model of the pool (config.models.SandboxPoolConfig carries the same fields)."""
+class SandboxPoolConfig(BaseModel):
+    """The sandbox pool (``[sandbox_pool]``) the dispatcher tracks: capacity that scales up with a
+    latency, to a maximum.
 
-    model_config = ConfigDict(extra="ignore", frozen=True)
+    Every sandbox holds one slot; a create without a ready slot asks for one more (ready after
+    scale_up_latency_s) and waits (SandboxSlotPending) instead of failing the rollout.
+    """
 
-    initial_size: int = Field(64, ge=0)
-    max_size: int = Field(256, ge=1)
-    scale_up_latency_s: float = Field(0.0, ge=0.0)
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    initial_size: int = Field(64, ge=0, le=100_000)
+    """Slots ready when the pool is first used."""
+    max_size: int = Field(256, ge=1, le=100_000)
+    """Most slots the pool scales up to (e.g. nodes x sandboxes per node)."""
+    scale_up_latency_s: float = Field(0.0, ge=0.0, le=3600.0)
+    """Seconds from asking for a slot to its being ready (node boot, image pull)."""
+    tasks_per_minute: float = Field(600.0, gt=0.0, le=1_000_000.0)
+    """Admission rate of sandboxed rollouts while the pool scales up (token bucket, burst one group)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> SandboxPoolConfig:
+        if self.initial_size > self.max_size:
+            raise ValueError(f"initial_size {self.initial_size} > max_size {self.max_size}")
+        return self
 
 
-class SlotStatus(BaseModel):
+class PoolStatus(BaseModel):
     """The pool now: ready, starting (scale-up in progress), in use, waiting, and the limit."""
 
     ready: int
@@ -81,7 +97,7 @@ class SandboxPool:
         finally:
             db.close()
 
-    def _ready(self, db: sqlite3.Connection, cfg: PoolSettings, now: float) -> int:
+    def _ready(self, db: sqlite3.Connection, cfg: SandboxPoolConfig, now: float) -> int:
         """Ready slots after promoting the started ones whose time has come."""
         row = db.execute("SELECT ready FROM pool_state WHERE id = 1").fetchone()
         ready = row[0] if row else min(cfg.initial_size, cfg.max_size)
@@ -92,7 +108,7 @@ class SandboxPool:
         db.execute("INSERT OR REPLACE INTO pool_state (id, ready) VALUES (1, ?)", (ready,))
         return ready
 
-    def acquire(self, key: str, cfg: PoolSettings, now: float | None = None) -> None:
+    def acquire(self, key: str, cfg: SandboxPoolConfig, now: float | None = None) -> None:
         """Hold a slot for ``key`` (idempotent).
 
         Raises:
@@ -133,7 +149,7 @@ class SandboxPool:
         with self._tx() as db:
             return [r[0] for r in db.execute("SELECT key FROM pool_holders ORDER BY key")]
 
-    def status(self, cfg: PoolSettings, now: float | None = None) -> SlotStatus:
+    def status(self, cfg: SandboxPoolConfig, now: float | None = None) -> PoolStatus:
         """The pool now (promotes slots whose start finished)."""
         now = time.time() if now is None else now
         with self._tx() as db:
@@ -141,4 +157,4 @@ class SandboxPool:
             starting = db.execute("SELECT COUNT(*) FROM pool_starting").fetchone()[0]
             held = db.execute("SELECT COUNT(*) FROM pool_holders").fetchone()[0]
             waiting = db.execute("SELECT COUNT(*) FROM pool_waiters").fetchone()[0]
-        return SlotStatus(ready=ready, starting=starting, in_use=held, max_size=cfg.max_size, waiting=waiting)
+        return PoolStatus(ready=ready, starting=starting, in_use=held, max_size=cfg.max_size, waiting=waiting)

@@ -52,12 +52,19 @@ def train(
         cfg, ts = load_loop_config(config, overrides)
     except ConfigError as e:
         raise _fail(str(e)) from None
-    if cfg.run.env != "math":
+    from envs import registry
+    from envs.math import MathEnvironment
+
+    try:
+        env = registry.get(cfg.run.env)
+    except ConfigError as e:
+        raise _fail(f"{config}: {e}") from None
+    if not isinstance(env, MathEnvironment):  # its evaluation uses the math verifier
         raise _fail(f"{config}: run.env: the example trainer scores math runs, not {cfg.run.env!r}")
     tasks_path = resolve_repo_path(cfg.run.task_file)
     cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"task_file": str(tasks_path)})})
     try:
-        load_tasks(tasks_path, "math")
+        load_tasks(tasks_path, cfg.run.env)
         load_tasks(resolve_repo_path(ts.eval_task_file), "math")
     except TaskFileError as e:
         raise _fail(str(e)) from None

@@ -19,9 +19,9 @@ from typing import Any
 
 import httpx
 
+from contracts.types import SamplingParams
 from engines.client import EngineClient
 from envs import math as math_env
-from workflows.types import SamplingParams
 
 
 class EvalError(RuntimeError):

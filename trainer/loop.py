@@ -190,9 +190,9 @@ class Loop:
         return row
 
     async def evaluate(self, label: str) -> dict[str, Any] | None:
+        from contracts.types import SamplingParams
         from envs.tasks import load_tasks
         from trainer.evaluate import math_accuracy
-        from workflows.types import SamplingParams
 
         if self.ts.eval_samples_per_task == 0:
             return None
@@ -213,9 +213,9 @@ class Loop:
     async def start_run(self):
         from temporalio.service import RPCError, RPCStatusCode
 
-        from workers.client import connect
+        from contracts.client import connect
+        from contracts.types import RunInput
         from workflows.run import RunWorkflow
-        from workflows.types import RunInput
 
         client = self.client
         if client is None:

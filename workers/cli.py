@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -33,7 +32,7 @@ def _new_run_id() -> str:
 
 
 async def _client(address: str, namespace: str = "default"):
-    from workers.client import connect
+    from contracts.client import connect
 
     try:
         return await connect(address, namespace)
@@ -89,8 +88,8 @@ async def _submit(cfg, cfg_hash: str, rid: str, wait: bool) -> None:
     from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
     from temporalio.service import RPCError, RPCStatusCode
 
+    from contracts.types import RunInput
     from workflows.run import RunWorkflow
-    from workflows.types import RunInput
 
     client = await _client(cfg.temporal.address, cfg.temporal.namespace)
     handle = client.get_workflow_handle_for(RunWorkflow.run, rid)
@@ -104,7 +103,7 @@ async def _submit(cfg, cfg_hash: str, rid: str, wait: bool) -> None:
         # USE_EXISTING closes the race with a concurrent submit of the same id: still one run.
         handle = await client.start_workflow(
             RunWorkflow.run,
-            RunInput(run_id=rid, config=cfg.model_dump(mode="json"), config_hash=cfg_hash),
+            RunInput(run_id=rid, config=cfg, config_hash=cfg_hash),
             id=rid,
             task_queue=cfg.temporal.task_queue,
             id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
@@ -204,6 +203,30 @@ def policy_publish(
 
 
 @app.command()
+def envs() -> None:
+    """List the installed environments (entry-point group durable_rollouts.environments)."""
+    from envs import registry
+    from errors import ConfigError
+
+    eps = registry.installed()
+    if not eps:
+        raise _fail("no environments installed")
+    for name in sorted(eps):
+        try:
+            e = registry.get(name)
+        except ConfigError as err:
+            typer.echo(f"{name:<12} BROKEN  {err}")
+            continue
+        traits = ", ".join(
+            t for t, on in (("sandbox", e.uses_sandbox), ("inline steps", e.inline_steps)) if on
+        )
+        typer.echo(
+            f"{name:<12} {e.env_version} / {e.verifier_version}  {eps[name].value}"
+            + (f"  [{traits}]" if traits else "")
+        )
+
+
+@app.command()
 def worker(
     address: Annotated[str, typer.Option(help="Temporal frontend host:port.")] = "127.0.0.1:7233",
     task_queue: Annotated[str, typer.Option(help="Task queue to poll.")] = "rollouts",
@@ -256,4 +279,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

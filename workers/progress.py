@@ -10,8 +10,8 @@ from rich.table import Table
 from temporalio.client import Client, WorkflowHandle
 from temporalio.service import RPCError
 
+from contracts.types import RunProgress
 from workflows.run import RunWorkflow
-from workflows.types import RunProgress
 
 console = Console(stderr=True)
 

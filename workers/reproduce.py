@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 if TYPE_CHECKING:  # heavy imports wait until a reproduction runs, so `rollouts --help` stays instant
+    from contracts.types import SamplingParams
     from engines.client import Generation
     from store.runstore import RunStore
-    from workflows.types import SamplingParams
 
 
 class ReproduceError(RuntimeError):
@@ -99,10 +99,10 @@ def reproduce(
     """
     from config.load import config_hash
     from config.models import Config
+    from contracts.types import SamplingParams, sampling_params
     from records.export import env_versions, rollout_record
     from store.runstore import model_segment
     from workflows.group import member_seed
-    from workflows.types import SamplingParams
 
     where = f"run {run_id}, rollout {rollout_id}"
     run = store.get_run(run_id)
@@ -138,13 +138,7 @@ def reproduce(
     want_seed = member_seed(cfg.sampling.seed, rollout_id)
     if sampling.seed != want_seed:
         mismatches.append(f"seed: recorded {sampling.seed}, stored config derives {want_seed}")
-    from_cfg = {
-        "temperature": cfg.sampling.temperature,
-        "top_p": cfg.sampling.top_p,
-        "top_k": cfg.sampling.top_k,
-        "max_tokens": cfg.sampling.max_tokens,
-        "logprob_mode": cfg.engine.logprob_mode,
-    }
+    from_cfg = sampling_params(cfg).model_dump(exclude={"seed"})
     for name, value in from_cfg.items():
         if getattr(sampling, name) != value:
             mismatches.append(f"sampling.{name}: recorded {getattr(sampling, name)}, config {value}")
@@ -155,10 +149,9 @@ def reproduce(
             mismatches.append(f"{name}: not recorded, now {now}")
         elif recorded != now:
             mismatches.append(f"{name}: recorded {recorded}, now {now}")
-    if row["env"] == "coding" and lineage.get("sandbox_image") != cfg.sandbox.image:
-        mismatches.append(
-            f"sandbox_image: recorded {lineage.get('sandbox_image')}, config {cfg.sandbox.image}"
-        )
+    image = _sandbox_image(store, run_id, row["task_id"], row["env"], cfg)
+    if image is not None and lineage.get("sandbox_image") != image:
+        mismatches.append(f"sandbox_image: recorded {lineage.get('sandbox_image')}, config {image}")
 
     url = engine_url or turn.meta.get("engine") or cfg.engine.urls[0]
     turn_versions = sorted({v for v in turn.policy_versions or [] if v is not None})
@@ -186,6 +179,21 @@ def reproduce(
         max_logprob_diff=max(diffs) if diffs else None,
         mismatches=mismatches,
     )
+
+
+def _sandbox_image(store: RunStore, run_id: str, task_id: str, env_name: str, cfg: Any) -> str | None:
+    """The image the stored config gives this task's sandbox (None: no sandbox, or env not installed)."""
+    from envs import registry
+    from errors import RolloutError
+
+    try:
+        env = registry.get(env_name)
+        if not env.uses_sandbox:
+            return None
+        plan = env.sandbox(env.validate_task(store.get_task(run_id, task_id)), cfg.sandbox)
+    except (RolloutError, KeyError):
+        return None
+    return plan.spec.image if plan is not None else None
 
 
 def _engine_version(url: str, timeout_s: float) -> str | None:

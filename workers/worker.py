@@ -11,20 +11,22 @@ import asyncio
 import signal
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from temporalio.client import Client
 from temporalio.worker import UnsandboxedWorkflowRunner, Worker
 
 from activities.dispatch import DispatchActivities
+from activities.environment import EnvironmentActivities
 from activities.rollout import RolloutActivities
 from activities.sandbox import SandboxActivities
 from config.paths import rollouts_home
+from contracts.client import connect
 from engines.client import EngineClient
 from sandboxes import AsyncSandboxBackend, DockerBackend, SandboxError
 from sandboxes.pool import SandboxPool
 from sandboxes.reaper import reap_forever
 from store.runstore import RunStore
-from workers.client import connect
 from workflows.group import GroupWorkflow
 from workflows.rollout import RolloutWorkflow
 from workflows.run import RunWorkflow
@@ -40,7 +42,8 @@ def docker_sandboxes() -> AsyncSandboxBackend:
 def build_worker(
     client: Client,
     task_queue: str,
-    acts: RolloutActivities,
+    store: RunStore,
+    engine: EngineClient,
     sandboxes: Callable[[], AsyncSandboxBackend] = docker_sandboxes,
     sandboxed: bool = True,
 ) -> Worker:
@@ -50,17 +53,20 @@ def build_worker(
     workflow task, at the price of the sandbox's guard against non-deterministic calls (the replay check
     of history still applies). The workflows here import nothing non-deterministic; the default keeps it.
     """
-    pool = SandboxPool(acts.store.root / "pool.sqlite")
-    sandbox_acts = SandboxActivities(acts.store, acts.engine, sandboxes, pool)
-    dispatch_acts = DispatchActivities(acts.store, pool)
+    pool = SandboxPool(store.root / "pool.sqlite")
+    sandbox_acts = SandboxActivities(store, sandboxes, pool)
+    env_acts = EnvironmentActivities(store, engine, sandbox_acts)
+    rollout_acts = RolloutActivities(store, engine, env_acts)
+    dispatch_acts = DispatchActivities(store, pool)
+    runner: dict[str, Any] = {} if sandboxed else {"workflow_runner": UnsandboxedWorkflowRunner()}
     return Worker(
         client,
         task_queue=task_queue,
         workflows=WORKFLOWS,
-        activities=acts.all() + sandbox_acts.all() + dispatch_acts.all(),
+        activities=rollout_acts.all() + env_acts.all() + sandbox_acts.all() + dispatch_acts.all(),
         max_concurrent_activities=256,
         max_concurrent_workflow_tasks=64,
-        **({} if sandboxed else {"workflow_runner": UnsandboxedWorkflowRunner()}),
+        **runner,
     )
 
 
@@ -81,7 +87,7 @@ async def serve(
         loop.add_signal_handler(sig, stop.set)
     reaper = _start_reaper(client, SandboxPool(store.root / "pool.sqlite"))
     try:
-        async with build_worker(client, task_queue, RolloutActivities(store, engine), sandboxed=sandboxed):
+        async with build_worker(client, task_queue, store, engine, sandboxed=sandboxed):
             print(f"worker polling {task_queue!r} on {address}", flush=True)
             await stop.wait()
     finally:

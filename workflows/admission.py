@@ -34,7 +34,7 @@ Rules, in the order a step applies them (every constant is an `AdmissionConfig` 
    below ``grow_below_usage``, nothing waits for capacity, the cap binds (inflight >=
    ``grow_when_inflight_fraction`` × cap) and ``grow_turnover`` × cap rollouts were admitted since the cap
    last changed → cap := cap × ``grow_factor`` (at least +1).
-9. Admission: admit := cap - inflight, but at most max(``group_size``, ``admit_window_fraction`` × cap) new
+9. Admission: admit := cap - inflight, but at most max(group size, ``admit_window_fraction`` × cap) new
    rollouts per ``admit_window_s`` window (a whole group always fits).
 
 Cuts and trims never raise the cap and growth never lowers it; every cap is clamped to [min, max]. Fixed mode
@@ -47,98 +47,24 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
+
+from config.models import AdmissionConfig
+from contracts.types import AdmissionState, EngineReading
 
 CANCEL_REASON = "admission"
 """Reason recorded on rollouts the controller cancels."""
 
-
-class AdmissionConfig(BaseModel):
-    """Constants of the admission controller; defaults follow the prime-rl orchestrator's."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    min_inflight: int = Field(1, ge=1, le=100_000)
-    """Smallest cap; equal to max_inflight gives fixed concurrency (no adaptation, no cancels)."""
-    max_inflight: int = Field(1024, ge=1, le=100_000)
-    """Largest cap."""
-    initial_cap: int | None = Field(None, ge=1, le=100_000)
-    """Starting cap; None derives it from the KV capacity (rule 2)."""
-    max_model_len: int = Field(4096, ge=1)
-    """Engines' context length in tokens: the most KV one rollout can hold (for the initial cap)."""
-    group_size: int = Field(1, ge=1, le=100_000)
-    """Rollouts per group: the admission window always lets at least one whole group in."""
-    grow_factor: float = Field(1.25, gt=1.0, le=4.0)
-    """Multiplicative growth of the cap per turnover while the fleet has headroom."""
-    grow_below_usage: float = Field(0.6, gt=0.0, le=1.0)
-    """Growth needs every engine's KV usage below this."""
-    grow_when_inflight_fraction: float = Field(0.9, gt=0.0, le=1.0)
-    """Growth needs inflight >= this × cap (the cap binds; otherwise a bigger cap changes nothing)."""
-    grow_turnover: float = Field(1.0, ge=0.0, le=100.0)
-    """Growth needs this × cap admissions since the cap last changed (its effect shows); 0 = every poll."""
-    soft_trim_usage: float = Field(0.8, gt=0.0, le=1.0)
-    """KV usage above which the cap is trimmed to the size that would hold trim_target_usage."""
-    trim_target_usage: float = Field(0.7, gt=0.0, le=1.0)
-    """KV usage a trimmed cap aims at."""
-    hard_trim_usage: float = Field(0.9, gt=0.0, le=1.0)
-    """KV usage above which the trim also cancels the excess rollouts, youngest first."""
-    preemption_cut: float = Field(0.8, gt=0.0, lt=1.0)
-    """Cap := this × inflight when an engine reports a new preemption."""
-    queue_ratio: float = Field(0.5, ge=0.0, le=1000.0)
-    """A poll is queued when some engine's capacity-waiting requests exceed this × its running requests."""
-    queue_polls: int = Field(6, ge=1, le=10_000)
-    """Consecutive queued polls that make a persistent queue."""
-    queue_cut: float = Field(0.9, gt=0.0, lt=1.0)
-    """Cap := this × inflight on a persistent queue."""
-    repeat_window_polls: int = Field(6, ge=0, le=10_000)
-    """Polls after a drain ends during which a new overload counts as a repeat."""
-    repeat_cut: float = Field(0.5, gt=0.0, lt=1.0)
-    """Cap := this × inflight for a repeated overload right after a drain."""
-    admit_window_s: float = Field(5.0, ge=0.0, le=3600.0)
-    """Length of the admission-rate window in seconds; 0 disables pacing."""
-    admit_window_fraction: float = Field(0.1, gt=0.0, le=1.0)
-    """New admissions per window: at most max(group_size, ceil(this × cap))."""
-    metrics_max_age_s: float = Field(15.0, gt=0.0, le=3600.0)
-    """An engine whose newest reading is older than this is unhealthy."""
-
-    @model_validator(mode="after")
-    def _check(self) -> AdmissionConfig:
-        if self.min_inflight > self.max_inflight:
-            raise ValueError(f"min_inflight {self.min_inflight} > max_inflight {self.max_inflight}")
-        if self.initial_cap is not None and not self.min_inflight <= self.initial_cap <= self.max_inflight:
-            raise ValueError(f"initial_cap {self.initial_cap} outside [min_inflight, max_inflight]")
-        if not self.trim_target_usage < self.soft_trim_usage <= self.hard_trim_usage:
-            raise ValueError("need trim_target_usage < soft_trim_usage <= hard_trim_usage")
-        if self.grow_below_usage > self.soft_trim_usage:
-            raise ValueError("grow_below_usage must not exceed soft_trim_usage")
-        if self.repeat_cut > min(self.preemption_cut, self.queue_cut):
-            raise ValueError("repeat_cut must cut at least as hard as preemption_cut and queue_cut")
-        return self
-
-    @property
-    def fixed(self) -> bool:
-        """Whether the cap is fixed (min_inflight == max_inflight)."""
-        return self.min_inflight == self.max_inflight
-
-
-class EngineReading(BaseModel):
-    """One engine's load at one poll, from its /metrics."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    engine_id: str = Field(min_length=1)
-    at: float
-    """When the reading was taken (seconds, same clock as `AdmissionController.step`'s ``now``)."""
-    kv_usage: float = Field(ge=0.0, le=1.0)
-    """Fraction of the KV cache in use."""
-    running: int = Field(ge=0)
-    """Requests in the running batch."""
-    waiting_capacity: int = Field(ge=0)
-    """Requests waiting for KV capacity."""
-    preemptions_total: float = Field(ge=0.0)
-    """Cumulative preemptions (a counter; it only resets when the engine restarts)."""
-    kv_capacity_tokens: int = Field(ge=1)
-    """KV cache size in tokens."""
+__all__ = [
+    "CANCEL_REASON",
+    "AdmissionConfig",
+    "AdmissionController",
+    "AdmissionState",
+    "Decision",
+    "EngineReading",
+    "Inflight",
+    "youngest",
+]
 
 
 class Inflight(BaseModel):
@@ -173,30 +99,15 @@ class Decision(BaseModel):
     """Worst healthy engine's KV usage; None without a healthy engine."""
 
 
-class AdmissionState(BaseModel):
-    """Everything the controller remembers; small, so a workflow carries it across continue-as-new."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    cap: int | None = None
-    polls: int = 0
-    last_step_at: float | None = None
-    ties_at_last_step: int = 0
-    """Rollouts seen at the last step with admitted_at == last_step_at (already counted as admitted)."""
-    preemptions: dict[str, float] = Field(default_factory=dict)
-    queue_streak: int = 0
-    draining: bool = False
-    drained_at_poll: int | None = None
-    admitted_since_change: int = 0
-    window_start: float | None = None
-    window_admitted: int = 0
-
-
 class AdmissionController:
     """Adaptive in-flight cap; see the module docstring for the rules."""
 
-    def __init__(self, config: AdmissionConfig, state: AdmissionState | None = None) -> None:
+    def __init__(
+        self, config: AdmissionConfig, state: AdmissionState | None = None, group_size: int = 1
+    ) -> None:
         self.config = config
+        self.group_size = group_size
+        """Rollouts per group: the admission window always lets at least one whole group in."""
         self.state = state.model_copy(deep=True) if state is not None else AdmissionState()
 
     def step(self, now: float, readings: Sequence[EngineReading], inflight: Sequence[Inflight]) -> Decision:
@@ -332,7 +243,7 @@ class AdmissionController:
             return room
         if st.window_start is None or now - st.window_start >= cfg.admit_window_s:
             st.window_start, st.window_admitted = now, 0
-        per_window = max(cfg.group_size, math.ceil(cfg.admit_window_fraction * cap))
+        per_window = max(self.group_size, math.ceil(cfg.admit_window_fraction * cap))
         return max(0, min(room, per_window - st.window_admitted))
 
     def _initial_cap(self, healthy: dict[str, EngineReading]) -> int:

@@ -19,8 +19,10 @@ import hashlib
 import math
 from collections.abc import Mapping
 
+from pydantic import BaseModel, ConfigDict
+
+from contracts.types import GroupCounts, GroupSlot, PoolStatus, TokenBucket
 from workflows.admission import Inflight
-from workflows.types import GroupCounts, GroupSlot, PoolStatus, TokenBucket
 
 
 def replica_order(urls: list[str], key: str) -> list[str]:
@@ -112,3 +114,62 @@ def sandbox_room(pool: PoolStatus | None, inflight: int) -> tuple[int, int]:
         return (1 << 30, 1 << 30)
     used = max(inflight, pool.in_use)
     return max(0, pool.max_size - used), max(0, pool.ready - used)
+
+
+class Room(BaseModel):
+    """What one admission round may start: rollouts, groups, and why it is less than the controller's."""
+
+    model_config = ConfigDict(frozen=True)
+
+    rollouts: int
+    """Rollouts that may start (the controller's admit, cut by the sandbox pool and its token bucket)."""
+    ready: int
+    """Of those, how many find a ready sandbox slot (the rest wait for a slot that is starting)."""
+    max_groups: int
+    """Groups that may be in flight (run.max_inflight_groups, cut by the trainer queue limit)."""
+    bucket: TokenBucket | None
+    reasons: list[str]
+
+
+def admission_room(
+    admit: int,
+    now: float,
+    inflight: int,
+    groups_inflight: int,
+    pool: PoolStatus | None,
+    bucket: TokenBucket | None,
+    tasks_per_minute: float,
+    group_size: int,
+    max_inflight_groups: int,
+    max_queued_groups: int | None,
+    unconsumed_groups: int,
+) -> Room:
+    """Cut the controller's ``admit`` to what the sandbox pool and the trainer queue allow.
+
+    Admissions that would wait for a sandbox slot still starting are paced by a tasks-per-minute token
+    bucket (burst one group); ``max_queued_groups`` stops admission while groups in flight plus complete
+    groups the feed has not taken reach it.
+    """
+    room, reasons, ready = admit, [], 1 << 30
+    if pool is not None:
+        limit, ready = sandbox_room(pool, inflight)
+        wanted = min(room, limit)
+        if wanted > ready:  # some would wait for a slot to start: pace them by the bucket
+            bucket = take_tokens(bucket, now, tasks_per_minute / 60.0, float(group_size))
+            wanted = min(wanted, ready + int(bucket.tokens))
+        if wanted < room:
+            reasons.append(f"sandbox pool {pool.model_dump()}: admit {room} -> {wanted}")
+        room = wanted
+    max_groups = max_inflight_groups
+    if max_queued_groups is not None:  # freshness: do not outrun the trainer
+        max_groups = min(max_groups, max_queued_groups - unconsumed_groups)
+        if groups_inflight >= max_groups:
+            reasons.append(f"queue: {unconsumed_groups} groups wait for the trainer")
+    return Room(rollouts=room, ready=ready, max_groups=max_groups, bucket=bucket, reasons=reasons)
+
+
+def spend_bucket(bucket: TokenBucket | None, admitted: int, ready: int) -> TokenBucket | None:
+    """The bucket after ``admitted`` rollouts started, of which only those beyond ``ready`` wait."""
+    if bucket is None or admitted <= ready:
+        return bucket
+    return bucket.model_copy(update={"tokens": max(0.0, bucket.tokens - float(admitted - ready))})

@@ -16,18 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import zlib
-from datetime import timedelta
 
 from temporalio import workflow
-from temporalio.common import RetryPolicy, TypedSearchAttributes
+from temporalio.common import SearchAttributePair, TypedSearchAttributes
 from temporalio.exceptions import ChildWorkflowError
 
 with workflow.unsafe.imports_passed_through():
-    from workflows import search_attributes as sa
-    from workflows.admission import CANCEL_REASON
-    from workflows.grpo import group_stats
-    from workflows.rollout import FINALIZE_RETRY, RolloutWorkflow
-    from workflows.types import (
+    from activities.rollout import RolloutActivities
+    from contracts.types import (
         FinalizeGroupInput,
         FinalizeRolloutInput,
         GroupInput,
@@ -37,6 +33,11 @@ with workflow.unsafe.imports_passed_through():
         RolloutResult,
         rollout_id,
     )
+    from workflows import search_attributes as sa
+    from workflows.admission import CANCEL_REASON
+    from workflows.calls import call
+    from workflows.grpo import group_stats
+    from workflows.rollout import RolloutWorkflow
 
 
 def member_seed(base: int | None, rid: str) -> int | None:
@@ -91,15 +92,14 @@ class GroupWorkflow:
                 "wasted_tokens": sum(r.wasted_tokens for r in cancelled),
             }
         )
-        await workflow.execute_local_activity(
-            "finalize_group",
-            FinalizeGroupInput(record=record, advantages=advantages),
-            start_to_close_timeout=timedelta(seconds=60),
-            retry_policy=FINALIZE_RETRY,
-        )
+        await call(RolloutActivities.finalize_group, FinalizeGroupInput(record=record, advantages=advantages))
         await workflow.wait_condition(workflow.all_handlers_finished)
         if inp.run_workflow_id:
-            await workflow.get_external_workflow_handle(inp.run_workflow_id).signal("group_done", record)
+            with workflow.unsafe.imports_passed_through():  # run.py imports this module: resolve late
+                from workflows.run import RunWorkflow
+
+            run = workflow.get_external_workflow_handle_for(RunWorkflow.run, inp.run_workflow_id)
+            await run.signal(RunWorkflow.group_done, record)
         return record
 
     async def _slot(self, inp: GroupInput, i: int, attempts: list[RolloutResult]) -> None:
@@ -112,11 +112,11 @@ class GroupWorkflow:
                 id=m.rollout_id,
                 search_attributes=TypedSearchAttributes(
                     [
-                        sa.RUN.value_set(inp.run_id),
-                        sa.GROUP.value_set(inp.group_id),
-                        sa.TASK.value_set(inp.task_id),
-                        sa.ENV.value_set(m.env),
-                        sa.PHASE.value_set("queued"),
+                        SearchAttributePair(sa.RUN, inp.run_id),
+                        SearchAttributePair(sa.GROUP, inp.group_id),
+                        SearchAttributePair(sa.TASK, inp.task_id),
+                        SearchAttributePair(sa.ENV, m.env.name),
+                        SearchAttributePair(sa.PHASE, "queued"),
                     ]
                 ),
             )
@@ -154,15 +154,15 @@ class GroupWorkflow:
     async def _record_dead_member(self, m: RolloutInput, e: ChildWorkflowError) -> RolloutResult:
         """A member whose workflow died (terminated, timed out) is failed (infra) and still recorded."""
         reason = f"infra: child workflow {type(e.cause).__name__}: {e.cause}"[:500]
-        await workflow.execute_activity(
-            "finalize_rollout",
+        await call(
+            RolloutActivities.finalize_rollout,
             FinalizeRolloutInput(
                 run_id=m.run_id,
                 group_id=m.group_id,
                 rollout_id=m.rollout_id,
                 task_id=m.task_id,
                 sample_index=m.sample_index,
-                env=m.env,
+                env=m.env.name,
                 outcome=Outcome.FAILED,
                 reason=reason,
                 reward=None,
@@ -170,8 +170,6 @@ class GroupWorkflow:
                 sampling=m.sampling,
                 turns=0,
             ),
-            start_to_close_timeout=timedelta(seconds=60),
-            retry_policy=RetryPolicy(maximum_interval=timedelta(seconds=30)),
         )
         return RolloutResult(
             rollout_id=m.rollout_id, sample_index=m.sample_index, outcome=Outcome.FAILED, reason=reason

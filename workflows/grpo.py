@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from workflows.types import GroupResult, Outcome, RolloutResult
+from contracts.types import GroupResult, Outcome, RolloutResult
 
 
 def group_stats(

@@ -12,19 +12,16 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from datetime import timedelta
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from temporalio import workflow
-from temporalio.common import RetryPolicy
+from temporalio.common import SearchAttributeKey
 from temporalio.exceptions import ActivityError, ApplicationError
 
 with workflow.unsafe.imports_passed_through():
-    from errors import failure_kind
-    from workflows import search_attributes as sa
-    from workflows.admission import CANCEL_REASON
-    from workflows.coding import CodingSteps
-    from workflows.dispatch import replica_order
-    from workflows.types import (
+    from activities.environment import EnvironmentActivities
+    from activities.rollout import RolloutActivities, engine_retry
+    from contracts.types import (
         EnvStepInput,
         EnvStepResult,
         FailureKind,
@@ -36,14 +33,19 @@ with workflow.unsafe.imports_passed_through():
         PrepareResult,
         RolloutInput,
         RolloutResult,
+        RolloutState,
         StoredOutcome,
         TruncationReason,
         TurnResult,
     )
+    from errors import EngineUnavailable, error_type, failure_kind, is_error
+    from workflows import search_attributes as sa
+    from workflows.admission import CANCEL_REASON
+    from workflows.calls import call
+    from workflows.dispatch import replica_order
+    from workflows.sandbox_steps import SandboxSteps
 
 T = TypeVar("T")
-FINALIZE_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=30))
-ENV_RETRY = RetryPolicy(maximum_attempts=3, non_retryable_error_types=["EnvironmentFailure"])
 
 
 def rollout_replicas(inp: RolloutInput) -> list[str]:
@@ -72,16 +74,12 @@ class _Ended(Exception):
 @workflow.defn(name="RolloutWorkflow")
 class RolloutWorkflow:
     def __init__(self) -> None:
+        self._s = RolloutState()
         self._phase = Phase.PREPARE
-        self._turn = 0
-        self._tokens = 0
-        self._version: str | None = None
-        self._coding: CodingSteps | None = None
         self._indexed: dict[str, object] = {}
         self._order: list[str] = []
         self._engine = ""
-        self._failovers = self._reprefill = 0
-        self._sampled = self._step_sampled = self._partial_steps = 0
+        self._sandbox: SandboxSteps | None = None
         self._cancel_reason: str | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -98,55 +96,55 @@ class RolloutWorkflow:
         """Live state: phase, turn, tokens so far and the policy version of the last turn."""
         return {
             "phase": self._phase.value,
-            "turn": self._turn,
-            "tokens": self._tokens,
-            "version": self._version,
+            "turn": self._s.turn,
+            "tokens": self._s.tokens,
+            "version": self._s.version,
         }
 
     def _enter(self, phase: Phase, index: bool = True, outcome: Outcome | None = None) -> None:
         """Show the phase live; with index, also upsert the search attributes that changed.
 
         Upserts cost history bytes and a visibility write on the server, so they are sent only when the
-        phase, the policy version or the outcome changes (the turn rides along; a math rollout, whose phase
-        stays "generate", indexes its turn at start and end only, while the live details and the ``state``
-        query always show it), and instant phases (a math env step) show in the current-details text only.
+        phase, the policy version or the outcome changes (the turn rides along; a rollout whose phase
+        stays "generate", as with inline env steps, indexes its turn at start and end only, while the live
+        details and the ``state`` query always show it), and instant phases (an inline env step) show in
+        the current-details text only.
         """
+        s = self._s
         changed_phase = phase != self._phase
         self._phase = phase
         if index and (
-            changed_phase or outcome is not None or self._version != self._indexed.get(sa.POLICY_VERSION.name)
+            changed_phase or outcome is not None or s.version != self._indexed.get(sa.POLICY_VERSION.name)
         ):
-            wanted = {
+            wanted: dict[SearchAttributeKey[Any], Any] = {
                 sa.PHASE: phase.value,
-                sa.TURN: self._turn,
-                sa.POLICY_VERSION: self._version,
+                sa.TURN: s.turn,
+                sa.POLICY_VERSION: s.version,
                 sa.OUTCOME: outcome.value if outcome else None,
             }
             changed = {k: v for k, v in wanted.items() if v is not None and self._indexed.get(k.name) != v}
             if changed:
-                workflow.upsert_search_attributes([k.value_set(v) for k, v in changed.items()])  # type: ignore[attr-defined]
+                workflow.upsert_search_attributes([k.value_set(v) for k, v in changed.items()])
                 self._indexed.update({k.name: v for k, v in changed.items()})
         workflow.set_current_details(
-            f"phase={phase.value} turn={self._turn} tokens={self._tokens} version={self._version}"
+            f"phase={phase.value} turn={s.turn} tokens={s.tokens} version={s.version}"
         )
 
     @workflow.run
     async def run(self, inp: RolloutInput) -> RolloutResult:
-        self._turn, self._tokens = inp.turns_done, inp.num_tokens
-        started = inp.started_at if inp.started_at is not None else workflow.now().timestamp()
+        s = self._s = inp.state.model_copy() if inp.state is not None else RolloutState()
+        if s.started_at is None:
+            s.started_at = workflow.now().timestamp()
+        started = s.started_at
         self._order = rollout_replicas(inp)
-        self._failovers, self._reprefill = inp.engine_failovers, inp.reprefill_tokens
-        self._sampled = inp.sampled_tokens
-        self._step_sampled, self._partial_steps = inp.step_sampled, inp.partial_steps
-        self._engine = self._order[min(inp.engine_failovers, len(self._order) - 1)]
-        if inp.env == "coding":
-            self._coding = CodingSteps(inp, self._engine)
-            self._coding.replays = inp.sandbox_replays
+        self._engine = self._order[min(s.engine_failovers, len(self._order) - 1)]
+        if inp.env.uses_sandbox:
+            self._sandbox = SandboxSteps(inp, s)
         remaining = inp.timeout_s - (workflow.now().timestamp() - started)
         try:
             if remaining <= 0:
                 raise TimeoutError
-            self._task = asyncio.ensure_future(self._loop(inp, started))
+            self._task = asyncio.ensure_future(self._loop(inp))
             if self._cancel_reason is not None:  # told to cancel before the loop existed
                 self._task.cancel()
             await asyncio.wait_for(self._task, timeout=remaining)
@@ -167,93 +165,71 @@ class RolloutWorkflow:
             ended = _Ended(Outcome.TRUNCATED, TruncationReason.TIMEOUT.value) if timed_out else _failure(e)
         return await self._finalize(inp, ended)
 
-    async def _loop(self, inp: RolloutInput, started: float) -> None:
-        if self._turn == 0 and self._tokens == 0 and self._coding is not None:
-            # A math rollout's prompt is rendered by its first model call's activity (one step less).
+    async def _loop(self, inp: RolloutInput) -> None:
+        s = self._s
+        if s.turn == 0 and s.tokens == 0 and self._sandbox is not None:
+            # Without a sandbox the prompt is built by the first model call's activity (one step less).
             self._enter(Phase.PREPARE)
-            await self._coding.create()
+            await self._sandbox.create(self._engine)
             prep: PrepareResult = await self._with_failover(inp, self._prepare_on)
-            self._tokens = prep.prompt_tokens
+            s.tokens = prep.prompt_tokens
         while True:
-            if self._turn >= inp.max_turns:
+            if s.turn >= inp.max_turns:
                 raise await self._score_truncated(inp, TruncationReason.MAX_TURNS)
-            if inp.step_token_budget and self._step_sampled >= inp.step_token_budget:
+            if inp.step_token_budget and s.step_sampled >= inp.step_token_budget:
                 await self._await_newer_policy(inp)
-            budget = inp.max_total_tokens - self._tokens
+            budget = inp.max_total_tokens - s.tokens
             if budget <= 0:
                 raise await self._score_truncated(inp, TruncationReason.TOKEN_BUDGET)
-            last = self._turn + 1 >= inp.max_turns
+            last = s.turn + 1 >= inp.max_turns
             turn = await self._generate(inp, min(budget, inp.sampling.max_tokens), last)
             if turn.truncated_reason is not None:
                 raise await self._score_truncated(inp, turn.truncated_reason)
             if turn.finish_reason == "length" and turn.end >= inp.max_total_tokens:
                 raise await self._score_truncated(inp, TruncationReason.TOKEN_BUDGET)
             step = turn.env if turn.env is not None else await self._env_step(inp, last=last)
-            self._turn += 1
+            s.turn += 1
             if step.done:
                 raise _Ended(Outcome.COMPLETED, None, step.reward)
-            self._tokens += step.observation_tokens
+            s.tokens += step.observation_tokens
             if step.truncated_reason is not None:
                 raise await self._score_truncated(inp, step.truncated_reason)
             if workflow.info().is_continue_as_new_suggested():
                 await workflow.wait_condition(workflow.all_handlers_finished)
-                workflow.continue_as_new(
-                    inp.model_copy(
-                        update={
-                            "turns_done": self._turn,
-                            "num_tokens": self._tokens,
-                            "started_at": started,
-                            "sandbox_replays": self._coding.replays if self._coding else 0,
-                            "engine_failovers": self._failovers,
-                            "reprefill_tokens": self._reprefill,
-                            "sampled_tokens": self._sampled,
-                            "step_sampled": self._step_sampled,
-                            "partial_steps": self._partial_steps,
-                        }
-                    )
-                )
+                workflow.continue_as_new(inp.model_copy(update={"state": s}))
 
     async def _await_newer_policy(self, inp: RolloutInput) -> None:
         """Partial rollouts: wait (durable timers, no engine resources held) for the next publish."""
+        s = self._s
         self._enter(Phase.PAUSED)
-        seen = await self._latest_policy()
-        while (latest := await self._latest_policy()) == seen:
+        seen = await call(RolloutActivities.latest_policy_version)
+        while (latest := await call(RolloutActivities.latest_policy_version)) == seen:
             workflow.set_current_details(
-                f"phase=paused turn={self._turn} tokens={self._tokens}: waiting for a version after {seen}"
+                f"phase=paused turn={s.turn} tokens={s.tokens}: waiting for a version after {seen}"
             )
             await workflow.sleep(inp.partial_poll_s)
-        self._partial_steps += 1
-        self._step_sampled = 0
+        s.partial_steps += 1
+        s.step_sampled = 0
         workflow.logger.info("rollout %s: resumes under %s (was %s)", inp.rollout_id, latest, seen)
-
-    async def _latest_policy(self) -> str | None:
-        return await workflow.execute_local_activity(
-            "latest_policy_version",
-            result_type=str,
-            start_to_close_timeout=timedelta(seconds=30),
-            retry_policy=RetryPolicy(maximum_interval=timedelta(seconds=10)),
-        )
 
     async def _generate(self, inp: RolloutInput, max_tokens: int, last: bool) -> TurnResult:
         return await self._with_failover(
             inp, lambda i, engine: self._generate_on(i, engine, max_tokens, last)
         )
 
-    async def _with_failover(self, inp: RolloutInput, call: Callable[[RolloutInput, str], Awaitable[T]]) -> T:
+    async def _with_failover(self, inp: RolloutInput, step: Callable[[RolloutInput, str], Awaitable[T]]) -> T:
         """Run an engine step; an engine unreachable past its retries moves the rollout on a replica."""
+        s = self._s
         while True:
             try:
-                return await call(inp, self._engine)
+                return await step(inp, self._engine)
             except (ActivityError, ApplicationError) as e:
-                cause = e.cause if isinstance(e, ActivityError) else e
-                gone = isinstance(cause, ApplicationError) and cause.type == "EngineUnavailable"
-                if not (gone and inp.engine.failover and self._failovers + 1 < len(self._order)):
+                gone = is_error(e, EngineUnavailable)
+                if not (gone and inp.engine.failover and s.engine_failovers + 1 < len(self._order)):
                     raise
-            self._failovers += 1
-            self._reprefill += self._tokens  # the new replica prefills the whole context again
-            self._engine = self._order[self._failovers]
-            if self._coding is not None:
-                self._coding.engine = self._engine
+            s.engine_failovers += 1
+            s.reprefill_tokens += s.tokens  # the new replica prefills the whole context again
+            self._engine = self._order[s.engine_failovers]
             workflow.logger.warning("rollout %s: failing over to %s", inp.rollout_id, self._engine)
 
     def _prepare_input(self, inp: RolloutInput, engine: str) -> PrepareInput:
@@ -263,29 +239,26 @@ class RolloutWorkflow:
             task_id=inp.task_id,
             engine_url=engine,
             model=inp.engine.model,
-            env=inp.env,
+            env=inp.env.name,
         )
 
     async def _prepare_on(self, inp: RolloutInput, engine: str) -> PrepareResult:
-        return await workflow.execute_local_activity(
-            "prepare_rollout",
-            self._prepare_input(inp, engine),
-            result_type=PrepareResult,
-            start_to_close_timeout=timedelta(seconds=30),
-            retry_policy=_engine_retry(inp),
+        return await call(
+            RolloutActivities.prepare_rollout, self._prepare_input(inp, engine), retry=engine_retry(inp.retry)
         )
 
     async def _generate_on(self, inp: RolloutInput, engine: str, max_tokens: int, last: bool) -> TurnResult:
+        s = self._s
         self._enter(Phase.GENERATE)
-        # The math env step (detokenize, verify, maybe one observation) rides in the model call's
-        # activity: one workflow task per turn instead of two. Sandboxed envs step in their own activities.
-        env_after = self._math_step_input(inp, last) if self._coding is None else None
-        prepare = self._prepare_input(inp, engine) if self._coding is None and self._tokens == 0 else None
-        turn: TurnResult = await workflow.execute_activity(
-            "generate_turn",
+        # An environment with inline steps is stepped inside the model call's activity: one workflow task
+        # per turn instead of two. Others step in their own activity.
+        env_after = self._step_input(inp, last) if inp.env.inline_steps else None
+        prepare = self._prepare_input(inp, engine) if self._sandbox is None and s.tokens == 0 else None
+        turn: TurnResult = await call(
+            RolloutActivities.generate_turn,
             GenerateInput(
                 rollout_id=inp.rollout_id,
-                turn=self._turn,
+                turn=s.turn,
                 engine_url=engine,
                 model=inp.engine.model,
                 sampling=inp.sampling,
@@ -294,38 +267,31 @@ class RolloutWorkflow:
                 max_total_tokens=inp.max_total_tokens,
                 prepare=prepare,
             ),
-            result_type=TurnResult,
-            start_to_close_timeout=timedelta(seconds=inp.engine.request_timeout_s + 30),
-            heartbeat_timeout=timedelta(seconds=10),
-            retry_policy=_engine_retry(inp),
+            retry=engine_retry(inp.retry),
+            start_to_close=timedelta(seconds=inp.engine.request_timeout_s + 30),
         )
-        self._tokens = turn.end
-        self._sampled += turn.end - turn.start
-        self._step_sampled += turn.end - turn.start
+        s.tokens = turn.end
+        s.sampled_tokens += turn.end - turn.start
+        s.step_sampled += turn.end - turn.start
         if turn.policy_version is not None:
-            self._version = turn.policy_version
+            s.version = turn.policy_version
         return turn
 
     async def _env_step(self, inp: RolloutInput, last: bool, score_only: bool = False) -> EnvStepResult:
-        self._enter(Phase.ENV, index=self._coding is not None)
-        if self._coding is not None:
-            return await self._coding.step(self._turn, score_only=score_only)
-        # Scoring a truncated rollout: the math env step as a local activity (one marker event).
-        return await workflow.execute_local_activity(
-            "env_step",
-            self._math_step_input(inp, last, score_only),
-            result_type=EnvStepResult,
-            start_to_close_timeout=timedelta(seconds=30),
-            retry_policy=ENV_RETRY,
-        )
+        self._enter(Phase.ENV, index=not inp.env.inline_steps)
+        step = self._step_input(inp, last, score_only)
+        run = lambda: call(EnvironmentActivities.env_step, step)  # noqa: E731
+        if self._sandbox is None:
+            return await run()
+        return await self._sandbox.recovering(self._engine, self._s.turn, run)
 
-    def _math_step_input(self, inp: RolloutInput, last: bool, score_only: bool = False) -> EnvStepInput:
+    def _step_input(self, inp: RolloutInput, last: bool, score_only: bool = False) -> EnvStepInput:
         return EnvStepInput(
             run_id=inp.run_id,
             rollout_id=inp.rollout_id,
             task_id=inp.task_id,
-            env=inp.env,
-            turn=self._turn,
+            env=inp.env.name,
+            turn=self._s.turn,
             last_turn=last,
             score_only=score_only,
             engine_url=self._engine,
@@ -341,41 +307,30 @@ class RolloutWorkflow:
 
     async def _finalize(self, inp: RolloutInput, ended: _Ended) -> RolloutResult:
         self._enter(Phase.FINALIZE, index=False)
-        extra: dict = {}
-        if self._coding is not None:
-            await self._coding.destroy()
-            extra["sandbox_replays"] = self._coding.replays
-            if self._coding.slot_waits:
-                extra["sandbox_slot_waits"] = self._coding.slot_waits
-        if self._partial_steps:
-            extra["partial_steps"] = self._partial_steps
-        if self._failovers:
-            extra.update(engine_failovers=self._failovers, reprefill_tokens=self._reprefill)
-        if ended.outcome == Outcome.TRUNCATED:
-            extra["score_truncated"] = inp.score_truncated  # whether this run scores truncated rollouts
-        if ended.reason == CANCEL_REASON:
-            extra["wasted_tokens"] = self._sampled
+        s = self._s
+        if self._sandbox is not None:
+            await self._sandbox.destroy()
         scorable = ended.reward is not None and ended.outcome in (Outcome.COMPLETED, Outcome.TRUNCATED)
-        stored: StoredOutcome = await workflow.execute_local_activity(
-            "finalize_rollout",
+        stored: StoredOutcome = await call(
+            RolloutActivities.finalize_rollout,
             FinalizeRolloutInput(
                 run_id=inp.run_id,
                 group_id=inp.group_id,
                 rollout_id=inp.rollout_id,
                 task_id=inp.task_id,
                 sample_index=inp.sample_index,
-                env=inp.env,
+                env=inp.env.name,
                 outcome=ended.outcome,
                 reason=ended.reason,
                 reward=ended.reward if scorable else None,
                 scorable=scorable,
                 sampling=inp.sampling,
-                turns=self._turn,
-                extra=extra,
+                turns=s.turn,
+                state=s,
+                uses_sandbox=inp.env.uses_sandbox,
+                score_truncated=inp.score_truncated if ended.outcome == Outcome.TRUNCATED else None,
+                wasted_tokens=s.sampled_tokens if ended.reason == CANCEL_REASON else None,
             ),
-            result_type=StoredOutcome,
-            start_to_close_timeout=timedelta(seconds=60),
-            retry_policy=FINALIZE_RETRY,
         )
         if (stored.outcome, stored.reason) != (ended.outcome, ended.reason):
             workflow.logger.warning(
@@ -390,25 +345,15 @@ class RolloutWorkflow:
             reason=stored.reason,
             reward=stored.reward,
             scorable=stored.scorable,
-            num_tokens=self._tokens,
-            turns=self._turn,
+            num_tokens=s.tokens,
+            turns=s.turn,
             wasted_tokens=stored.wasted_tokens,
         )
 
 
-def _engine_retry(inp: RolloutInput) -> RetryPolicy:
-    return RetryPolicy(
-        initial_interval=timedelta(seconds=inp.retry.initial_s),
-        maximum_interval=timedelta(seconds=inp.retry.max_s),
-        maximum_attempts=inp.retry.max_attempts,
-        non_retryable_error_types=["EngineBadRequest", "TaskFileError", "EnvironmentFailure"],
-    )
-
-
 def _failure(e: ActivityError | ApplicationError) -> _Ended:
     """Attribute a finally-failed activity: environment errors vs everything else (infrastructure)."""
-    cause = e.cause if isinstance(e, ActivityError) else e
-    err_type = cause.type if isinstance(cause, ApplicationError) else type(cause).__name__
-    message = cause.message if isinstance(cause, ApplicationError) else str(cause)
+    app = e.cause if isinstance(e, ActivityError) else e
+    message = app.message if isinstance(app, ApplicationError) else str(app)
     kind = FailureKind(failure_kind(e))
-    return _Ended(Outcome.FAILED, f"{kind.value}: {err_type}: {message}"[:500])
+    return _Ended(Outcome.FAILED, f"{kind.value}: {error_type(e)}: {message}"[:500])

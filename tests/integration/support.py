@@ -13,10 +13,10 @@ from typing import Any
 from jsonschema import Draft202012Validator  # type: ignore[import-untyped]
 from temporalio.client import Client
 
-from activities.rollout import RolloutActivities
 from config.load import config_hash, load_config
 from config.models import Config
 from config.paths import REPO_ROOT
+from contracts.types import RunInput, RunProgress
 from engines.client import EngineClient
 from records.export import export_run, iter_run
 from records.models import RECORDS, committed_schema
@@ -24,7 +24,6 @@ from sandboxes import DockerBackend
 from store.runstore import RunStore
 from workers.worker import build_worker
 from workflows.run import RunWorkflow
-from workflows.types import RunInput, RunProgress
 
 TASKS = REPO_ROOT / "envs" / "data" / "addition.jsonl"
 CODING_TASKS = REPO_ROOT / "envs" / "data" / "coding.jsonl"
@@ -53,7 +52,7 @@ async def worker(
     store = RunStore(home)
     engine = EngineClient()
     try:
-        async with build_worker(client, task_queue, RolloutActivities(store, engine), sandboxed=sandboxed):
+        async with build_worker(client, task_queue, store, engine, sandboxed=sandboxed):
             yield store
     finally:
         await engine.aclose()
@@ -62,7 +61,7 @@ async def worker(
 async def start_run(client: Client, cfg: Config, run_id: str):
     return await client.start_workflow(
         RunWorkflow.run,
-        RunInput(run_id=run_id, config=cfg.model_dump(mode="json"), config_hash=config_hash(cfg)),
+        RunInput(run_id=run_id, config=cfg, config_hash=config_hash(cfg)),
         id=run_id,
         task_queue=cfg.temporal.task_queue,
     )

@@ -15,6 +15,7 @@ import pytest
 from temporalio.client import Client
 
 from config.paths import REPO_ROOT
+from contracts.types import group_id, rollout_id
 from sandboxes import DockerBackend
 from simengine import Mode, ModeRule, SimEngine, SimSettings
 from tests.conftest import Engine
@@ -28,7 +29,6 @@ from tests.integration.support import (
     wait_for_first_command,
     worker,
 )
-from workflows.types import group_id, rollout_id
 
 MODES = {
     "ref": Mode.REFERENCE,

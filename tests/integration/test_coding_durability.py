@@ -12,6 +12,7 @@ import pytest
 from temporalio.client import Client
 from temporalio.testing import WorkflowEnvironment
 
+from contracts.types import group_id, rollout_id
 from sandboxes import DockerBackend
 from simengine import Mode, ModeRule, SimEngine, SimSettings
 from store.runstore import RunStore
@@ -27,7 +28,6 @@ from tests.integration.support import (
 )
 from tests.integration.test_durability import spawn_worker
 from workers import procs
-from workflows.types import group_id, rollout_id
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ from temporalio.client import Client
 from config.load import config_hash
 from config.paths import venv_bin
 from envs import math as math_env
+from envs.math import MathEnvironment
 from tests.conftest import POLICY_VERSION, Engine
 from tests.integration.support import export, make_config, run_to_end, worker
 from workers import procs
@@ -71,7 +72,7 @@ async def test_records_reproduce_from_the_stored_config_and_mismatches_are_one_l
     assert done.stdout.startswith(f"rollout {rid}: reproduced: ")
 
     # The verifier changed since the record was made: same tokens, but the lineage says so.
-    monkeypatch.setattr(math_env, "VERIFIER_VERSION", "math-exact-v2")
+    monkeypatch.setattr(MathEnvironment, "verifier_version", "math-exact-v2")
     rep = await asyncio.to_thread(reproduce, store, RUN, rid)
     assert rep.tokens_match and not rep.ok
     line = rep.line()

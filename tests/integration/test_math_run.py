@@ -11,6 +11,7 @@ import pytest
 from temporalio.client import Client
 from transformers import AutoTokenizer
 
+from contracts.types import group_id, rollout_id
 from envs.math import verify
 from tests.conftest import MODEL_DIR, POLICY_VERSION, Engine, free_port
 from tests.integration.support import (
@@ -24,7 +25,6 @@ from tests.integration.support import (
 )
 from workflows.rollout import pick_engine
 from workflows.run import RunWorkflow
-from workflows.types import group_id, rollout_id
 
 
 def assert_consistent(rec: dict) -> None:

@@ -203,13 +203,13 @@ def test_no_readings_at_all_admit_nothing():
 
 
 def test_admission_window_paces_new_rollouts():
-    ctl = AdmissionController(cfg(admit_window_s=5.0, group_size=4))
+    ctl = AdmissionController(cfg(admit_window_s=5.0), group_size=4)
     d = ctl.step(0.0, [reading()], [])
     assert d.admit == 10  # max(group_size 4, 10% of cap 100)
     started = [Inflight(rollout_id=f"a{i}", admitted_at=0.0) for i in range(d.admit)]
     assert ctl.step(1.0, [reading(at=1.0)], started).admit == 0  # window spent
     assert ctl.step(5.0, [reading(at=5.0)], started).admit == 10  # next window
-    wide = AdmissionController(cfg(admit_window_s=5.0, group_size=16))
+    wide = AdmissionController(cfg(admit_window_s=5.0), group_size=16)
     assert wide.step(0.0, [reading()], []).admit == 16  # a whole group always fits
 
 

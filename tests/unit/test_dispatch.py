@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from contracts.types import GroupCounts, GroupSlot, PoolStatus
 from workflows.dispatch import (
     cancels_by_group,
     choose_replica,
@@ -19,7 +20,6 @@ from workflows.dispatch import (
     sandbox_room,
     take_tokens,
 )
-from workflows.types import GroupCounts, GroupSlot, PoolStatus
 
 URLS = [f"http://r{i}:8000" for i in range(4)]
 

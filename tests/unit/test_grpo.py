@@ -6,8 +6,8 @@ import math
 
 import pytest
 
+from contracts.types import Outcome, RolloutResult
 from workflows.grpo import group_stats
-from workflows.types import Outcome, RolloutResult
 
 
 def member(i: int, outcome: Outcome = Outcome.COMPLETED, reward: float | None = None) -> RolloutResult:

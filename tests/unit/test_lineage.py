@@ -13,12 +13,12 @@ import pytest
 
 from activities.rollout import RolloutActivities
 from config.load import config_hash, load_config
+from contracts.types import FinalizeRolloutInput, Outcome, RolloutState, SamplingParams
 from envs import coding as coding_env
 from envs import math as math_env
 from records.export import rollout_record, versions_in_order
 from store.runstore import RunStore, Segment
 from workers.reproduce import ReproduceError, Reproduction, reproduce
-from workflows.types import FinalizeRolloutInput, Outcome, SamplingParams
 
 RUN = "lin"
 SAMPLING = SamplingParams(
@@ -55,7 +55,7 @@ async def finalize(store: RunStore, rid: str, env: str = "math") -> None:
     inp = FinalizeRolloutInput(
         run_id=RUN, group_id="g000000", rollout_id=rid, task_id="t1", sample_index=0, env=env,
         outcome=Outcome.COMPLETED, reason=None, reward=1.0, scorable=True, sampling=SAMPLING, turns=2,
-        extra={"engine_failovers": 1},
+        state=RolloutState(engine_failovers=1),
     )  # fmt: skip
     assert await acts.finalize_rollout(inp)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from rich.console import Console
 
+from contracts.types import RunProgress
 from workers.progress import summary_table
-from workflows.types import RunProgress
 
 
 def render(table) -> str:

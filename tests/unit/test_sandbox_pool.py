@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from sandboxes.pool import PoolSettings, SandboxPool, SandboxSlotPending
+from sandboxes.pool import SandboxPool, SandboxPoolConfig, SandboxSlotPending
 
-CFG = PoolSettings(initial_size=2, max_size=3, scale_up_latency_s=10.0)
+CFG = SandboxPoolConfig(initial_size=2, max_size=3, scale_up_latency_s=10.0)
 
 
 def test_slots_beyond_the_ready_ones_start_after_the_latency_and_never_beyond_the_limit(
@@ -35,7 +35,7 @@ def test_slots_beyond_the_ready_ones_start_after_the_latency_and_never_beyond_th
 
 def test_a_retried_acquire_holds_one_slot_and_a_waiter_asks_for_one_slot(tmp_path: Path) -> None:
     pool = SandboxPool(tmp_path / "pool.sqlite")
-    cfg = PoolSettings(initial_size=1, max_size=10, scale_up_latency_s=5.0)
+    cfg = SandboxPoolConfig(initial_size=1, max_size=10, scale_up_latency_s=5.0)
     pool.acquire("a", cfg, now=0.0)
     pool.acquire("a", cfg, now=0.1)
     for _ in range(3):
@@ -49,7 +49,7 @@ def test_a_retried_acquire_holds_one_slot_and_a_waiter_asks_for_one_slot(tmp_pat
 
 def test_two_pool_objects_on_one_file_share_the_slots(tmp_path: Path) -> None:
     one, two = SandboxPool(tmp_path / "p.sqlite"), SandboxPool(tmp_path / "p.sqlite")
-    cfg = PoolSettings(initial_size=1, max_size=1, scale_up_latency_s=0.0)
+    cfg = SandboxPoolConfig(initial_size=1, max_size=1, scale_up_latency_s=0.0)
     one.acquire("a", cfg, now=0.0)
     with pytest.raises(SandboxSlotPending):
         two.acquire("b", cfg, now=0.0)

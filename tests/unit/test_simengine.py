@@ -18,6 +18,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from config.paths import REPO_ROOT
+from contracts.types import SamplingParams
 from engines.client import EngineClient, Generation
 from engines.metrics import parse_metrics
 from envs.coding_tasks import load_coding_tasks
@@ -25,7 +26,6 @@ from envs.tool_calls import ToolCall, ToolCallError, parse_tool_call
 from errors import ContextLengthExceeded, EngineBadRequest, EngineUnavailable
 from simengine import SCRIPTED_LOGPROB, Mode, ModeRule, PolicyName, SimEngine, SimSettings
 from simengine.scheduler import PrefixCache, Scheduler
-from workflows.types import SamplingParams
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
+from contracts.types import SamplingParams
 from engines.client import EngineClient
 from engines.metrics import parse_metrics
 from simengine import PolicyName, SimEngine, SimSettings, TimingSettings
@@ -22,7 +23,6 @@ from simengine.clock import PacedClock
 from simengine.policies import heavy_tail_length
 from simengine.steploop import StepLoop
 from simengine.timing import Seq, StepScheduler
-from workflows.types import SamplingParams
 
 pytestmark = pytest.mark.timeout(60)
 

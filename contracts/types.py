@@ -1,21 +1,63 @@
 """Plain data carriers shared by workflows, activities, the store and the CLI.
 
-Invariant: nothing here imports anything heavier than pydantic, and nothing here carries token arrays:
-these objects travel through Temporal history, where only keys, counts and small scalars belong.
+Invariant: nothing here imports anything heavier than pydantic and the config models, and nothing here
+carries token arrays: these objects travel through Temporal history, where only keys, counts and small
+scalars belong. Each workflow has one input model (its per-run settings) and one state model (what it
+carries across continue-as-new), never one object that is both.
 """
 
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from workflows.admission import AdmissionState, EngineReading
+from config.models import Config
+from sandboxes.base import SandboxSpec
+from sandboxes.pool import PoolStatus, SandboxPoolConfig
 
 
 class _Data(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+class EngineReading(BaseModel):
+    """One engine's load at one poll, from its /metrics."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    engine_id: str = Field(min_length=1)
+    at: float
+    """When the reading was taken (seconds, same clock as `AdmissionController.step`'s ``now``)."""
+    kv_usage: float = Field(ge=0.0, le=1.0)
+    """Fraction of the KV cache in use."""
+    running: int = Field(ge=0)
+    """Requests in the running batch."""
+    waiting_capacity: int = Field(ge=0)
+    """Requests waiting for KV capacity."""
+    preemptions_total: float = Field(ge=0.0)
+    """Cumulative preemptions (a counter; it only resets when the engine restarts)."""
+    kv_capacity_tokens: int = Field(ge=1)
+    """KV cache size in tokens."""
+
+
+class AdmissionState(BaseModel):
+    """Everything the controller remembers; small, so a workflow carries it across continue-as-new."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    cap: int | None = None
+    polls: int = 0
+    last_step_at: float | None = None
+    ties_at_last_step: int = 0
+    """Rollouts seen at the last step with admitted_at == last_step_at (already counted as admitted)."""
+    preemptions: dict[str, float] = Field(default_factory=dict)
+    queue_streak: int = 0
+    draining: bool = False
+    drained_at_poll: int | None = None
+    admitted_since_change: int = 0
+    window_start: float | None = None
+    window_admitted: int = 0
 
 
 class Outcome(StrEnum):
@@ -74,8 +116,18 @@ class EngineTarget(_Data):
     urls: list[str]
     model: str
     request_timeout_s: float
-    default_policy_version: str
     failover: bool = True
+
+
+class EnvTraits(_Data):
+    """What the workflows need to know of a run's environment (from its class, at load_run): no names."""
+
+    name: str
+    """The registered name (``run.env``): recorded and indexed, never compared by workflow code."""
+    uses_sandbox: bool = False
+    """Rollouts may hold a sandbox (created before the first turn, destroyed at the end)."""
+    inline_steps: bool = False
+    """The env step runs inside the model call's activity (cheap, no sandbox)."""
 
 
 class RetrySettings(_Data):
@@ -87,14 +139,14 @@ class RetrySettings(_Data):
 
 
 class RolloutInput(_Data):
-    """Everything a RolloutWorkflow needs; also its continue-as-new carry."""
+    """Everything a RolloutWorkflow needs: its settings, and (after continue-as-new) its state."""
 
     run_id: str
     group_id: str
     rollout_id: str
     task_id: str
     sample_index: int
-    env: str
+    env: EnvTraits
     sampling: SamplingParams
     engine: EngineTarget
     retry: RetrySettings
@@ -102,27 +154,44 @@ class RolloutInput(_Data):
     max_total_tokens: int
     timeout_s: float
     score_truncated: bool
-    sandbox_spec_json: str = ""
-    """The coding environment's sandbox spec (JSON); empty for environments without a sandbox."""
+    sandbox: SandboxSpec | None = None
+    """The run's default sandbox spec (the environment derives each task's from it); None without one."""
+    pool: SandboxPoolConfig | None = None
+    """The sandbox pool the rollout holds a slot of while its sandbox lives; None = no pool gating."""
     run_workflow_id: str | None = None
-    # Carry across continue-as-new (keys and counters only).
-    turns_done: int = 0
-    num_tokens: int = 0
+    step_token_budget: int | None = None
+    partial_poll_s: float = 5.0
+    preferred_engine: str | None = None
+    """Replica the dispatcher chose for the rollout's group (bounded-load affinity); None = hash order."""
+    state: RolloutState | None = None
+    """The rollout's state when it continued as new; None at its start."""
+
+
+class RolloutState(_Data):
+    """Everything a rollout has counted so far: the one object carried across continue-as-new."""
+
+    turn: int = 0
+    """Model turns completed."""
+    tokens: int = 0
+    """Context length so far (prompt, turns, observations)."""
     started_at: float | None = None
-    sandbox_replays: int = 0
+    """Workflow time of the rollout's start (its wall-clock limit counts from here)."""
+    version: str | None = None
+    """Policy version of the last turn."""
     engine_failovers: int = 0
     reprefill_tokens: int = 0
+    """Tokens the replicas failed over to had to prefill again."""
     sampled_tokens: int = 0
     step_sampled: int = 0
     """Tokens sampled since the last partial-rollout pause (or the start)."""
     partial_steps: int = 0
     """Pauses for a newer policy version so far."""
-    step_token_budget: int | None = None
-    partial_poll_s: float = 5.0
-    preferred_engine: str | None = None
-    """Replica the dispatcher chose for the rollout's group (bounded-load affinity); None = hash order."""
-    pool_json: str = ""
-    """The sandbox pool's config (JSON) for environments with a sandbox."""
+    sandbox: bool = False
+    """A sandbox was created for this rollout (and must be destroyed at its end)."""
+    sandbox_replays: int = 0
+    """Sandboxes lost and replaced by replaying the recorded actions."""
+    sandbox_slot_waits: int = 0
+    """Durable waits for a sandbox pool slot (or a backend that was not ready)."""
 
 
 class PrepareResult(_Data):
@@ -207,24 +276,40 @@ class GroupResult(_Data):
 
 
 class RunInput(_Data):
-    """A run: dispatch groups under a fixed in-flight cap; also the continue-as-new carry."""
+    """A run: its config (typed) and, after continue-as-new, its state."""
 
     run_id: str
-    config: dict
+    config: Config
     config_hash: str = ""
+    state: RunState | None = None
+    """The run's state when it continued as new; None at its start."""
+
+
+class RunState(_Data):
+    """Everything a run carries across continue-as-new (the dispatcher's groups in flight included)."""
+
     num_tasks: int = 0
+    env: EnvTraits | None = None
+    """The environment's traits, from load_run."""
     next_group: int = 0
     groups_done: int = 0
     outcomes: dict[str, int] = Field(default_factory=dict)
     segment: int = 0
-    # The dispatcher's carry (adaptive admission): see workflows/run.py.
     slots: dict[str, GroupSlot] = Field(default_factory=dict)
+    """Groups in flight, by group id (also what group_done signals remove)."""
+    admission_cancelled: int = 0
+    wasted_tokens: int = 0
+    dispatch: DispatchState = Field(default_factory=lambda: DispatchState())
+    """The adaptive dispatcher's carry (unused with a fixed cap)."""
+
+
+class DispatchState(_Data):
+    """The adaptive dispatcher's memory: controller state, last readings, token bucket, decision log."""
+
     admission: AdmissionState | None = None
     readings: dict[str, EngineReading] = Field(default_factory=dict)
     bucket: TokenBucket | None = None
     polls: int = 0
-    admission_cancelled: int = 0
-    wasted_tokens: int = 0
     last_log: DispatchLog | None = None
 
 
@@ -252,17 +337,6 @@ class GroupCounts(_Data):
     admission_cancelled: int = 0
 
 
-class PoolStatus(_Data):
-    """The sandbox pool: slots ready, slots starting (scale-up in progress), slots in use, the limit."""
-
-    ready: int
-    starting: int
-    in_use: int
-    max_size: int
-    waiting: int = 0
-    """Rollouts backing off for a slot."""
-
-
 class DispatchLog(_Data):
     """One dispatcher decision, written to the run store (``rollouts status`` and tests read it)."""
 
@@ -283,8 +357,8 @@ class PollFleetInput(_Data):
     run_id: str
     engine_urls: list[str]
     groups: list[str]
-    pool_json: str = ""
-    """Sandbox pool config (JSON); empty for runs without sandboxes."""
+    pool: SandboxPoolConfig | None = None
+    """The run's sandbox pool; None for runs without sandboxes."""
     log: DispatchLog | None = None
     """The previous decision, to be written to the store (idempotent on its seq)."""
     count_unconsumed: bool = False
@@ -319,6 +393,19 @@ class RunProgress(_Data):
     wasted_tokens: int = 0
 
 
+def sampling_params(cfg: Config) -> SamplingParams:
+    """The behaviour policy's sampling settings of a run (every rollout, and ``rollouts reproduce``)."""
+    return SamplingParams(
+        temperature=cfg.sampling.temperature,
+        top_p=cfg.sampling.top_p,
+        top_k=cfg.sampling.top_k,
+        max_tokens=cfg.sampling.max_tokens,
+        min_tokens=cfg.sampling.min_tokens,
+        seed=cfg.sampling.seed,
+        logprob_mode=cfg.engine.logprob_mode,
+    )
+
+
 def rollout_id(run_id: str, group_id: str, index: int) -> str:
     """Deterministic rollout id (also its workflow id): ``<run>/<group>/<i>``."""
     return f"{run_id}/{group_id}/{index}"
@@ -340,13 +427,20 @@ class LoadRunInput(_Data):
     env: str
 
 
+class LoadRunResult(_Data):
+    """The run is stored with its tasks (read from the store's upload, or the task file)."""
+
+    num_tasks: int
+    env: EnvTraits
+
+
 class PrepareInput(_Data):
     run_id: str
     rollout_id: str
     task_id: str
     engine_url: str
     model: str
-    env: str = "math"
+    env: str
 
 
 class GenerateInput(_Data):
@@ -357,8 +451,8 @@ class GenerateInput(_Data):
     sampling: SamplingParams
     max_tokens: int
     env_after: EnvStepInput | None = None
-    """Run this (cheap, pure) env step in the same activity once the turn is stored, unless the turn
-    was truncated; saves a workflow task per turn (math)."""
+    """Run this env step in the same activity once the turn is stored, unless the turn was truncated
+    (environments with ``inline_steps``); saves a workflow task per turn."""
     max_total_tokens: int = 0
     """The rollout's token limit (prompt + every turn): the call samples at most what is left, and a turn
     that reaches it is truncated (token_budget), not stepped. 0 = no limit beyond max_tokens."""
@@ -392,8 +486,13 @@ class FinalizeRolloutInput(_Data):
     scorable: bool
     sampling: SamplingParams
     turns: int
-    extra: dict[str, Any] = Field(default_factory=dict)
-    """Additional record fields (e.g. sandbox_replays), exported beside the contract's fields."""
+    state: RolloutState = Field(default_factory=lambda: RolloutState())
+    """The rollout's counters (failovers, sandbox replays, ...), stored as the record's optional fields."""
+    uses_sandbox: bool = False
+    score_truncated: bool | None = None
+    """Set on truncated rollouts: whether the run scores them."""
+    wasted_tokens: int | None = None
+    """Set on rollouts cancelled for admission: the tokens they had sampled."""
 
 
 class StoredOutcome(_Data):
@@ -414,30 +513,23 @@ class FinalizeGroupInput(_Data):
 
 
 class SandboxStepInput(_Data):
-    """One sandbox operation of a coding rollout; the action itself is read from the store."""
+    """One sandbox operation of a rollout (create, recover): its sandbox is keyed by the rollout id."""
 
     run_id: str
     rollout_id: str
     task_id: str
+    env: str
     turn: int
     engine_url: str
     model: str
-    spec_json: str = ""
-    pool_json: str = ""
-    """The sandbox pool's settings (JSON) on create; empty = no pool gating."""
-
-
-class ActionResult(_Data):
-    """What one tool call did: the observation (stored) length, or the reward after submit()."""
-
-    tool: str | None
-    observation_tokens: int = 0
-    truncated_reason: TruncationReason | None = None
-    done: bool = False
-    reward: float | None = None
-    reward_s: float = 0.0
+    spec: SandboxSpec
+    """The run's default spec; the environment derives the task's own from it."""
+    pool: SandboxPoolConfig | None = None
+    """Hold a slot of this pool first (create only); None = no pool gating."""
 
 
 RunInput.model_rebuild()
+RunState.model_rebuild()
+RolloutInput.model_rebuild()
 GenerateInput.model_rebuild()
 TurnResult.model_rebuild()

@@ -1,4 +1,5 @@
-"""The one place a Temporal client is built (pydantic models cross the wire via the pydantic converter)."""
+"""The one place a Temporal client is built: pydantic models cross the wire through the pydantic data
+converter, which is part of the contract (every client, worker and replayer uses it)."""
 
 from __future__ import annotations
 

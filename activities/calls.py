@@ -1,0 +1,57 @@
+"""How each activity is called: its timeouts and retry policy, declared once, at its definition.
+
+Invariant: every caller of an activity gets the options declared beside it (``@options(...)``); a
+caller may only substitute what depends on the run's config (the engine retry policy, a timeout derived
+from ``engine.request_timeout_s``) and does so through the same declaration.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, TypeVar
+
+from temporalio.common import RetryPolicy
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+@dataclass(frozen=True)
+class Options:
+    """Timeouts, retry policy and kind (local or regular) of one activity."""
+
+    start_to_close: timedelta
+    retry: RetryPolicy | None = None
+    heartbeat: timedelta | None = None
+    local: bool = False
+    """Run as a local activity (a marker event in history instead of three; retried by the worker)."""
+
+    def kwargs(
+        self, retry: RetryPolicy | None = None, start_to_close: timedelta | None = None
+    ) -> dict[str, Any]:
+        """Keyword arguments of ``workflow.execute_(local_)activity_method``."""
+        kw: dict[str, Any] = {"start_to_close_timeout": start_to_close or self.start_to_close}
+        if retry or self.retry:
+            kw["retry_policy"] = retry or self.retry
+        if self.heartbeat is not None and not self.local:
+            kw["heartbeat_timeout"] = self.heartbeat
+        return kw
+
+
+def options(opts: Options) -> Callable[[F], F]:
+    """Declare an activity's options (read back by `options_of`)."""
+
+    def deco(fn: F) -> F:
+        fn.__dict__["_activity_options"] = opts
+        return fn
+
+    return deco
+
+
+def options_of(fn: Callable[..., Any]) -> Options:
+    """The options declared for an activity function or method."""
+    opts = getattr(fn, "_activity_options", None)
+    if not isinstance(opts, Options):
+        raise TypeError(f"{getattr(fn, '__qualname__', fn)} declares no activity options")
+    return opts

@@ -1,0 +1,159 @@
+"""The environment step: a model turn in, an observation (stored) or the rollout's end out.
+
+Invariants:
+- Any environment, through the interface (``envs.base``): the turn's text goes to ``step``; a rollout
+  that is done without a reward, or truncated and scored, goes to ``score``.
+- Idempotent on (rollout id, turn): what a step decided is recorded with the turn (segment meta ``step``)
+  and its observation stored once, so a retried step returns what the first attempt did instead of
+  acting again (a command is not run twice for one turn once its observation is stored).
+- The action a turn parses to is recorded with the turn (meta ``action``) before it runs: recovery
+  replays it.
+- Times: ``env_s`` (reading the turn, acting, observing) and ``reward_s`` (the reward) are recorded on the
+  turn's segment; the step's heartbeats keep a dead worker's step from waiting out its full timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from datetime import timedelta
+from typing import Any
+
+from temporalio import activity
+from temporalio.common import RetryPolicy
+
+from activities.calls import Options, options
+from activities.heartbeat import heartbeating
+from activities.sandbox import SandboxActivities
+from contracts.types import EnvStepInput, EnvStepResult
+from engines.client import EngineClient
+from envs import registry
+from envs.base import Environment, Step, TurnContext
+from errors import EnvironmentFailure, RolloutError, SandboxGone, SandboxPathError, StoreError, names
+from store import RunStore, Segment, model_segment, obs_segment
+
+ENV_RETRY = RetryPolicy(
+    initial_interval=timedelta(seconds=1),
+    maximum_interval=timedelta(seconds=10),
+    maximum_attempts=5,
+    non_retryable_error_types=names(EnvironmentFailure, SandboxGone, SandboxPathError),
+)
+"""A step retries transient trouble (engine, store, daemon); an environment failure or a lost sandbox is
+final for the attempt (the workflow recovers a lost sandbox by replay)."""
+
+
+class EnvironmentActivities:
+    """The env step of every environment; holds the store, the engine (to tokenize) and the sandboxes."""
+
+    def __init__(self, store: RunStore, engine: EngineClient, sandboxes: SandboxActivities) -> None:
+        self.store = store
+        self.engine = engine
+        self.sandboxes = sandboxes
+
+    @options(Options(timedelta(minutes=15), ENV_RETRY, heartbeat=timedelta(seconds=30)))
+    @activity.defn
+    async def env_step(self, inp: EnvStepInput) -> EnvStepResult:
+        """Step the environment with the turn's text, or (``score_only``) score the rollout as it stands."""
+        try:
+            return await heartbeating(self._step(inp))
+        except RolloutError as e:
+            raise e.to_application_error() from e
+
+    async def _step(self, inp: EnvStepInput) -> EnvStepResult:
+        t0 = time.monotonic()
+        seg = await asyncio.to_thread(self._turn_to_step, inp)
+        if seg is None:
+            if inp.score_only:
+                return EnvStepResult(done=True, reward=None)
+            raise StoreError(f"rollout {inp.rollout_id}: turn {inp.turn} was never stored")
+        done = _recorded(seg) if not inp.score_only else None
+        if done is not None:
+            return done
+        # Only a retry can find what an earlier attempt did (attempt 1 of the activity is the first).
+        retry = activity.info().attempt > 1 and not inp.score_only
+        obs = (
+            await asyncio.to_thread(self.store.get_segment, inp.rollout_id, obs_segment(inp.turn))
+            if retry
+            else None
+        )
+        if obs is not None:  # an earlier attempt stepped and observed; only its record was lost
+            reason = obs.meta.get("truncated_reason")
+            return EnvStepResult(done=False, observation_tokens=len(obs.token_ids), truncated_reason=reason)
+        env = registry.get(inp.env)
+        ctx = await self._context(env, inp)
+        text = await self.engine.detokenize(inp.engine_url, inp.model, seg.token_ids)
+        if inp.score_only:
+            t1 = time.monotonic()
+            reward = await env.score(ctx, text)
+            return await self._done(inp, seg, reward, env_s=t1 - t0, reward_s=time.monotonic() - t1)
+        parsed = env.parse(ctx, text)
+        if isinstance(parsed, Step):
+            step = parsed
+        else:  # recorded before it runs: a recovery replays it, a test sees it start
+            await asyncio.to_thread(self.store.update_segment_meta, inp.rollout_id, seg.name, action=parsed)
+            step = await env.act(ctx, parsed)
+        t1 = time.monotonic()
+        if step.done:
+            reward = step.reward if step.reward is not None else await env.score(ctx, text)
+            return await self._done(inp, seg, reward, env_s=t1 - t0, reward_s=time.monotonic() - t1)
+        n = await self._observe(env, inp, seg, step)
+        env_s = time.monotonic() - t0
+        await asyncio.to_thread(self.store.update_segment_meta, inp.rollout_id, seg.name, env_s=env_s)
+        return EnvStepResult(done=False, observation_tokens=n, env_s=env_s, truncated_reason=step.truncated)
+
+    async def _context(self, env: Environment, inp: EnvStepInput) -> TurnContext:
+        row = await asyncio.to_thread(self.store.get_task, inp.run_id, inp.task_id)
+        task = env.validate_task(row, where=f"run {inp.run_id} task {inp.task_id}")
+        sandbox = await self.sandboxes.bound(inp.rollout_id) if env.uses_sandbox else None
+        return TurnContext(
+            task=task, rollout_id=inp.rollout_id, turn=inp.turn, last_turn=inp.last_turn, sandbox=sandbox
+        )
+
+    async def _done(
+        self, inp: EnvStepInput, seg: Segment, reward: float | None, env_s: float, reward_s: float
+    ) -> EnvStepResult:
+        """Record the end of the rollout with its turn (a retry returns it) and report it."""
+        step = {"done": True, "reward": reward}
+        await asyncio.to_thread(
+            self.store.update_segment_meta, inp.rollout_id, seg.name, env_s=env_s, reward_s=reward_s,
+            **({} if inp.score_only else {"step": step}),
+        )  # fmt: skip
+        return EnvStepResult(done=True, reward=reward, env_s=env_s, reward_s=reward_s)
+
+    def _turn_to_step(self, inp: EnvStepInput) -> Segment | None:
+        if not inp.score_only:
+            return self.store.get_segment(inp.rollout_id, model_segment(inp.turn))
+        model_turns = [s for s in self.store.segments(inp.rollout_id) if s.kind == "model" and s.token_ids]
+        return model_turns[-1] if model_turns else None
+
+    async def _observe(self, env: Environment, inp: EnvStepInput, seg: Segment, step: Step) -> int:
+        """Store the step's observation as an ``observation_role`` message (loss mask 0); its length."""
+        if step.observation is None:
+            return 0
+        name = obs_segment(inp.turn)
+        existing = await asyncio.to_thread(self.store.get_segment, inp.rollout_id, name)
+        if existing is None:
+            message = {"role": env.observation_role, "content": step.observation}
+            ids = await self.engine.tokenize_chat(inp.engine_url, inp.model, [message])
+            meta: dict[str, Any] = {"truncated_reason": step.truncated} if step.truncated else {}
+            obs = Segment(
+                name=name, kind="observation", turn=inp.turn, start=seg.end, token_ids=ids, meta=meta
+            )
+            existing = await asyncio.to_thread(self.store.put_segment, inp.rollout_id, obs)
+        return len(existing.token_ids)
+
+    def all(self) -> list:
+        return [self.env_step]
+
+
+def _recorded(seg: Segment) -> EnvStepResult | None:
+    """The end an earlier attempt recorded for this turn, if any."""
+    step = seg.meta.get("step")
+    if not isinstance(step, dict) or not step.get("done"):
+        return None
+    return EnvStepResult(
+        done=True,
+        reward=step.get("reward"),
+        env_s=seg.meta.get("env_s", 0.0),
+        reward_s=seg.meta.get("reward_s", 0.0),
+    )

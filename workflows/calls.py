@@ -1,0 +1,34 @@
+"""Calling activities from workflows: by reference, with the options declared beside each activity.
+
+Invariant: no workflow names an activity by a string; a renamed or removed activity is an import or
+type error, never a workflow stuck on an activity no worker has.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy
+
+with workflow.unsafe.imports_passed_through():
+    from activities.calls import options_of
+
+
+async def call(
+    fn: Callable[..., Any],
+    *args: Any,
+    retry: RetryPolicy | None = None,
+    start_to_close: timedelta | None = None,
+    summary: str | None = None,
+) -> Any:
+    """Run the activity method ``fn`` (``Class.method``) with its declared options; returns its result."""
+    opts = options_of(fn)
+    kw = opts.kwargs(retry=retry, start_to_close=start_to_close)
+    if summary is not None:
+        kw["summary"] = summary
+    if opts.local:
+        return await workflow.execute_local_activity_method(fn, args=list(args), **kw)
+    return await workflow.execute_activity_method(fn, args=list(args), **kw)
