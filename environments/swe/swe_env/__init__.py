@@ -119,15 +119,6 @@ class SweEnvironment(Environment):
             obs = f"error: {e}"
         return Step(observation=obs)
 
-    async def step(self, ctx: TurnContext, text: str) -> Step:
-        """``parse`` then ``act`` in one call, the action recorded on the step where `Step` has the field
-        (for pipelines that drive environments through ``step``)."""
-        parsed = self.parse(ctx, text)
-        if isinstance(parsed, Step):
-            return parsed
-        result = await self.act(ctx, parsed)
-        return result.model_copy(update={"action": parsed}) if "action" in Step.model_fields else result
-
     async def score(self, ctx: TurnContext, text: str | None) -> float | None:
         t = _swe(ctx.task)
         box = _sandbox(ctx)

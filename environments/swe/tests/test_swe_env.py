@@ -179,14 +179,6 @@ async def test_a_timed_out_command_truncates_the_rollout(env: SweEnvironment, ta
     assert step.truncated == "command_timeout" and step.observation == "[timed out]"
 
 
-async def test_step_is_parse_then_act(env: SweEnvironment, tasks: list[SweTask]) -> None:
-    box = FakeSandbox([ExecResult(exit_code=0, output="hi")])
-    step = await env.step(
-        _ctx(tasks[0], box), '<tool_call>{"name": "bash", "arguments": {"cmd": "echo hi"}}</tool_call>'
-    )
-    assert step.observation == "hi\n[exit code 0]" and box.commands == ["echo hi"]
-
-
 async def test_replay_redoes_commands_and_writes_only(env: SweEnvironment, tasks: list[SweTask]) -> None:
     box = FakeSandbox()
     ctx = _ctx(tasks[0], box)
