@@ -1,0 +1,204 @@
+"""The ledger check: after a run (with or without faults), the promise held, or one line per violation.
+
+What it checks, from the run store (and, when given, Temporal and the sandbox backend):
+
+- every group of the run closed, with its full size (``run.num_groups`` groups of ``run.group_size``);
+- every slot ``<run>/<group>/<i>`` has exactly one final record: earlier attempts of a slot (``<i>r<n>``)
+  are cancelled (reason admission or manual), the last is not, and no attempt is missing;
+- with a Temporal client: every RolloutWorkflow of the run has a record;
+- failed or cancelled members are not scorable, carry no reward and no advantage; no infra failure is
+  recorded as a reward;
+- the group records agree with their members (scorable and failed counts);
+- the trainer feed's books balance;
+- with a sandbox backend and pool: no container and no pool slot of the run is left behind;
+- at least one rollout succeeded (completed with a reward): a chaos run with zero successes has failed.
+
+Invariant: the check only reads. It never raises on a violation; it returns them (``Violation.line``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+from store import RunStore
+from trainer.feed import TrainerFeed
+
+_ATTEMPT = re.compile(r"^(?P<slot>\d+)(?:r(?P<n>\d+))?$")
+
+
+@dataclass(frozen=True)
+class Violation:
+    """One broken promise."""
+
+    rule: str
+    """Short name: missing-group, group-size, missing-record, duplicate, unknown-workflow, scored-failure,
+    group-counts, feed-books, leaked-container, leaked-slot, no-success."""
+    detail: str
+
+    @property
+    def line(self) -> str:
+        return f"{self.rule}: {self.detail}"
+
+
+@dataclass(frozen=True)
+class LedgerReport:
+    """What the check found: the violations, and the counts it checked them against."""
+
+    run_id: str
+    rollouts: int
+    groups: int
+    successes: int
+    violations: list[Violation]
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+    def lines(self) -> list[str]:
+        """One line per violation, or one line saying the ledger is clean."""
+        if self.ok:
+            return [
+                f"run {self.run_id}: ledger clean ({self.groups} groups, {self.rollouts} records, "
+                f"{self.successes} successes)"
+            ]
+        return [f"run {self.run_id}: {v.line}" for v in self.violations]
+
+
+def check_store(store: RunStore, run_id: str) -> LedgerReport:
+    """Every rule that the run store alone can decide."""
+    run = store.get_run(run_id)
+    if run is None:
+        return LedgerReport(run_id, 0, 0, 0, [Violation("missing-run", f"run {run_id} is not in the store")])
+    cfg = json.loads(run["config_json"])
+    num_groups, size = int(cfg["run"]["num_groups"]), int(cfg["run"]["group_size"])
+    rows = store.rollouts(run_id)
+    groups = {g["group_id"]: g for g in store.groups(run_id)}
+    out: list[Violation] = []
+    by_group: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        by_group[r["group_id"]].append(r)
+    for i in range(num_groups):
+        gid = f"g{i:06d}"
+        g = groups.get(gid)
+        if g is None:
+            out.append(Violation("missing-group", f"group {gid} has no record"))
+        elif g["size"] != size:
+            out.append(Violation("group-size", f"group {gid} closed with size {g['size']}, not {size}"))
+        out += _slots(run_id, gid, size, by_group.get(gid, []))
+        if g is not None:
+            out += _group_counts(gid, g, by_group.get(gid, []))
+    for gid in sorted(set(by_group) - {f"g{i:06d}" for i in range(num_groups)}):
+        out.append(Violation("unknown-group", f"records of group {gid}, which the run never started"))
+    for r in rows:
+        out += _record(r)
+    ledger = TrainerFeed(store, run_id).ledger()
+    if not ledger.balanced:
+        total = ledger.consumed + ledger.discarded + ledger.waiting
+        out.append(
+            Violation("feed-books", f"generated {ledger.generated} != consumed+discarded+waiting {total}")
+        )
+    successes = sum(1 for r in rows if r["outcome"] == "completed" and r["reward"] is not None)
+    if rows and successes == 0:
+        out.append(Violation("no-success", "not one rollout completed with a reward"))
+    return LedgerReport(run_id, len(rows), len(groups), successes, out)
+
+
+def _slots(run_id: str, gid: str, size: int, rows: list[dict[str, Any]]) -> list[Violation]:
+    """Each slot: attempts 0..n, all but the last cancelled, the last final."""
+    out: list[Violation] = []
+    attempts: dict[int, dict[int, dict[str, Any]]] = defaultdict(dict)
+    prefix = f"{run_id}/{gid}/"
+    for r in rows:
+        m = (
+            _ATTEMPT.match(r["rollout_id"].removeprefix(prefix))
+            if r["rollout_id"].startswith(prefix)
+            else None
+        )
+        if m is None:
+            out.append(Violation("unknown-rollout", f"record {r['rollout_id']} is no slot of {gid}"))
+            continue
+        attempts[int(m["slot"])][int(m["n"] or 0)] = r
+    for i in range(size):
+        tried = attempts.get(i, {})
+        if not tried:
+            out.append(Violation("missing-record", f"slot {prefix}{i} has no record"))
+            continue
+        last = max(tried)
+        if sorted(tried) != list(range(last + 1)):
+            out.append(Violation("missing-record", f"slot {prefix}{i}: attempts {sorted(tried)} have a gap"))
+        for n, r in sorted(tried.items()):
+            if n < last and r["outcome"] != "cancelled":
+                out.append(
+                    Violation("duplicate", f"{r['rollout_id']} is {r['outcome']} but slot {i} ran again")
+                )
+    for i in sorted(set(attempts) - set(range(size))):
+        out.append(Violation("unknown-rollout", f"slot {prefix}{i} is beyond the group size {size}"))
+    return out
+
+
+def _record(r: dict[str, Any]) -> list[Violation]:
+    rid, outcome = r["rollout_id"], r["outcome"]
+    if outcome in ("failed", "cancelled") and (r["scorable"] or r["reward"] is not None):
+        return [
+            Violation("scored-failure", f"{rid} is {outcome} ({r['reason']}) but has reward {r['reward']}")
+        ]
+    if outcome in ("failed", "cancelled") and r["advantage"] is not None:
+        return [Violation("scored-failure", f"{rid} is {outcome} but has advantage {r['advantage']}")]
+    if (r["reason"] or "").startswith("infra") and r["reward"] is not None:
+        return [Violation("scored-failure", f"{rid}: infra failure recorded with reward {r['reward']}")]
+    return []
+
+
+def _group_counts(gid: str, g: dict[str, Any], rows: list[dict[str, Any]]) -> list[Violation]:
+    final = {}
+    for r in sorted(rows, key=lambda r: r["rollout_id"]):
+        final[(r["sample_index"])] = r  # attempts sort before their later attempts
+    scorable = sum(1 for r in final.values() if r["scorable"])
+    if g["scorable"] != scorable:
+        return [
+            Violation("group-counts", f"group {gid} says {g['scorable']} scorable, its records {scorable}")
+        ]
+    return []
+
+
+async def check_temporal(client: Any, store: RunStore, run_id: str) -> list[Violation]:
+    """Every RolloutWorkflow of the run (Temporal visibility) has a record in the store."""
+    out = []
+    query = f'RolloutRun = "{run_id}" AND WorkflowType = "RolloutWorkflow"'
+    async for wf in client.list_workflows(query):
+        if store.rollout(wf.id) is None:
+            out.append(Violation("missing-record", f"workflow {wf.id} ({wf.status.name}) has no record"))
+    return out
+
+
+def check_leftovers(
+    run_id: str, rollout_ids: list[str], backend: Any = None, pool: Any = None
+) -> list[Violation]:
+    """No container of the run on the backend (a `SandboxBackend`), no pool slot held by its rollouts."""
+    out = []
+    if backend is not None:
+        for c in backend.list_containers(run_id):
+            out.append(Violation("leaked-container", f"container {c.name} ({c.state}) of {c.key} is left"))
+    if pool is not None:
+        held = set(pool.holders()) & set(rollout_ids)
+        out += [Violation("leaked-slot", f"pool slot held by {k}") for k in sorted(held)]
+    return out
+
+
+async def check_run(
+    store: RunStore, run_id: str, client: Any = None, backend: Any = None, pool: Any = None
+) -> LedgerReport:
+    """The whole ledger: the store's rules, then Temporal's and the sandboxes' when given."""
+    report = check_store(store, run_id)
+    extra: list[Violation] = []
+    if client is not None:
+        extra += await check_temporal(client, store, run_id)
+    ids = [r["rollout_id"] for r in store.rollouts(run_id)]
+    extra += check_leftovers(run_id, ids, backend, pool)
+    return LedgerReport(
+        report.run_id, report.rollouts, report.groups, report.successes, report.violations + extra
+    )
