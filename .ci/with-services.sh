@@ -2,6 +2,8 @@
 # Run a command with the services the tests need, then stop exactly what this script started (by pid).
 #   - Docker: Debian's docker.io (and debootstrap for the sandbox image) are installed if missing; dockerd
 #     is started if no daemon answers; the sandbox image is built offline if absent.
+#   - Prometheus: Debian's prometheus is installed if missing (tests/integration/test_metrics.py starts its
+#     own, by pid, scraping an in-process worker).
 # Temporal and vLLM are started by the test fixtures themselves (tests/conftest.py), by pid.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -9,11 +11,11 @@ state="${ROLLOUTS_HOME:-.rollouts}/ci"
 mkdir -p "$state"
 started_dockerd=""
 
-if ! command -v dockerd >/dev/null || ! command -v debootstrap >/dev/null; then
+if ! command -v dockerd >/dev/null || ! command -v debootstrap >/dev/null || ! command -v prometheus >/dev/null; then
   if [ "$(id -u)" = 0 ]; then
-    apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q docker.io debootstrap >/dev/null
+    apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q docker.io debootstrap prometheus >/dev/null
   else
-    echo "docker.io and debootstrap are missing; install them (apt-get install docker.io debootstrap) as root" >&2
+    echo "docker.io, debootstrap or prometheus is missing; install them (apt-get install docker.io debootstrap prometheus) as root" >&2
   fi
 fi
 

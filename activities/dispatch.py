@@ -6,6 +6,7 @@ Invariants:
 - An engine that does not answer, or answers with an incomplete /metrics, gives no reading (the error is
   returned as one line); the workflow keeps its older reading, which ages out and makes it unhealthy.
 - Every engine is asked at once with a short timeout, so one hung engine delays a poll by at most that.
+- What a poll read and the decision it carries set this worker's dispatcher gauges (``metrics.record_poll``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import httpx
 from temporalio import activity
 from temporalio.common import RetryPolicy
 
+import metrics
 from activities.calls import Options, options
 from contracts.types import FleetPoll, GroupCounts, PollFleetInput
 from engines.metrics import fetch_reading
@@ -76,7 +78,7 @@ class DispatchActivities:
         unconsumed = 0
         if inp.count_unconsumed:
             unconsumed = await asyncio.to_thread(self.store.unconsumed_groups, inp.run_id)
-        return FleetPoll(
+        poll = FleetPoll(
             at=now,
             unconsumed_groups=unconsumed,
             readings=readings,
@@ -84,6 +86,8 @@ class DispatchActivities:
             counts={g: GroupCounts(finished=f, admission_cancelled=c) for g, (f, c) in counts.items()},
             pool=pool,
         )
+        metrics.record_poll(inp.run_id, inp.log, poll, inp.engine_urls, inp.count_unconsumed)
+        return poll
 
     def all(self) -> list:
         return [self.poll_fleet]

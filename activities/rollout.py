@@ -6,6 +6,8 @@ Invariants:
 - Inputs and results are small (keys, counts, scalars); token arrays go to the store, never to history.
 - Environment-specific work goes through the environment interface (``envs.base``), never a name test.
 - Errors leave as ``ApplicationError`` whose type names the boundary (see ``errors``).
+- Metrics: a record and its turns are counted when its first write lands (``metrics.record_rollout``
+  from the segments finalize already read), never again on a retry.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from datetime import timedelta
 from temporalio import activity
 from temporalio.common import RetryPolicy
 
+import metrics
 from activities.calls import Options, options
 from activities.environment import EnvironmentActivities
 from activities.heartbeat import heartbeating
@@ -233,6 +236,14 @@ class RolloutActivities:
             "extra_json": json.dumps(extra),
         }
         inserted = await asyncio.to_thread(self.store.put_rollout, rec)
+        if inserted:  # the record's first write: a retried finalize never counts it (or its turns) twice
+            metrics.record_rollout(
+                inp.env,
+                inp.outcome.value,
+                inp.reason,
+                segs,
+                inp.state.sandbox_slot_waits if inp.uses_sandbox else 0,
+            )
         row = await asyncio.to_thread(self.store.rollout, inp.rollout_id)
         assert row is not None
         return StoredOutcome(

@@ -219,6 +219,10 @@ class StackConfig(_Strict):
     """Weight version the engine announces for the bundled policy."""
     task_queue: str = "rollouts"
     """Task queue of the stack's worker."""
+    worker_metrics_port: int | None = Field(9464, ge=1, le=65535)
+    """Worker's ``rollouts_*`` metrics port on 127.0.0.1 (config/prometheus.yml scrapes it); None: off."""
+    worker_sdk_metrics_port: int | None = Field(9465, ge=1, le=65535)
+    """Port of the worker's Temporal SDK metrics (``temporal_*``) on 127.0.0.1; None: off."""
     start_timeout_s: float = Field(240.0, gt=0)
     """How long `up` waits for every component to report healthy."""
 

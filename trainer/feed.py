@@ -14,6 +14,8 @@ Invariants:
   reason. Groups sampled by a version newer than the current one stay waiting.
 - Fresh groups beyond ``n_groups`` stay waiting for the next batch (oldest group id first), so groups
   that finish late are not dropped and batches are not skewed toward short rollouts.
+- Metrics: :meth:`TrainerFeed.take` counts the groups whose marks it won (``metrics.record_feed``), so
+  concurrent feeds never count a group twice.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+import metrics
 from records.export import group_record, rollout_record
 from store.runstore import RunStore
 
@@ -170,6 +173,10 @@ class TrainerFeed:
             else:
                 cand, lag, vs = fresh[m["group_id"]]
                 batch.groups.append(self._feed_group(cand, lag, vs))
+        metrics.record_feed(  # only what this feed won: a group is counted by the feed that marked it
+            [(g.lag, len(g.rollouts), sum(_sampled(r) for r in g.rollouts)) for g in batch.groups],
+            [(d.reason, d.records, d.tokens) for d in batch.discarded],
+        )
         return batch
 
     def batch(self, batch_id: str) -> list[dict[str, Any]]:

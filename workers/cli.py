@@ -233,13 +233,15 @@ def worker(
     unsandboxed: Annotated[
         bool, typer.Option(help="Run workflow code without the SDK's sandbox (less CPU per workflow task).")
     ] = False,
+    metrics_port: Annotated[
+        int | None, typer.Option(help="Serve rollouts_* metrics on 127.0.0.1:PORT (SDK metrics on PORT+1).")
+    ] = None,
 ) -> None:
     """Start an additional worker (runs until Ctrl-C)."""
     from workers.worker import main as worker_main
 
-    worker_main(
-        ["--address", address, "--task-queue", task_queue] + (["--unsandboxed"] if unsandboxed else [])
-    )
+    argv = ["--address", address, "--task-queue", task_queue] + (["--unsandboxed"] if unsandboxed else [])
+    worker_main(argv + (["--metrics-port", str(metrics_port)] if metrics_port is not None else []))
 
 
 def _mount_stack() -> None:

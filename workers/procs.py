@@ -339,9 +339,17 @@ def engine_env(cfg: StackConfig) -> dict[str, str]:
     }
 
 
-def worker_argv(address: str, task_queue: str) -> list[str]:
-    """Command line of one rollout worker polling ``task_queue`` on the Temporal frontend ``address``."""
-    return [sys.executable, "-m", "workers.worker", "--address", address, "--task-queue", task_queue]
+def worker_argv(
+    address: str, task_queue: str, metrics_port: int | None = None, sdk_metrics_port: int | None = None
+) -> list[str]:
+    """Command line of one rollout worker polling ``task_queue`` on the Temporal frontend ``address``,
+    serving its metrics on the ports given."""
+    argv = [sys.executable, "-m", "workers.worker", "--address", address, "--task-queue", task_queue]
+    if metrics_port is not None:
+        argv += ["--metrics-port", str(metrics_port)]
+    if sdk_metrics_port is not None:
+        argv += ["--sdk-metrics-port", str(sdk_metrics_port)]
+    return argv
 
 
 def set_weight_version(engine_url: str, version: str) -> None:

@@ -104,6 +104,15 @@ def _ports(cfg: StackConfig, components: Collection[str]) -> dict[int, str]:
         wanted += [(cfg.temporal_port, "temporal"), (cfg.ui_port, "temporal web UI")]
     if "engine" in components:
         wanted.append((cfg.engine_port, "engine"))
+    if "worker" in components:
+        wanted += [
+            (p, name)
+            for p, name in (
+                (cfg.worker_metrics_port, "worker metrics"),
+                (cfg.worker_sdk_metrics_port, "worker SDK metrics"),
+            )
+            if p is not None
+        ]
     ports: dict[int, str] = {}
     for port, name in wanted:
         if port in ports:
@@ -195,7 +204,8 @@ def _start(cfg: StackConfig, home: Path, components: Collection[str], started: d
         launch("engine", engine_argv(cfg), engine_env(cfg))
     if "worker" in components:
         since = time.time() - 1.0
-        launch("worker", worker_argv(address, cfg.task_queue), {"ROLLOUTS_HOME": str(home)})
+        argv = worker_argv(address, cfg.task_queue, cfg.worker_metrics_port, cfg.worker_sdk_metrics_port)
+        launch("worker", argv, {"ROLLOUTS_HOME": str(home)})
         await_healthy("worker", lambda: _has_fresh_poller(address, cfg.task_queue, since))
     if "engine" in components:
         await_healthy("engine", lambda: http_ok(f"{engine_url}/health"))

@@ -1,7 +1,9 @@
 """A rollout worker process: polls one task queue and runs every workflow and activity of the project.
 
 Run as ``python -m workers.worker --address HOST:PORT --task-queue Q`` or ``rollouts worker``; it stops
-cleanly on SIGTERM or SIGINT.
+cleanly on SIGTERM or SIGINT. With ``--metrics-port P`` it serves the project's ``rollouts_*`` metrics on
+127.0.0.1:P and the Temporal SDK's own ``temporal_*`` metrics on ``--sdk-metrics-port`` (default P + 1);
+without it, no port is bound (see ``metrics``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from activities.sandbox import SandboxActivities
 from config.paths import rollouts_home
 from contracts.client import connect
 from engines.client import EngineClient
+from metrics.serve import ActivitiesInFlight, serve_metrics, temporal_runtime
 from sandboxes import AsyncSandboxBackend, DockerBackend, SandboxError
 from sandboxes.pool import SandboxPool
 from sandboxes.reaper import reap_forever
@@ -66,6 +69,7 @@ def build_worker(
         activities=rollout_acts.all() + env_acts.all() + sandbox_acts.all() + dispatch_acts.all(),
         max_concurrent_activities=256,
         max_concurrent_workflow_tasks=64,
+        interceptors=[ActivitiesInFlight()],
         **runner,
     )
 
@@ -76,9 +80,11 @@ async def serve(
     namespace: str = "default",
     home: Path | None = None,
     sandboxed: bool = True,
+    metrics_port: int | None = None,
+    sdk_metrics_port: int | None = None,
 ) -> None:
-    """Run a worker until SIGTERM/SIGINT."""
-    client = await connect(address, namespace)
+    """Run a worker until SIGTERM/SIGINT; serve metrics on the ports given (None: not served)."""
+    client = await connect(address, namespace, runtime=temporal_runtime(sdk_metrics_port))
     store = RunStore(home or rollouts_home())
     engine = EngineClient()
     stop = asyncio.Event()
@@ -87,9 +93,11 @@ async def serve(
         loop.add_signal_handler(sig, stop.set)
     reaper = _start_reaper(client, SandboxPool(store.root / "pool.sqlite"))
     try:
-        async with build_worker(client, task_queue, store, engine, sandboxed=sandboxed):
-            print(f"worker polling {task_queue!r} on {address}", flush=True)
-            await stop.wait()
+        with serve_metrics(metrics_port) as port:
+            async with build_worker(client, task_queue, store, engine, sandboxed=sandboxed):
+                served = f", metrics on :{port}" if port is not None else ""
+                print(f"worker polling {task_queue!r} on {address}{served}", flush=True)
+                await stop.wait()
     finally:
         if reaper is not None:
             reaper.cancel()
@@ -115,8 +123,32 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="run workflow code without the SDK's sandbox (less CPU per workflow task; see build_worker)",
     )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve rollouts_* metrics on 127.0.0.1:PORT (default: off)",
+    )
+    parser.add_argument(
+        "--sdk-metrics-port",
+        type=int,
+        default=None,
+        help="serve the Temporal SDK's metrics on 127.0.0.1:PORT (default: --metrics-port + 1 if set)",
+    )
     args = parser.parse_args(argv)
-    asyncio.run(serve(args.address, args.task_queue, args.namespace, sandboxed=not args.unsandboxed))
+    sdk_port = args.sdk_metrics_port
+    if sdk_port is None and args.metrics_port:  # 0 (a free port) has no neighbour to name
+        sdk_port = args.metrics_port + 1
+    asyncio.run(
+        serve(
+            args.address,
+            args.task_queue,
+            args.namespace,
+            sandboxed=not args.unsandboxed,
+            metrics_port=args.metrics_port,
+            sdk_metrics_port=sdk_port,
+        )
+    )
 
 
 if __name__ == "__main__":

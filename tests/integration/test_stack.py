@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -41,8 +42,15 @@ def _free_ports(n: int) -> list[int]:
 
 
 def _config(**overrides: object) -> StackConfig:
-    t, ui, e = _free_ports(3)
-    return StackConfig(temporal_port=t, ui_port=ui, engine_port=e, **overrides)
+    t, ui, e, m, sdk = _free_ports(5)
+    return StackConfig(
+        temporal_port=t,
+        ui_port=ui,
+        engine_port=e,
+        worker_metrics_port=m,
+        worker_sdk_metrics_port=sdk,
+        **overrides,
+    )
 
 
 @pytest.fixture
@@ -155,10 +163,16 @@ def test_detached_stack_outlives_the_process_that_started_it(home: Path) -> None
 @pytest.mark.timeout(300)
 def test_engine_becomes_healthy_with_the_configured_weight_version(home: Path) -> None:
     components = ("temporal", "engine", "worker") if HAVE_WORKER else ("temporal", "engine")
-    info = stack.up(_config(policy_version="v-it"), home, detach=True, components=components)
+    cfg = _config(policy_version="v-it")
+    info = stack.up(cfg, home, detach=True, components=components)
     rows = {row.name: row for row in stack.status(home)}
     assert all(rows[name].healthy for name in components), rows
     assert rows["engine"].detail == "weight version v-it"
+    if HAVE_WORKER:  # the stack's worker serves its metrics and the SDK's on the configured ports
+        served = urllib.request.urlopen(f"http://127.0.0.1:{cfg.worker_metrics_port}/metrics", timeout=5)
+        assert "# TYPE rollouts_records_total counter" in served.read().decode()
+        sdk = urllib.request.urlopen(f"http://127.0.0.1:{cfg.worker_sdk_metrics_port}/metrics", timeout=5)
+        assert "temporal_" in sdk.read().decode()
     assert info.ready_s["engine"] < 240
     assert stack.down(home) == list(reversed(components))
     assert not any(procs.pid_alive(pid) for pid in info.pids.values())
