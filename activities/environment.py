@@ -8,16 +8,21 @@ Invariants:
   acting again (a command is not run twice for one turn once its observation is stored).
 - The action a turn parses to is recorded with the turn (meta ``action``) before it runs: recovery
   replays it.
-- Times: ``env_s`` (reading the turn, acting, observing) and ``reward_s`` (the reward) are recorded on the
-  turn's segment; the step's heartbeats keep a dead worker's step from waiting out its full timeout.
+- Times: ``env_s`` (reading the turn, acting, observing), ``reward_s`` (the reward) and ``transfer_s``
+  (store reads and writes, timed apart and excluded from ``env_s``, added to what the model call recorded)
+  are recorded on the turn's segment; a scoring after the last step adds its times under ``score_*`` keys
+  folded into those three, so a retry overwrites rather than adds (``records/timing.py``). The step's
+  heartbeats keep a dead worker's step from waiting out its full timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 from temporalio import activity
 from temporalio.common import RetryPolicy
@@ -25,6 +30,7 @@ from temporalio.common import RetryPolicy
 from activities.calls import Options, options
 from activities.heartbeat import heartbeating
 from activities.sandbox import SandboxActivities
+from activities.transfer import StoreClock
 from contracts.types import EnvStepInput, EnvStepResult
 from engines.client import EngineClient
 from envs import registry
@@ -40,6 +46,8 @@ ENV_RETRY = RetryPolicy(
 )
 """A step retries transient trouble (engine, store, daemon); an environment failure or a lost sandbox is
 final for the attempt (the workflow recovers a lost sandbox by replay)."""
+
+T = TypeVar("T")
 
 
 class EnvironmentActivities:
@@ -61,7 +69,8 @@ class EnvironmentActivities:
 
     async def _step(self, inp: EnvStepInput) -> EnvStepResult:
         t0 = time.monotonic()
-        seg = await asyncio.to_thread(self._turn_to_step, inp)
+        timed = StoreClock()
+        seg = await timed(self._turn_to_step, inp)
         if seg is None:
             if inp.score_only:
                 return EnvStepResult(done=True, reward=None)
@@ -71,54 +80,62 @@ class EnvironmentActivities:
             return done
         # Only a retry can find what an earlier attempt did (attempt 1 of the activity is the first).
         retry = activity.info().attempt > 1 and not inp.score_only
-        obs = (
-            await asyncio.to_thread(self.store.get_segment, inp.rollout_id, obs_segment(inp.turn))
-            if retry
-            else None
-        )
+        obs = await timed(self.store.get_segment, inp.rollout_id, obs_segment(inp.turn)) if retry else None
         if obs is not None:  # an earlier attempt stepped and observed; only its record was lost
             reason = obs.meta.get("truncated_reason")
             return EnvStepResult(done=False, observation_tokens=len(obs.token_ids), truncated_reason=reason)
         env = registry.get(inp.env)
-        ctx = await self._context(env, inp)
+        ctx = await self._context(env, inp, timed)
         text = await self.engine.detokenize(inp.engine_url, inp.model, seg.token_ids)
         if inp.score_only:
             t1 = time.monotonic()
             reward = await env.score(ctx, text)
-            return await self._done(inp, seg, reward, env_s=t1 - t0, reward_s=time.monotonic() - t1)
+            times = _Times(t1 - t0 - timed.seconds, time.monotonic() - t1, timed.seconds)
+            return await self._done(inp, seg, reward, times)
         parsed = env.parse(ctx, text)
         if isinstance(parsed, Step):
             step = parsed
         else:  # recorded before it runs: a recovery replays it, a test sees it start
-            await asyncio.to_thread(self.store.update_segment_meta, inp.rollout_id, seg.name, action=parsed)
+            await timed(self.store.update_segment_meta, inp.rollout_id, seg.name, action=parsed)
             step = await env.act(ctx, parsed)
         t1 = time.monotonic()
         if step.done:
             reward = step.reward if step.reward is not None else await env.score(ctx, text)
-            return await self._done(inp, seg, reward, env_s=t1 - t0, reward_s=time.monotonic() - t1)
-        n = await self._observe(env, inp, seg, step)
-        env_s = time.monotonic() - t0
-        await asyncio.to_thread(self.store.update_segment_meta, inp.rollout_id, seg.name, env_s=env_s)
+            times = _Times(t1 - t0 - timed.seconds, time.monotonic() - t1, timed.seconds)
+            return await self._done(inp, seg, reward, times)
+        n = await self._observe(env, inp, seg, step, timed)
+        env_s = time.monotonic() - t0 - timed.seconds
+        transfer_s = seg.meta.get("transfer_s", 0.0) + inp.transfer_s + timed.seconds
+        await asyncio.to_thread(
+            self.store.update_segment_meta, inp.rollout_id, seg.name, env_s=env_s, transfer_s=transfer_s
+        )
         return EnvStepResult(done=False, observation_tokens=n, env_s=env_s, truncated_reason=step.truncated)
 
-    async def _context(self, env: Environment, inp: EnvStepInput) -> TurnContext:
-        row = await asyncio.to_thread(self.store.get_task, inp.run_id, inp.task_id)
+    async def _context(self, env: Environment, inp: EnvStepInput, timed: StoreClock) -> TurnContext:
+        row = await timed(self.store.get_task, inp.run_id, inp.task_id)
         task = env.validate_task(row, where=f"run {inp.run_id} task {inp.task_id}")
-        sandbox = await self.sandboxes.bound(inp.rollout_id) if env.uses_sandbox else None
+        sandbox = (
+            await _timed_async(timed, self.sandboxes.bound(inp.rollout_id)) if env.uses_sandbox else None
+        )
         return TurnContext(
             task=task, rollout_id=inp.rollout_id, turn=inp.turn, last_turn=inp.last_turn, sandbox=sandbox
         )
 
-    async def _done(
-        self, inp: EnvStepInput, seg: Segment, reward: float | None, env_s: float, reward_s: float
-    ) -> EnvStepResult:
+    async def _done(self, inp: EnvStepInput, seg: Segment, reward: float | None, t: _Times) -> EnvStepResult:
         """Record the end of the rollout with its turn (a retry returns it) and report it."""
-        step = {"done": True, "reward": reward}
-        await asyncio.to_thread(
-            self.store.update_segment_meta, inp.rollout_id, seg.name, env_s=env_s, reward_s=reward_s,
-            **({} if inp.score_only else {"step": step}),
-        )  # fmt: skip
-        return EnvStepResult(done=True, reward=reward, env_s=env_s, reward_s=reward_s)
+        m = seg.meta
+        transfer_s = t.transfer_s + (inp.transfer_s if not inp.score_only else 0.0)
+        if inp.score_only:  # the turn's step already recorded its own times: add these beside them
+            meta: dict[str, Any] = {
+                "score_env_s": t.env_s, "score_reward_s": t.reward_s, "score_transfer_s": transfer_s,
+                **{k: m.get(k, 0.0) - m.get(f"score_{k}", 0.0) + v for k, v in (
+                    ("env_s", t.env_s), ("reward_s", t.reward_s), ("transfer_s", transfer_s))},
+            }  # fmt: skip
+        else:
+            meta = {"env_s": t.env_s, "reward_s": t.reward_s, "step": {"done": True, "reward": reward},
+                    "transfer_s": m.get("transfer_s", 0.0) + transfer_s}  # fmt: skip
+        await asyncio.to_thread(self.store.update_segment_meta, inp.rollout_id, seg.name, **meta)
+        return EnvStepResult(done=True, reward=reward, env_s=t.env_s, reward_s=t.reward_s)
 
     def _turn_to_step(self, inp: EnvStepInput) -> Segment | None:
         if not inp.score_only:
@@ -126,12 +143,14 @@ class EnvironmentActivities:
         model_turns = [s for s in self.store.segments(inp.rollout_id) if s.kind == "model" and s.token_ids]
         return model_turns[-1] if model_turns else None
 
-    async def _observe(self, env: Environment, inp: EnvStepInput, seg: Segment, step: Step) -> int:
+    async def _observe(
+        self, env: Environment, inp: EnvStepInput, seg: Segment, step: Step, timed: StoreClock
+    ) -> int:
         """Store the step's observation as an ``observation_role`` message (loss mask 0); its length."""
         if step.observation is None:
             return 0
         name = obs_segment(inp.turn)
-        existing = await asyncio.to_thread(self.store.get_segment, inp.rollout_id, name)
+        existing = await timed(self.store.get_segment, inp.rollout_id, name)
         if existing is None:
             message = {"role": env.observation_role, "content": step.observation}
             ids = await self.engine.tokenize_chat(inp.engine_url, inp.model, [message])
@@ -139,11 +158,29 @@ class EnvironmentActivities:
             obs = Segment(
                 name=name, kind="observation", turn=inp.turn, start=seg.end, token_ids=ids, meta=meta
             )
-            existing = await asyncio.to_thread(self.store.put_segment, inp.rollout_id, obs)
+            existing = await timed(self.store.put_segment, inp.rollout_id, obs)
         return len(existing.token_ids)
 
     def all(self) -> list:
         return [self.env_step]
+
+
+@dataclass(frozen=True)
+class _Times:
+    """A step's disjoint times: the environment (store calls excluded), the reward, the store calls."""
+
+    env_s: float
+    reward_s: float
+    transfer_s: float
+
+
+async def _timed_async(timed: StoreClock, call: Awaitable[T]) -> T:
+    """Await a call that reads the store in its own thread (e.g. the bound sandbox), timed as transfer."""
+    t0 = time.monotonic()
+    try:
+        return await call
+    finally:
+        timed.seconds += time.monotonic() - t0
 
 
 def _recorded(seg: Segment) -> EnvStepResult | None:

@@ -23,6 +23,7 @@ import metrics
 from activities.calls import Options, options
 from activities.environment import EnvironmentActivities
 from activities.heartbeat import heartbeating
+from activities.transfer import StoreClock
 from contracts.types import (
     EnvTraits,
     FinalizeGroupInput,
@@ -122,11 +123,14 @@ class RolloutActivities:
     @activity.defn
     async def prepare_rollout(self, inp: PrepareInput) -> PrepareResult:
         """Build the environment's first prompt once and store it as segment 'prompt'."""
-        existing = await asyncio.to_thread(self.store.get_segment, inp.rollout_id, "prompt")
+        return await self._prepare(inp, StoreClock())
+
+    async def _prepare(self, inp: PrepareInput, timed: StoreClock) -> PrepareResult:
+        existing = await timed(self.store.get_segment, inp.rollout_id, "prompt")
         if existing is None:
             try:
                 env = registry.get(inp.env)
-                row = await asyncio.to_thread(self.store.get_task, inp.run_id, inp.task_id)
+                row = await timed(self.store.get_task, inp.run_id, inp.task_id)
                 prompt = env.prompt(env.validate_task(row, where=f"run {inp.run_id} task {inp.task_id}"))
                 ids = prompt.token_ids
                 if ids is None:
@@ -135,20 +139,26 @@ class RolloutActivities:
             except RolloutError as e:
                 raise e.to_application_error() from e
             seg = Segment(name="prompt", kind="prompt", turn=None, start=0, token_ids=ids)
-            existing = await asyncio.to_thread(self.store.put_segment, inp.rollout_id, seg)
+            existing = await timed(self.store.put_segment, inp.rollout_id, seg)
         return PrepareResult(prompt_tokens=len(existing.token_ids), engine=inp.engine_url)
 
     # start-to-close is derived from engine.request_timeout_s by the caller; retry from [engine]
     @options(Options(timedelta(minutes=5), heartbeat=timedelta(seconds=10)))
     @activity.defn
     async def generate_turn(self, inp: GenerateInput) -> TurnResult:
-        """One model call on the rollout's stored context; the sampled tokens are stored, not returned."""
+        """One model call on the rollout's stored context; the sampled tokens are stored, not returned.
+
+        Its store calls are timed (meta ``transfer_s``; the segment's own write is handed to the inline
+        env step, which records it, or goes uncounted).
+        """
         name = model_segment(inp.turn)
+        timed = StoreClock()
         if inp.prepare is not None:
-            await self.prepare_rollout(inp.prepare)
-        seg = await asyncio.to_thread(self.store.get_segment, inp.rollout_id, name)
+            await self._prepare(inp.prepare, timed)
+        seg = await timed(self.store.get_segment, inp.rollout_id, name)
+        unrecorded = 0.0  # store seconds the stored meta does not hold
         if seg is None:
-            context = await asyncio.to_thread(self.store.token_ids, inp.rollout_id)
+            context = await timed(self.store.token_ids, inp.rollout_id)
             room = inp.max_total_tokens - len(context) if inp.max_total_tokens else inp.max_tokens
             if room <= 0:  # the prompt alone fills the rollout's token budget
                 return _no_turn(inp, len(context), "length", TruncationReason.TOKEN_BUDGET)
@@ -173,6 +183,7 @@ class RolloutActivities:
                 "queue_s": queued + gen.queue_s,
                 "model_s": gen.model_s,
                 "attempt": info.attempt,
+                "transfer_s": timed.seconds,
             }
             seg = Segment(
                 name=name,
@@ -184,14 +195,16 @@ class RolloutActivities:
                 policy_versions=gen.policy_versions,
                 meta=meta,
             )
-            seg = await asyncio.to_thread(self.store.put_segment, inp.rollout_id, seg)
+            before = timed.seconds
+            seg = await timed(self.store.put_segment, inp.rollout_id, seg)
+            unrecorded = timed.seconds - before
         versions = [v for v in seg.policy_versions or [] if v is not None]
         env = None
         limit = inp.max_total_tokens or seg.end + 1
         over_budget = seg.meta["finish_reason"] == "length" and seg.end >= limit
         if inp.env_after is not None and not over_budget:
             assert self.env_steps is not None, "a worker registers generate_turn with its env steps"
-            env = await self.env_steps.env_step(inp.env_after)
+            env = await self.env_steps.env_step(inp.env_after.model_copy(update={"transfer_s": unrecorded}))
         return TurnResult(
             turn=inp.turn,
             start=seg.start,
@@ -210,13 +223,19 @@ class RolloutActivities:
         always agree with the store even when a retried workflow task decided differently the second time.
 
         The record carries its lineage (policy versions, config hash, env/verifier versions, sandbox image;
-        see ``records.export.rollout_lineage``) in ``extra_json["lineage"]``.
+        see ``records.export.rollout_lineage``) in ``extra_json["lineage"]``, and its per-rollout time
+        entries (``started_at``, ``ended_at``, ``sandbox_s``, ``record_transfer_s``: its own store reads).
         """
-        segs = await asyncio.to_thread(self.store.segments, inp.rollout_id)
-        run = await asyncio.to_thread(self.store.get_run, inp.run_id)
-        handle = await asyncio.to_thread(self.store.get_sandbox, inp.rollout_id)
+        timed = StoreClock()
+        segs = await timed(self.store.segments, inp.rollout_id)
+        run = await timed(self.store.get_run, inp.run_id)
+        handle = await timed(self.store.get_sandbox, inp.rollout_id)
         image = handle.spec.image if handle is not None else None
-        extra = {**_extras(inp), "lineage": rollout_lineage(run, inp.env, segs, image)}
+        extra = {
+            **_extras(inp),
+            **_times(inp, timed.seconds),
+            "lineage": rollout_lineage(run, inp.env, segs, image),
+        }
         prompt_len = segs[0].end if segs and segs[0].kind == "prompt" else 0
         rec = {
             "rollout_id": inp.rollout_id,
@@ -301,6 +320,17 @@ def _extras(inp: FinalizeRolloutInput) -> dict[str, int | bool]:
     if inp.wasted_tokens is not None:
         out["wasted_tokens"] = inp.wasted_tokens
     return out
+
+
+def _times(inp: FinalizeRolloutInput, transfer_s: float) -> dict[str, float | None]:
+    """The record's per-rollout time entries (``records/timing.py``): wall-time bounds, sandbox, transfer."""
+    s = inp.state
+    return {
+        "started_at": s.started_at,
+        "ended_at": inp.ended_at,
+        "sandbox_s": s.sandbox_s,
+        "record_transfer_s": transfer_s,
+    }
 
 
 def _no_turn(inp: GenerateInput, at: int, finish: str, reason: TruncationReason) -> TurnResult:

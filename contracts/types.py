@@ -192,6 +192,8 @@ class RolloutState(_Data):
     """Sandboxes lost and replaced by replaying the recorded actions."""
     sandbox_slot_waits: int = 0
     """Durable waits for a sandbox pool slot (or a backend that was not ready)."""
+    sandbox_s: float = 0.0
+    """Workflow seconds in the sandbox's create, recover and destroy activities (environment time)."""
 
 
 class PrepareResult(_Data):
@@ -471,6 +473,9 @@ class EnvStepInput(_Data):
     score_only: bool = False
     """Score the rollout as it stands (a truncated rollout) instead of stepping the environment."""
     model: str
+    transfer_s: float = 0.0
+    """Store seconds of the model call before this step that its turn's meta does not hold yet (the
+    turn's own write, timed after it); the step records them with its times."""
 
 
 class FinalizeRolloutInput(_Data):
@@ -493,6 +498,8 @@ class FinalizeRolloutInput(_Data):
     """Set on truncated rollouts: whether the run scores them."""
     wasted_tokens: int | None = None
     """Set on rollouts cancelled for admission: the tokens they had sampled."""
+    ended_at: float | None = None
+    """Workflow time of the rollout's end (its wall time runs from ``state.started_at`` to here)."""
 
 
 class StoredOutcome(_Data):

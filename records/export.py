@@ -10,6 +10,11 @@ Optional fields: of what the rollout workflow stores beside the record (``extra_
 optional fields (``records.models.ROLLOUT_OPTIONAL``) are exported, and only where stored; any other key
 stays in the store and is not exported.
 
+Time: every rollout record carries ``time`` (``records/timing.py``): its turns' times summed, the
+per-rollout entries (``sandbox_s``, ``record_transfer_s``) and wall time that ``finalize_rollout`` stores in
+``extra_json``, and, once the trainer feed consumed its group, ``trainer_wait_s`` (feed mark time - group
+record time; the group record carries it too). Records stored before wall time existed have null wall time.
+
 Lineage: every rollout record carries ``lineage`` (see :func:`rollout_lineage`): the policy versions that
 sampled its tokens in order of first use, the run's config hash, the environment and verifier versions
 (constants in ``envs/``) and, for coding, the sandbox image of the stored config. ``finalize_rollout`` stores
@@ -25,6 +30,7 @@ from collections.abc import Iterator
 from typing import IO, Any
 
 from records.models import ROLLOUT_OPTIONAL, SCHEMA_VERSION, GroupRecord, RolloutRecord
+from records.timing import rollout_time
 from store.runstore import RunStore, Segment
 
 LINEAGE_FIELDS = (
@@ -115,24 +121,38 @@ def _turns(segs: list[Segment]) -> list[dict[str, Any]]:
         if s.kind != "model":
             continue
         m = s.meta
-        out.append(
-            {
-                "turn": s.turn,
-                "engine": m.get("engine"),
-                "finish_reason": m.get("finish_reason"),
-                "range": [s.start, s.end],
-                "queue_s": m.get("queue_s", 0.0),
-                "model_s": m.get("model_s", 0.0),
-                "env_s": m.get("env_s", 0.0),
-                "reward_s": m.get("reward_s", 0.0),
-                "attempt": m.get("attempt"),
-            }
-        )
+        turn = {
+            "turn": s.turn,
+            "engine": m.get("engine"),
+            "finish_reason": m.get("finish_reason"),
+            "range": [s.start, s.end],
+            "queue_s": m.get("queue_s", 0.0),
+            "model_s": m.get("model_s", 0.0),
+            "env_s": m.get("env_s", 0.0),
+            "reward_s": m.get("reward_s", 0.0),
+            "attempt": m.get("attempt"),
+        }
+        if "transfer_s" in m:  # recorded from schema 3 on
+            turn["transfer_s"] = m["transfer_s"]
+        out.append(turn)
     return out
 
 
-def rollout_record(store: RunStore, row: dict[str, Any]) -> dict[str, Any]:
-    """The export object of one rollout (its summary row joined with its token segments)."""
+_UNKNOWN: Any = object()
+"""``rollout_record``'s default trainer wait: look it up in the store."""
+
+
+def rollout_record(
+    store: RunStore, row: dict[str, Any], trainer_wait_s: float | None = _UNKNOWN
+) -> dict[str, Any]:
+    """The export object of one rollout (its summary row joined with its token segments).
+
+    ``trainer_wait_s``: the group's wait in the trainer queue if the caller knows it (None: not consumed);
+    by default it is read from the store (one indexed query).
+    """
+    if trainer_wait_s is _UNKNOWN:
+        trainer_wait_s = store.trainer_waits(row["run_id"], row["group_id"]).get(row["group_id"])
+
     segs = store.segments(row["rollout_id"])
     token_ids: list[int] = []
     logprobs: list[float | None] = []
@@ -170,6 +190,7 @@ def rollout_record(store: RunStore, row: dict[str, Any]) -> dict[str, Any]:
         "policy_versions": versions,
         "sampling": json.loads(row["sampling_json"]),
         "turns": _turns(segs),
+        "time": rollout_time((s.meta for s in segs if s.kind == "model"), extra, trainer_wait_s),
         "lineage": lineage,
     }
     return _dump_rollout(fields)
@@ -188,8 +209,8 @@ def _dump_rollout(fields: dict[str, Any]) -> dict[str, Any]:
     return {k: fields[k] if k in _TOKEN_ARRAYS else out[k] for k in fields}
 
 
-def group_record(rec: dict[str, Any]) -> dict[str, Any]:
-    """The export object of one group (its stored record)."""
+def group_record(rec: dict[str, Any], trainer_wait_s: float | None = None) -> dict[str, Any]:
+    """The export object of one group (its stored record; ``trainer_wait_s`` once it was consumed)."""
     fields = {
         "schema_version": SCHEMA_VERSION,
         "kind": "group",
@@ -205,16 +226,32 @@ def group_record(rec: dict[str, Any]) -> dict[str, Any]:
         "outcomes": rec.get("outcomes", {}),
         "admission_cancelled": rec.get("admission_cancelled", 0),
         "wasted_tokens": rec.get("wasted_tokens", 0),
+        **({} if trainer_wait_s is None else {"trainer_wait_s": trainer_wait_s}),
     }
     return GroupRecord.model_validate(fields).model_dump(mode="json", exclude_unset=True)
 
 
 def iter_run(store: RunStore, run_id: str) -> Iterator[dict[str, Any]]:
     """Every rollout record of the run, then every group record."""
+    waits = store.trainer_waits(run_id)
     for row in store.rollouts(run_id):
-        yield rollout_record(store, row)
+        yield rollout_record(store, row, waits.get(row["group_id"]))
     for rec in store.groups(run_id):
-        yield group_record(rec)
+        yield group_record(rec, waits.get(rec["group_id"]))
+
+
+def rollout_times(store: RunStore, run_id: str) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """(summary row, ``time`` object) of every finalized rollout of the run, as the export computes it,
+    from the store's rows and turn meta only (no token blobs are read: cheap for a whole run)."""
+    turns: dict[str, list[dict[str, Any]]] = {}
+    for rid, meta in store.turn_meta(run_id):
+        turns.setdefault(rid, []).append(meta)
+    waits = store.trainer_waits(run_id)
+    out = []
+    for row in store.rollouts(run_id):
+        extra = json.loads(row["extra_json"] or "{}")
+        out.append((row, rollout_time(turns.get(row["rollout_id"], []), extra, waits.get(row["group_id"]))))
+    return out
 
 
 def export_run(store: RunStore, run_id: str, out: IO[str]) -> dict[str, int]:

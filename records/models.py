@@ -18,8 +18,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-SCHEMA_VERSION = 2
-"""Version of the export format written today (1 = the implicit format before ``schema_version``)."""
+SCHEMA_VERSION = 3
+"""Version of the export format written today (1 = the implicit format before ``schema_version``; 3 added
+the time decomposition: ``time`` and the turns' ``transfer_s``)."""
 
 ROLLOUT_OPTIONAL = (
     "sandbox_replays",
@@ -75,6 +76,37 @@ class TurnRecord(_Record):
     """Seconds the reward computation took (0 if the turn was not scored)."""
     attempt: int | None
     """Activity attempt that produced the turn (1 = first try)."""
+    transfer_s: float = Field(0.0, ge=0)
+    """Seconds the turn's activities spent in run-store reads and writes (present from schema 3; from
+    then on ``env_s`` excludes them, so the turn's times are disjoint)."""
+
+
+class RolloutTime(_Record):
+    """Where the rollout's wall time went, summed over its turns (see ``records/timing.py``).
+
+    Invariant: the components are disjoint, so generation_s + environment_s + reward_s + transfer_s <=
+    wall_s where the wall time is known; trainer_wait_s comes after the rollout's end, outside wall_s.
+    """
+
+    generation_s: float = Field(ge=0)
+    """Every turn's queue_s + model_s (task queue, engine queue, engine)."""
+    environment_s: float = Field(ge=0)
+    """Every turn's env_s (env steps, every sandbox command) plus sandbox_s."""
+    reward_s: float = Field(ge=0)
+    """Every turn's reward_s (for coding, the hidden tests)."""
+    transfer_s: float = Field(ge=0)
+    """Every turn's transfer_s plus the record's own store reads when it was written."""
+    sandbox_s: float = Field(ge=0)
+    """Of environment_s: the sandbox's create, recovery and teardown (0 without a sandbox)."""
+    wall_s: float | None = Field(ge=0)
+    """From the rollout workflow's start to its record; null for records stored before it was kept."""
+    started_at: float | None
+    """Workflow time (epoch seconds) of the rollout's start; null if not kept."""
+    ended_at: float | None
+    """Workflow time (epoch seconds) when the rollout's record was written; null if not kept."""
+    trainer_wait_s: float | None = Field(None, ge=0)
+    """Present once the trainer feed consumed the group: seconds from the group's record to the feed
+    handing it to a trainer."""
 
 
 class SamplingRecord(_Record):
@@ -160,6 +192,8 @@ class RolloutRecord(_Record):
     """The sampling settings of the rollout."""
     turns: list[TurnRecord]
     """One entry per model turn, in order."""
+    time: RolloutTime
+    """The time decomposition: per-turn times summed, wall time, trainer wait."""
     lineage: Lineage
     """What produced the rollout."""
 
@@ -199,6 +233,9 @@ class GroupRecord(_Record):
     """Members cancelled by the dispatcher (reason admission); with redispatch, their slots ran again."""
     wasted_tokens: int = Field(0, ge=0)
     """Tokens those cancelled members had sampled."""
+    trainer_wait_s: float | None = Field(None, ge=0)
+    """Present once the trainer feed consumed the group: seconds from its record to the feed handing it
+    to a trainer."""
 
 
 RECORDS: dict[str, type[_Record]] = {"rollout": RolloutRecord, "group": GroupRecord}

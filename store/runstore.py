@@ -410,6 +410,33 @@ class RunStore:
         )
         return int(row[0])
 
+    def trainer_waits(self, run_id: str, group_id: str | None = None) -> dict[str, float]:
+        """Per consumed group: seconds from its record to the trainer feed's mark (its wait in the queue)."""
+        q = (
+            "SELECT g.group_id, f.at - g.finished_at FROM groups g JOIN feed f"
+            " ON f.run_id=g.run_id AND f.group_id=g.group_id WHERE g.run_id=? AND f.state='consumed'"
+        )
+        args: list[Any] = [run_id]
+        if group_id is not None:
+            q += " AND g.group_id=?"
+            args.append(group_id)
+        return {r[0]: max(0.0, r[1]) for r in self._conn().execute(q, args).fetchall()}
+
+    def turn_meta(self, run_id: str) -> list[tuple[str, dict[str, Any]]]:
+        """(rollout id, meta) of every model turn of the run's finalized rollouts, in token order; reads
+        no blobs (the time decomposition of a whole run without its tokens)."""
+        rows = (
+            self._conn()
+            .execute(
+                "SELECT s.rollout_id, s.meta_json FROM rollouts r JOIN segments s"
+                " ON s.rollout_id = r.rollout_id WHERE r.run_id=? AND s.kind='model'"
+                " ORDER BY s.rollout_id, s.start, s.name",
+                (run_id,),
+            )
+            .fetchall()
+        )
+        return [(r[0], json.loads(r[1])) for r in rows]
+
     # -- the dispatcher's decisions (one row per poll, idempotent on (run, seq)) -----------------------
     def put_dispatch_log(self, run_id: str, seq: int, at: float, record: dict[str, Any]) -> None:
         with self._tx() as db:

@@ -1,8 +1,11 @@
-"""Progress display for the CLI: a live bar (done/total by outcome) and a final summary table."""
+"""Progress display for the CLI: a live bar (done/total by outcome), a final summary table and, where this
+machine's store holds the run, its time decomposition (totals and shares of wall time, per environment).
+"""
 
 from __future__ import annotations
 
 import asyncio
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -12,6 +15,10 @@ from temporalio.service import RPCError
 
 from contracts.types import RunProgress
 from workflows.run import RunWorkflow
+
+if TYPE_CHECKING:
+    from records.timing import Totals
+    from store.runstore import RunStore
 
 console = Console(stderr=True)
 
@@ -66,14 +73,50 @@ def summary_table(p: RunProgress, groups: list[dict] | None = None) -> Table:
     return table
 
 
+def time_table(run_id: str, totals: dict[str, Totals]) -> Table:
+    """Per environment: summed seconds of each time component and its share of the summed wall time."""
+    from records.timing import COMPONENTS
+
+    table = Table(title=f"run {run_id}: where the time went")
+    table.add_column("env")
+    table.add_column("rollouts", justify="right")
+    table.add_column("wall", justify="right")
+    for k in (*COMPONENTS, "other_s"):
+        table.add_column(k.removesuffix("_s"), justify="right")
+    table.add_column("trainer wait (mean)", justify="right")
+    for env, t in totals.items():
+        shares = t.shares()
+        vals = {**t.seconds, "other_s": t.other_s}
+        cells = [
+            f"{vals[k]:.1f}s" + (f" {shares[k]:.0%}" if shares[k] is not None else "")
+            for k in (*COMPONENTS, "other_s")
+        ]
+        wait = t.mean_trainer_wait_s
+        wall = f"{t.wall_s:.1f}s" if t.timed else "-"
+        table.add_row(env, str(t.rollouts), wall, *cells, "-" if wait is None else f"{wait:.1f}s")
+    return table
+
+
+def run_totals(store: RunStore, run_id: str) -> dict[str, Totals]:
+    """The run's time totals per environment (``records/timing.py``)."""
+    from records.export import rollout_times
+    from records.timing import totals_by_env
+
+    return totals_by_env((row["env"], t) for row, t in rollout_times(store, run_id))
+
+
 def print_summary(p: RunProgress) -> None:
-    """Print the summary, with reward figures when this machine's store holds the run."""
+    """Print the summary, with reward figures and the time decomposition when this machine's store holds
+    the run."""
     from config.paths import rollouts_home
     from store.runstore import RunStore
 
     home = rollouts_home()
-    groups = RunStore(home).groups(p.run_id) if (home / "store.sqlite").exists() else None
-    Console().print(summary_table(p, groups))
+    store = RunStore(home) if (home / "store.sqlite").exists() else None
+    Console().print(summary_table(p, store.groups(p.run_id) if store else None))
+    totals = run_totals(store, p.run_id) if store else {}
+    if totals:
+        Console().print(time_table(p.run_id, totals))
 
 
 async def show_status(client: Client, run_id: str) -> None:

@@ -330,6 +330,7 @@ class RolloutWorkflow:
                 uses_sandbox=inp.env.uses_sandbox,
                 score_truncated=inp.score_truncated if ended.outcome == Outcome.TRUNCATED else None,
                 wasted_tokens=s.sampled_tokens if ended.reason == CANCEL_REASON else None,
+                ended_at=workflow.now().timestamp(),
             ),
         )
         if (stored.outcome, stored.reason) != (ended.outcome, ended.reason):

@@ -11,6 +11,8 @@ Invariants:
 - A sandbox that dies is recovered by replaying the rollout's recorded actions into a fresh one (the
   state counts the replays); if that fails too, the rollout fails as ``infra: SandboxGone``. A dead
   sandbox is never scored.
+- Every create, recover and destroy activity adds its workflow seconds to the state's ``sandbox_s`` (the
+  rollout's environment time outside its turns; durable waits for a slot are not in it).
 """
 
 from __future__ import annotations
@@ -39,6 +41,14 @@ class SandboxSteps:
     def __init__(self, inp: RolloutInput, state: RolloutState) -> None:
         self.inp, self.state = inp, state
 
+    async def _timed(self, step: Awaitable[T]) -> T:
+        """Await a sandbox activity; its workflow seconds go to the rollout's ``sandbox_s``."""
+        t0 = workflow.now()
+        try:
+            return await step
+        finally:
+            self.state.sandbox_s += (workflow.now() - t0).total_seconds()
+
     def _input(self, engine: str, turn: int, with_pool: bool = False) -> SandboxStepInput:
         assert self.inp.sandbox is not None
         return SandboxStepInput(
@@ -59,8 +69,8 @@ class SandboxSteps:
         waits = 0
         while True:
             try:
-                self.state.sandbox = await call(
-                    SandboxActivities.sandbox_create, self._input(engine, 0, with_pool=True)
+                self.state.sandbox = await self._timed(
+                    call(SandboxActivities.sandbox_create, self._input(engine, 0, with_pool=True))
                 )
                 return
             except ActivityError as e:
@@ -79,7 +89,7 @@ class SandboxSteps:
 
     async def destroy(self) -> None:
         if self.state.sandbox:
-            await call(SandboxActivities.sandbox_destroy, self.inp.rollout_id)
+            await self._timed(call(SandboxActivities.sandbox_destroy, self.inp.rollout_id))
 
     async def recovering(self, engine: str, turn: int, step: Callable[[], Awaitable[T]]) -> T:
         """Run a step that uses the sandbox; a lost sandbox is replaced (recorded actions replayed) and the
@@ -94,5 +104,5 @@ class SandboxSteps:
                 ):
                     raise
             workflow.set_current_details(f"sandbox lost at turn {turn}: replaying {turn} recorded turns")
-            await call(SandboxActivities.sandbox_recover, self._input(engine, turn))
+            await self._timed(call(SandboxActivities.sandbox_recover, self._input(engine, turn)))
             self.state.sandbox_replays += 1
