@@ -2,6 +2,7 @@
 # Run a command with the services the tests need, then stop exactly what this script started (by pid).
 #   - Docker: Debian's docker.io (and debootstrap for the sandbox image) are installed if missing; dockerd
 #     is started if no daemon answers; the sandbox image is built offline if absent.
+#   - Chromium: Debian's chromium is installed if missing (headless report rendering).
 #   - Prometheus: Debian's prometheus is installed if missing (tests/integration/test_metrics.py starts its
 #     own, by pid, scraping an in-process worker).
 # Temporal and vLLM are started by the test fixtures themselves (tests/conftest.py), by pid.
@@ -16,6 +17,15 @@ if ! command -v dockerd >/dev/null || ! command -v debootstrap >/dev/null || ! c
     apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q docker.io debootstrap prometheus >/dev/null
   else
     echo "docker.io, debootstrap or prometheus is missing; install them (apt-get install docker.io debootstrap prometheus) as root" >&2
+  fi
+fi
+
+# Headless Chromium renders the run reports in tests/integration/test_report.py.
+if ! command -v chromium >/dev/null; then
+  if [ "$(id -u)" = 0 ]; then
+    apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null
+  else
+    echo "chromium is missing; install it (apt-get install chromium) as root" >&2
   fi
 fi
 

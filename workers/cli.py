@@ -152,6 +152,29 @@ def export(
 
 
 @app.command()
+def report(
+    run_id: str,
+    output: Annotated[Path, typer.Option("-o", "--output", help="HTML file to write.")] = Path("report.html"),
+) -> None:
+    """Write a run's report: one self-contained HTML file of plots (time decomposition, lengths, rewards,
+    admission, replicas; see README, "Reports")."""
+    from config.paths import rollouts_home
+    from reports import ReportError, write_report
+    from store.runstore import RunStore
+
+    home = rollouts_home()
+    if not (home / "store.sqlite").exists():
+        raise _fail(f"no run store at {home} (set ROLLOUTS_HOME?)")
+    try:
+        data = write_report(RunStore(home), run_id, output)
+    except ReportError as e:
+        raise _fail(str(e)) from None
+    except OSError as e:
+        raise _fail(f"{output}: {e.strerror or e}") from None
+    typer.echo(f"wrote the report of {len(data.rollouts)} rollouts of run {run_id} to {output}")
+
+
+@app.command()
 def reap(
     run_id: Annotated[str | None, typer.Option("--run-id", help="Only this run's sandboxes.")] = None,
     address: Annotated[str, typer.Option(help="Temporal frontend host:port.")] = "127.0.0.1:7233",
