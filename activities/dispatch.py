@@ -12,6 +12,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from datetime import timedelta
 
@@ -21,7 +22,16 @@ from temporalio.common import RetryPolicy
 
 import metrics
 from activities.calls import Options, options
-from contracts.types import FleetPoll, GroupCounts, PollFleetInput
+from contracts.types import (
+    FleetPoll,
+    GroupCounts,
+    GroupResult,
+    Outcome,
+    PollFleetInput,
+    RolloutResult,
+    TerminatedGroup,
+    TerminatedGroupInput,
+)
 from engines.metrics import fetch_reading
 from sandboxes.pool import SandboxPool
 from store.runstore import RunStore
@@ -89,5 +99,35 @@ class DispatchActivities:
         metrics.record_poll(inp.run_id, inp.log, poll, inp.engine_urls, inp.count_unconsumed)
         return poll
 
+    @options(Options(timedelta(seconds=30), RetryPolicy(maximum_interval=timedelta(seconds=10)), local=True))
+    @activity.defn
+    async def terminated_group(self, inp: TerminatedGroupInput) -> TerminatedGroup:
+        """What the store holds of a group terminated by hand (read-only): its task, every member attempt
+        with a record, and its own record if it wrote one before it was terminated."""
+
+        def read() -> TerminatedGroup:
+            rows = self.store.rollouts(inp.run_id, inp.group_id)
+            group = self.store.group(inp.run_id, inp.group_id)
+            task_id = group["task_id"] if group else rows[0]["task_id"] if rows else None
+            if task_id is None:
+                task_id = self.store.task_at(inp.run_id, inp.task_index)["id"]
+            members = [
+                RolloutResult(
+                    rollout_id=r["rollout_id"],
+                    sample_index=r["sample_index"],
+                    outcome=Outcome(r["outcome"]),
+                    reason=r["reason"],
+                    reward=r["reward"],
+                    scorable=bool(r["scorable"]),
+                    num_tokens=r["num_tokens"],
+                    wasted_tokens=int(json.loads(r["extra_json"]).get("wasted_tokens", 0)),
+                )
+                for r in rows
+            ]
+            record = GroupResult.model_validate(group) if group else None
+            return TerminatedGroup(task_id=str(task_id), members=members, record=record)
+
+        return await asyncio.to_thread(read)
+
     def all(self) -> list:
-        return [self.poll_fleet]
+        return [self.poll_fleet, self.terminated_group]

@@ -212,6 +212,7 @@ class RolloutActivities:
             finish_reason=seg.meta["finish_reason"],
             policy_version=versions[-1] if versions else None,
             env=env,
+            attempt=activity.info().attempt,
         )
 
     @options(Options(timedelta(seconds=60), RECORD_RETRY, local=True))

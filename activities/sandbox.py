@@ -22,7 +22,7 @@ from temporalio.common import RetryPolicy
 
 from activities.calls import Options, options
 from activities.heartbeat import heartbeating
-from contracts.types import SandboxStepInput
+from contracts.types import SandboxCreated, SandboxStepInput
 from envs import registry
 from envs.base import SandboxPlan, TurnContext
 from errors import EnvironmentFailure, RolloutError, SandboxGone, SandboxPathError, names
@@ -74,17 +74,18 @@ class SandboxActivities:
 
     @options(Options(timedelta(minutes=5), SANDBOX_RETRY, heartbeat=timedelta(seconds=30)))
     @activity.defn
-    async def sandbox_create(self, inp: SandboxStepInput) -> bool:
+    async def sandbox_create(self, inp: SandboxStepInput) -> SandboxCreated:
         """Create (or reattach to) the rollout's sandbox, lay out the task's files and run its setup.
 
-        Returns False when the environment gives this task no sandbox. With a pool, a slot is held first;
-        none free raises a non-retryable ``SandboxSlotPending`` whose details carry the seconds to wait:
-        the workflow backs off durably.
+        Returns whether the task got a sandbox (not when the environment gives it none) and the host
+        running it (the Docker daemon's name: the rollout's ``RolloutSandboxHost``). With a pool, a slot
+        is held first; none free raises a non-retryable ``SandboxSlotPending`` whose details carry the
+        seconds to wait: the workflow backs off durably.
         """
         try:
             _, plan = await self._plan(inp)
             if plan is None:
-                return False
+                return SandboxCreated(created=False)
             if inp.pool is not None:
                 await asyncio.to_thread(self.pool.acquire, inp.rollout_id, inp.pool)
             handle = await heartbeating(self.backend.create(inp.rollout_id, inp.run_id, plan.spec))
@@ -92,9 +93,10 @@ class SandboxActivities:
             if known is None or known.container_id != handle.container_id:
                 await heartbeating(self._lay_out(handle, plan, inp.rollout_id))
                 await asyncio.to_thread(self.store.put_sandbox, inp.rollout_id, handle)
+            host = await self.backend.host()
         except RolloutError as e:
             raise e.to_application_error() from e
-        return True
+        return SandboxCreated(created=True, host=host)
 
     async def _lay_out(self, handle: SandboxHandle, plan: SandboxPlan, rollout_id: str) -> None:
         for path, content in plan.files.items():

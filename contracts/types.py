@@ -9,8 +9,9 @@ carries across continue-as-new), never one object that is both.
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from config.models import Config
 from sandboxes.base import SandboxSpec
@@ -188,6 +189,8 @@ class RolloutState(_Data):
     """Pauses for a newer policy version so far."""
     sandbox: bool = False
     """A sandbox was created for this rollout (and must be destroyed at its end)."""
+    sandbox_host: str | None = None
+    """The Docker daemon running the rollout's sandbox (``SandboxCreated.host``)."""
     sandbox_replays: int = 0
     """Sandboxes lost and replaced by replaying the recorded actions."""
     sandbox_slot_waits: int = 0
@@ -214,6 +217,8 @@ class TurnResult(_Data):
     truncated_reason: TruncationReason | None = None
     env: EnvStepResult | None = None
     """The env step's result when it ran inside the activity (``GenerateInput.env_after``)."""
+    attempt: int = 1
+    """Attempt of the model call that returned this turn (``activity.info().attempt``; 1 = first try)."""
 
 
 class EnvStepResult(_Data):
@@ -512,6 +517,43 @@ class StoredOutcome(_Data):
     wasted_tokens: int = 0
     inserted: bool = True
     """Whether this call wrote the record (False: it existed already)."""
+
+
+class SandboxCreated(_Data):
+    """What ``sandbox_create`` did: whether the task got a sandbox, and where it runs."""
+
+    created: bool
+    """False when the environment gives this task no sandbox."""
+    host: str | None = None
+    """The Docker daemon running it (its name as ``docker info`` reports it); None if unknown."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_bool(cls, value: Any) -> Any:
+        """Histories written before the host was reported carry a bare bool."""
+        return {"created": value} if isinstance(value, bool) else value
+
+
+class TerminatedGroupInput(_Data):
+    """A group terminated by hand (``rollouts terminate GROUP``): the members to account for."""
+
+    run_id: str
+    group_id: str
+    members: list[str] = Field(default_factory=list)
+    """Rollout ids of its members that were running (their workflows died with the group)."""
+    reason: str = "manual"
+    task_index: int = 0
+    """Index of the group's task in the run's task file (the run fills it in)."""
+
+
+class TerminatedGroup(_Data):
+    """The store's view of a terminated group, after its unrecorded members were recorded as failed."""
+
+    task_id: str
+    members: list[RolloutResult]
+    """Every member attempt with a record, the ones just written included."""
+    record: GroupResult | None = None
+    """The group's record if the group wrote it before it was terminated."""
 
 
 class FinalizeGroupInput(_Data):

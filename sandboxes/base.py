@@ -257,6 +257,12 @@ class AsyncSandboxBackend:
         """See `SandboxBackend.destroy`."""
         await asyncio.to_thread(self.backend.destroy, key)
 
+    async def host(self) -> str | None:
+        """The host running this backend's sandboxes (the Docker daemon's name), if the backend says
+        (a ``host()`` method is optional: backends without one answer None)."""
+        fn = getattr(self.backend, "host", None)
+        return None if fn is None else str(await asyncio.to_thread(fn))
+
     async def list_containers(self, run_id: str | None = None) -> list[SandboxInfo]:
         """See `SandboxBackend.list_containers`."""
         return await asyncio.to_thread(self.backend.list_containers, run_id)

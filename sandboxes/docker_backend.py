@@ -90,6 +90,17 @@ class DockerBackend:
             raise SandboxNotReady(f"docker daemon unreachable: {exc}") from exc
         self.api = self.client.api
         self._locks = [threading.Lock() for _ in range(64)]
+        self._host: str | None = None
+
+    def host(self) -> str:
+        """The daemon's name as ``docker info`` reports it (asked once): the ``RolloutSandboxHost`` of
+        the rollouts whose sandboxes run here."""
+        if self._host is None:
+            try:
+                self._host = str(self.client.info().get("Name") or "docker")
+            except docker.errors.DockerException as exc:
+                raise SandboxNotReady(f"docker daemon unreachable: {exc}") from exc
+        return self._host
 
     def _lock(self, name: str) -> threading.Lock:
         return self._locks[int(hashlib.sha256(name.encode()).hexdigest()[:8], 16) % len(self._locks)]

@@ -5,6 +5,9 @@ Invariants:
   so a retried activity never creates a duplicate and never overwrites data already produced.
 - A rollout's token sequence is append-only: segments are written once, at the offset where the previous
   segment ended, and read back in order; nothing is ever re-tokenized.
+- Schema changes after the base schema are numbered migrations (``MIGRATIONS``), applied in order when a
+  store opens and recorded in SQLite's ``user_version``; each is idempotent, so two processes opening an
+  old store at once both end at the newest version. The manual-actions log is append-only.
 """
 
 from __future__ import annotations
@@ -60,6 +63,22 @@ CREATE TABLE IF NOT EXISTS feed (
 """
 
 
+MIGRATIONS: list[tuple[int, str]] = [
+    (
+        1,
+        """
+CREATE TABLE IF NOT EXISTS manual_actions (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, run_id TEXT NOT NULL, target TEXT NOT NULL, action TEXT NOT NULL,
+    reason TEXT, detail_json TEXT NOT NULL, at REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS manual_actions_by_run ON manual_actions (run_id, seq);
+""",
+    ),
+]
+"""(version, DDL): what a store of an older ``user_version`` runs to catch up (1: the manual-actions log of
+``rollouts cancel/retry/terminate``)."""
+
+SCHEMA_VERSION = MIGRATIONS[-1][0]
+
 CONTEXT_CACHE = 1024
 """Rollouts whose context a store object keeps in memory (see `RunStore.token_ids`)."""
 
@@ -103,6 +122,7 @@ class RunStore:
         self._contexts: OrderedDict[str, tuple[tuple[str, ...], list[int]]] = OrderedDict()
         self._cache_lock = threading.Lock()
         self._conn().executescript(_SCHEMA)
+        self._migrate()
 
     # -- plumbing -------------------------------------------------------------------------------------
     def _conn(self) -> sqlite3.Connection:
@@ -114,6 +134,16 @@ class RunStore:
             conn.row_factory = sqlite3.Row
             self._local.conn = conn
         return conn
+
+    def _migrate(self) -> None:
+        conn = self._conn()
+        for version, ddl in MIGRATIONS:
+            if conn.execute("PRAGMA user_version").fetchone()[0] < version:
+                conn.executescript(f"BEGIN IMMEDIATE;{ddl}PRAGMA user_version={version};COMMIT;")
+
+    def schema_version(self) -> int:
+        """The store's schema version (``PRAGMA user_version``; 0 = the base schema only)."""
+        return int(self._conn().execute("PRAGMA user_version").fetchone()[0])
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
@@ -365,6 +395,15 @@ class RunStore:
         row = self._conn().execute("SELECT * FROM rollouts WHERE rollout_id=?", (rollout_id,)).fetchone()
         return dict(row) if row else None
 
+    def group(self, run_id: str, group_id: str) -> dict[str, Any] | None:
+        """One group's record, or None before it is written."""
+        row = (
+            self._conn()
+            .execute("SELECT record_json FROM groups WHERE run_id=? AND group_id=?", (run_id, group_id))
+            .fetchone()
+        )
+        return json.loads(row[0]) if row else None
+
     def groups(self, run_id: str) -> list[dict[str, Any]]:
         rows = (
             self._conn()
@@ -436,6 +475,28 @@ class RunStore:
             .fetchall()
         )
         return [(r[0], json.loads(r[1])) for r in rows]
+
+    # -- manual actions (rollouts cancel / retry / terminate; append-only) -----------------------------
+    def put_manual_action(
+        self, run_id: str, target: str, action: str, reason: str | None, detail: dict[str, Any]
+    ) -> int:
+        """Log an operator's action on a rollout or group; returns its sequence number."""
+        with self._tx() as db:
+            cur = db.execute(
+                "INSERT INTO manual_actions (run_id, target, action, reason, detail_json, at)"
+                " VALUES (?,?,?,?,?,?)",
+                (run_id, target, action, reason, json.dumps(detail), time.time()),
+            )
+            return int(cur.lastrowid or 0)
+
+    def manual_actions(self, run_id: str) -> list[dict[str, Any]]:
+        """The run's manual actions in the order they were taken."""
+        rows = (
+            self._conn()
+            .execute("SELECT * FROM manual_actions WHERE run_id=? ORDER BY seq", (run_id,))
+            .fetchall()
+        )
+        return [{**dict(r), "detail": json.loads(r["detail_json"])} for r in rows]
 
     # -- the dispatcher's decisions (one row per poll, idempotent on (run, seq)) -----------------------
     def put_dispatch_log(self, run_id: str, seq: int, at: float, record: dict[str, Any]) -> None:

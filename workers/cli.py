@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import re
+from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -196,6 +197,100 @@ def reap(
     except SandboxError as e:
         raise _fail(str(e), 1) from None
     typer.echo(f"removed {len(removed)} sandboxes" + (f": {', '.join(removed)}" if removed else ""))
+
+
+Address = Annotated[str, typer.Option(help="Temporal frontend host:port.")]
+
+
+def _ops(work: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    """Run an operating command (``workers.ops``): its OpsError is one line and exit 2."""
+    from workers.ops import OpsError
+
+    error = None
+    try:
+        asyncio.run(work())
+    except OpsError as e:
+        error = str(e)  # raised below, so no traceback keeps the client alive into interpreter shutdown
+    except KeyboardInterrupt:  # `top` ends on Ctrl-C
+        pass
+    if error is not None:
+        raise _fail(error)
+
+
+@app.command()
+def stuck(
+    run_id: str,
+    for_: Annotated[str, typer.Option("--for", help="Without progress for this long (60s, 2m).")] = "60s",
+    url: Annotated[bool, typer.Option("--url", help="Print only the web UI URL of this filter.")] = False,
+    ui: Annotated[str, typer.Option(help="Web UI base URL.")] = "http://127.0.0.1:8233",
+    address: Address = "127.0.0.1:7233",
+) -> None:
+    """List the run's rollouts without progress for --for: phase, turn, elapsed, last progress, engine,
+    sandbox, and the pending call (attempt, heartbeat, last failure); one line each."""
+    import time
+
+    from workers import ops
+
+    async def go() -> None:
+        seconds = ops.parse_duration(for_)
+        now = time.time()
+        if url:
+            typer.echo(ops.ui_url(ops.stuck_filter(run_id, now - seconds), ui))
+            return
+        client = await _client(address)
+        rows = await ops.find_stuck(client, run_id, seconds, now)
+        for r in rows:
+            typer.echo(ops.format_stuck(r, now))
+        typer.echo(f"{len(rows)} rollouts of run {run_id} without progress for {for_}", err=True)
+
+    _ops(go)
+
+
+@app.command()
+def top(
+    run_id: str,
+    interval: Annotated[float, typer.Option(help="Seconds between refreshes.")] = 1.5,
+    address: Address = "127.0.0.1:7233",
+) -> None:
+    """Live view of the run's in-flight rollouts by phase and replica (Ctrl-C exits)."""
+    from workers import ops
+
+    async def go() -> None:
+        await ops.top(await _client(address), run_id, interval_s=max(0.5, interval))
+
+    _ops(go)
+
+
+def _act(action: str, target: str, address: str) -> None:
+    from config.paths import rollouts_home
+    from store.runstore import RunStore
+    from workers import ops
+
+    async def go() -> None:
+        client = await _client(address)
+        typer.echo(await getattr(ops, action)(client, RunStore(rollouts_home()), target))
+
+    _ops(go)
+
+
+@app.command()
+def cancel(rollout_id: str, address: Address = "127.0.0.1:7233") -> None:
+    """Cancel a running rollout (recorded cancelled, reason manual; logged in the run store)."""
+    _act("cancel", rollout_id, address)
+
+
+@app.command()
+def retry(rollout_id: str, address: Address = "127.0.0.1:7233") -> None:
+    """Run a running rollout's group slot again: it is recorded cancelled (manual-retry) and the slot
+    restarts as <i>r<n+1>."""
+    _act("retry", rollout_id, address)
+
+
+@app.command()
+def terminate(target: str, address: Address = "127.0.0.1:7233") -> None:
+    """Terminate a rollout (its group records it failed, infra) or a group (the run records its members and
+    the group, and counts it done); also accounts for a group terminated from the web UI."""
+    _act("terminate", target, address)
 
 
 policy_app = typer.Typer(no_args_is_help=True, help="Publish policy versions to the engines.")

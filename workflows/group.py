@@ -10,6 +10,10 @@ Invariants:
 - The dispatcher may ``shed`` members (cancel, reason admission): they get a cancelled record, count toward
   the size and stay out of the comparison; with ``redispatch_cancelled`` the slot runs again under id
   ``<run>/<group>/<i>r<n>`` (same sample index), so the group still compares ``size`` finished slots.
+- An operator may ``retry`` a running member (``rollouts retry``): it is cancelled with reason
+  ``manual-retry`` (its record says so) and, once it ended cancelled, its slot runs again under the next
+  attempt id, as for admission; a member that ended otherwise before the cancel reached it keeps its
+  outcome and the slot is not run again (no slot ever has two scorable members).
 """
 
 from __future__ import annotations
@@ -37,7 +41,24 @@ with workflow.unsafe.imports_passed_through():
     from workflows.admission import CANCEL_REASON
     from workflows.calls import call
     from workflows.grpo import group_stats
-    from workflows.rollout import RolloutWorkflow
+    from workflows.rollout import OPS_PATCH, RolloutWorkflow
+
+
+def member_input(inp: GroupInput, i: int, attempt: int = 0) -> RolloutInput:
+    """The input of slot i's member under attempt ``attempt`` (id ``<run>/<group>/<i>`` or ``<i>r<n>``)."""
+    rid = rollout_id(inp.run_id, inp.group_id, i) + (f"r{attempt}" if attempt else "")
+    sampling = inp.template.sampling.model_copy(update={"seed": member_seed(inp.template.sampling.seed, rid)})
+    return inp.template.model_copy(
+        update={
+            "run_id": inp.run_id,
+            "group_id": inp.group_id,
+            "rollout_id": rid,
+            "task_id": inp.task_id,
+            "sample_index": i,
+            "sampling": sampling,
+            "preferred_engine": inp.engine,
+        }
+    )
 
 
 def member_seed(base: int | None, rid: str) -> int | None:
@@ -50,6 +71,33 @@ def member_seed(base: int | None, rid: str) -> int | None:
 MAX_REDISPATCH = 3
 """Most times one group slot is restarted after admission cancels (then it stays cancelled)."""
 
+RETRY_REASON = "manual-retry"
+"""Cancel reason of a member an operator retried (``rollouts retry``)."""
+
+
+def slot_of(member_id: str) -> tuple[int, int]:
+    """(sample index, attempt) of a member id ``<run>/<group>/<i>`` or ``.../<i>r<n>``."""
+    last = member_id.rsplit("/", 1)[-1]
+    i, _, n = last.partition("r")
+    return int(i), int(n or 0)
+
+
+def close_group(
+    run_id: str, group_id: str, task_id: str, size: int, attempts: list[RolloutResult], eps: float
+) -> tuple[GroupResult, dict[str, float | None]]:
+    """The group record (GRPO statistics over the scorable attempts, the admission cancels and their
+    wasted tokens) and the advantages, from every member attempt's result."""
+    attempts = sorted(attempts, key=lambda r: (r.sample_index, r.rollout_id))
+    record, advantages = group_stats(run_id, group_id, task_id, size, attempts, eps)
+    cancelled = [r for r in attempts if r.outcome == Outcome.CANCELLED and r.reason == CANCEL_REASON]
+    record = record.model_copy(
+        update={
+            "admission_cancelled": len(cancelled),
+            "wasted_tokens": sum(r.wasted_tokens for r in cancelled),
+        }
+    )
+    return record, advantages
+
 
 @workflow.defn(name="GroupWorkflow")
 class GroupWorkflow:
@@ -58,6 +106,8 @@ class GroupWorkflow:
         self._size = 0
         self._running: dict[str, workflow.ChildWorkflowHandle] = {}
         self._told: set[str] = set()
+        self._retry: set[str] = set()
+        """Members an operator asked to run again (``retry``)."""
 
     @workflow.query
     def progress(self) -> dict:
@@ -75,22 +125,26 @@ class GroupWorkflow:
             except Exception as e:  # it ended in the meantime: nothing to cancel
                 workflow.logger.info("shed %s: %s", rid, e)
 
+    @workflow.signal
+    async def retry(self, rollout_id: str) -> None:
+        """Cancel a running member (reason ``manual-retry``) and run its slot again under the next attempt
+        id once it has ended cancelled; unknown or ended members are ignored."""
+        if rollout_id not in self._running or rollout_id in self._retry:
+            return
+        self._retry.add(rollout_id)
+        try:
+            await self._running[rollout_id].signal(RolloutWorkflow.cancel_for, RETRY_REASON)
+        except Exception as e:  # it ended in the meantime: its outcome stands
+            workflow.logger.info("retry %s: %s", rollout_id, e)
+
     @workflow.run
     async def run(self, inp: GroupInput) -> GroupResult:
         self._size = inp.size
         workflow.set_current_details(f"task={inp.task_id} members=0/{inp.size}")
         attempts: list[RolloutResult] = []
         await asyncio.gather(*(self._slot(inp, i, attempts) for i in range(inp.size)))
-        attempts.sort(key=lambda r: (r.sample_index, r.rollout_id))
-        record, advantages = group_stats(
+        record, advantages = close_group(
             inp.run_id, inp.group_id, inp.task_id, inp.size, attempts, inp.advantage_eps
-        )
-        cancelled = [r for r in attempts if r.outcome == Outcome.CANCELLED and r.reason == CANCEL_REASON]
-        record = record.model_copy(
-            update={
-                "admission_cancelled": len(cancelled),
-                "wasted_tokens": sum(r.wasted_tokens for r in cancelled),
-            }
         )
         await call(RolloutActivities.finalize_group, FinalizeGroupInput(record=record, advantages=advantages))
         await workflow.wait_condition(workflow.all_handlers_finished)
@@ -103,22 +157,26 @@ class GroupWorkflow:
         return record
 
     async def _slot(self, inp: GroupInput, i: int, attempts: list[RolloutResult]) -> None:
-        """Run slot i to its end; with redispatch, a member cancelled for admission is started again."""
-        for attempt in range(MAX_REDISPATCH + 1):
-            m = self._member_input(inp, i, attempt)
+        """Run slot i to its end; with redispatch, a member cancelled for admission is started again (at
+        most MAX_REDISPATCH times), and a member an operator retried is started again whenever it ended
+        cancelled."""
+        attempt = redispatched = 0
+        while True:
+            m = member_input(inp, i, attempt)
+            attrs: list[SearchAttributePair] = [
+                SearchAttributePair(sa.RUN, inp.run_id),
+                SearchAttributePair(sa.GROUP, inp.group_id),
+                SearchAttributePair(sa.TASK, inp.task_id),
+                SearchAttributePair(sa.ENV, m.env.name),
+                SearchAttributePair(sa.PHASE, "queued"),
+            ]
+            if workflow.patched(OPS_PATCH):  # a queued rollout is findable as stuck too
+                attrs.append(SearchAttributePair(sa.PROGRESS_AT, workflow.now()))
             handle = await workflow.start_child_workflow(
                 RolloutWorkflow.run,
                 m,
                 id=m.rollout_id,
-                search_attributes=TypedSearchAttributes(
-                    [
-                        SearchAttributePair(sa.RUN, inp.run_id),
-                        SearchAttributePair(sa.GROUP, inp.group_id),
-                        SearchAttributePair(sa.TASK, inp.task_id),
-                        SearchAttributePair(sa.ENV, m.env.name),
-                        SearchAttributePair(sa.PHASE, "queued"),
-                    ]
-                ),
+                search_attributes=TypedSearchAttributes(attrs),
             )
             self._running[m.rollout_id] = handle
             try:
@@ -128,28 +186,17 @@ class GroupWorkflow:
             finally:
                 del self._running[m.rollout_id]
             attempts.append(result)
-            shed = result.outcome == Outcome.CANCELLED and result.reason == CANCEL_REASON
-            if not (shed and inp.redispatch_cancelled):
-                break
+            cancelled = result.outcome == Outcome.CANCELLED
+            if cancelled and m.rollout_id in self._retry:
+                attempt += 1
+                continue
+            shed = cancelled and result.reason == CANCEL_REASON and inp.redispatch_cancelled
+            if shed and redispatched < MAX_REDISPATCH:
+                attempt, redispatched = attempt + 1, redispatched + 1
+                continue
+            break
         self._done += 1
         workflow.set_current_details(f"task={inp.task_id} members={self._done}/{inp.size}")
-
-    def _member_input(self, inp: GroupInput, i: int, attempt: int = 0) -> RolloutInput:
-        rid = rollout_id(inp.run_id, inp.group_id, i) + (f"r{attempt}" if attempt else "")
-        sampling = inp.template.sampling.model_copy(
-            update={"seed": member_seed(inp.template.sampling.seed, rid)}
-        )
-        return inp.template.model_copy(
-            update={
-                "run_id": inp.run_id,
-                "group_id": inp.group_id,
-                "rollout_id": rid,
-                "task_id": inp.task_id,
-                "sample_index": i,
-                "sampling": sampling,
-                "preferred_engine": inp.engine,
-            }
-        )
 
     async def _record_dead_member(self, m: RolloutInput, e: ChildWorkflowError) -> RolloutResult:
         """A member whose workflow died (terminated, timed out) is failed (infra) and still recorded."""

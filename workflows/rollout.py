@@ -5,13 +5,20 @@ Invariants:
 - Exactly one record per rollout: whatever ends the rollout (completion, a limit, an infrastructure or
   environment failure, cancellation), the finalize activity writes its record, keyed by rollout id.
 - Only keys and counters cross history; the token sequence lives in the run store.
+- Search attributes are upserted only inside workflow tasks the rollout runs anyway (never a task of their
+  own): on a phase, version, outcome, replica or sandbox-host change, and for progress alone (a turn, the
+  attempt count) at most once per ``search_attributes.PROGRESS_INDEX_INTERVAL_S`` of workflow time. The
+  operating attributes (progress time, replica, sandbox host, attempt) are behind the ``OPS_PATCH`` patch,
+  so histories of earlier releases replay unchanged.
+- The live details say what the rollout waits on and since when (UTC), e.g.
+  ``waiting on model call (turn 3, http://e:8000) since 2026-12-01T10:00:00Z | phase=generate ...``.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
 from temporalio import workflow
@@ -46,6 +53,27 @@ with workflow.unsafe.imports_passed_through():
     from workflows.sandbox_steps import SandboxSteps
 
 T = TypeVar("T")
+
+OPS_PATCH = "ops-search-attributes"
+"""Patch id of the operating search attributes (progress time, replica, sandbox host, attempt)."""
+
+
+def utc_text(ts: float) -> str:
+    """Workflow seconds as the UTC text the live details and ``rollouts stuck`` show."""
+    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def waiting_on(phase: Phase, turn: int, engine: str, sandbox_host: str | None) -> str:
+    """What a rollout in ``phase`` waits on, in words (the live details' first part)."""
+    where = f" on {sandbox_host}" if sandbox_host else ""
+    return {
+        Phase.PREPARE: f"waiting on its sandbox{where} and prompt",
+        Phase.GENERATE: f"waiting on model call (turn {turn}, {engine})",
+        Phase.ENV: f"waiting on env step (turn {turn}{where})",
+        Phase.PAUSED: "waiting for a newer policy version",
+        Phase.FINALIZE: "writing its record",
+        Phase.DONE: "done",
+    }.get(phase, f"in {phase.value}")
 
 
 def rollout_replicas(inp: RolloutInput) -> list[str]:
@@ -82,6 +110,18 @@ class RolloutWorkflow:
         self._sandbox: SandboxSteps | None = None
         self._cancel_reason: str | None = None
         self._task: asyncio.Task[None] | None = None
+        self._ops = False
+        """Whether this execution indexes the operating attributes (``OPS_PATCH``)."""
+        self._progress_at = 0.0
+        """Workflow time of the last progress (start, phase change, finished turn)."""
+        self._progress_upserted: float | None = None
+        """Workflow time of the last upsert that carried the progress time."""
+        self._since = 0.0
+        """Workflow time the current wait began (the live details' "since")."""
+        self._attempt = 1
+        self._failed_attempts = 0
+        """Attempts of engine calls that failed over, not yet folded into ``_attempt``."""
+        self._sandbox_host: str | None = None
 
     @workflow.signal
     def cancel_for(self, reason: str) -> None:
@@ -99,35 +139,67 @@ class RolloutWorkflow:
             "turn": self._s.turn,
             "tokens": self._s.tokens,
             "version": self._s.version,
+            "progress_at": self._progress_at,
+            "since": self._since,
+            "waiting_on": waiting_on(self._phase, self._s.turn, self._engine, self._sandbox_host),
+            "engine": self._engine,
+            "sandbox_host": self._sandbox_host,
+            "attempt": self._attempt,
         }
 
-    def _enter(self, phase: Phase, index: bool = True, outcome: Outcome | None = None) -> None:
+    def _enter(
+        self, phase: Phase, index: bool = True, outcome: Outcome | None = None, reason: str | None = None
+    ) -> None:
         """Show the phase live; with index, also upsert the search attributes that changed.
 
         Upserts cost history bytes and a visibility write on the server, so they are sent only when the
-        phase, the policy version or the outcome changes (the turn rides along; a rollout whose phase
-        stays "generate", as with inline env steps, indexes its turn at start and end only, while the live
-        details and the ``state`` query always show it), and instant phases (an inline env step) show in
-        the current-details text only.
+        phase, the policy version, the outcome, the replica or the sandbox host changes (the turn and the
+        progress time ride along), and for progress alone (a turn of a rollout whose phase stays
+        "generate", as with inline env steps) at most once per ``PROGRESS_INDEX_INTERVAL_S``; the live
+        details and the ``state`` query always show the exact turn. Instant phases (an inline env step)
+        show in the current-details text only.
         """
         s = self._s
+        now = workflow.now().timestamp()
         changed_phase = phase != self._phase
         self._phase = phase
-        if index and (
-            changed_phase or outcome is not None or s.version != self._indexed.get(sa.POLICY_VERSION.name)
-        ):
+        if changed_phase or self._since == 0.0 or phase == Phase.GENERATE:
+            self._since = now  # a new wait begins (each turn's model call is one)
+        if changed_phase:
+            self._progress_at = now
+        idx = self._indexed
+        forced = changed_phase or outcome is not None or s.version != idx.get(sa.POLICY_VERSION.name)
+        if self._ops:
+            forced = forced or (self._engine or None) != idx.get(sa.ENGINE.name)
+            forced = forced or self._sandbox_host != idx.get(sa.SANDBOX_HOST.name)
+        progress = (
+            self._ops
+            and self._progress_at > (self._progress_upserted or 0.0)
+            and sa.progress_due(self._progress_upserted, now)
+        )
+        if index and (forced or progress):
             wanted: dict[SearchAttributeKey[Any], Any] = {
                 sa.PHASE: phase.value,
                 sa.TURN: s.turn,
                 sa.POLICY_VERSION: s.version,
                 sa.OUTCOME: outcome.value if outcome else None,
             }
-            changed = {k: v for k, v in wanted.items() if v is not None and self._indexed.get(k.name) != v}
+            if self._ops:
+                wanted[sa.ENGINE] = self._engine or None
+                wanted[sa.SANDBOX_HOST] = self._sandbox_host
+                wanted[sa.ATTEMPT] = self._attempt
+                wanted[sa.PROGRESS_AT] = datetime.fromtimestamp(self._progress_at, UTC)
+                wanted[sa.REASON] = sa.reason_key(reason) if reason else None
+            changed = {k: v for k, v in wanted.items() if v is not None and idx.get(k.name) != v}
             if changed:
                 workflow.upsert_search_attributes([k.value_set(v) for k, v in changed.items()])
-                self._indexed.update({k.name: v for k, v in changed.items()})
+                idx.update({k.name: v for k, v in changed.items()})
+                if sa.PROGRESS_AT in changed:
+                    self._progress_upserted = now
+        waits = waiting_on(phase, s.turn, self._engine, self._sandbox_host)
         workflow.set_current_details(
-            f"phase={phase.value} turn={s.turn} tokens={s.tokens} version={s.version}"
+            f"{waits} since {utc_text(self._since)} | phase={phase.value} turn={s.turn} tokens={s.tokens}"
+            f" version={s.version} attempt={self._attempt} progress={utc_text(self._progress_at or now)}"
         )
 
     @workflow.run
@@ -136,6 +208,9 @@ class RolloutWorkflow:
         if s.started_at is None:
             s.started_at = workflow.now().timestamp()
         started = s.started_at
+        self._ops = workflow.patched(OPS_PATCH)
+        self._progress_at = workflow.now().timestamp()
+        self._sandbox_host = s.sandbox_host
         self._order = rollout_replicas(inp)
         self._engine = self._order[min(s.engine_failovers, len(self._order) - 1)]
         if inp.env.uses_sandbox:
@@ -170,7 +245,7 @@ class RolloutWorkflow:
         if s.turn == 0 and s.tokens == 0 and self._sandbox is not None:
             # Without a sandbox the prompt is built by the first model call's activity (one step less).
             self._enter(Phase.PREPARE)
-            await self._sandbox.create(self._engine)
+            self._sandbox_host = await self._sandbox.create(self._engine)
             prep: PrepareResult = await self._with_failover(inp, self._prepare_on)
             s.tokens = prep.prompt_tokens
         while True:
@@ -227,6 +302,7 @@ class RolloutWorkflow:
                 gone = is_error(e, EngineUnavailable)
                 if not (gone and inp.engine.failover and s.engine_failovers + 1 < len(self._order)):
                     raise
+            self._failed_attempts += inp.retry.max_attempts
             s.engine_failovers += 1
             s.reprefill_tokens += s.tokens  # the new replica prefills the whole context again
             self._engine = self._order[s.engine_failovers]
@@ -270,6 +346,8 @@ class RolloutWorkflow:
             retry=engine_retry(inp.retry),
             start_to_close=timedelta(seconds=inp.engine.request_timeout_s + 30),
         )
+        self._progress_at = workflow.now().timestamp()  # a finished model call is progress
+        self._attempt, self._failed_attempts = self._failed_attempts + turn.attempt, 0
         s.tokens = turn.end
         s.sampled_tokens += turn.end - turn.start
         s.step_sampled += turn.end - turn.start
@@ -338,7 +416,7 @@ class RolloutWorkflow:
                 "rollout %s: ended %s (%s) but its record already says %s (%s); the record stands",
                 inp.rollout_id, ended.outcome.value, ended.reason, stored.outcome.value, stored.reason,
             )  # fmt: skip
-        self._enter(Phase.DONE, outcome=stored.outcome)
+        self._enter(Phase.DONE, outcome=stored.outcome, reason=stored.reason)
         return RolloutResult(
             rollout_id=inp.rollout_id,
             sample_index=inp.sample_index,

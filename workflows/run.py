@@ -18,6 +18,10 @@ Invariants:
 - Groups are started with ParentClosePolicy.ABANDON and report back by the ``group_done`` signal, so the
   run continues-as-new every ``groups_per_run_segment`` groups without waiting for in-flight groups.
 - The run ends when every group has reported.
+- A group terminated by hand cannot report: ``rollouts terminate GROUP`` terminates it and then sends the
+  run ``group_terminated``, and the run accounts for it itself (its unrecorded members recorded as failed
+  infra, its record written from the store, counted with its full size), as if it had reported. The CLI
+  step is idempotent, so a group terminated from the web UI is accounted by running it afterwards.
 """
 
 from __future__ import annotations
@@ -37,18 +41,26 @@ with workflow.unsafe.imports_passed_through():
         DispatchLog,
         EngineTarget,
         EnvTraits,
+        FailureKind,
+        FinalizeGroupInput,
+        FinalizeRolloutInput,
         FleetPoll,
         GroupCounts,
         GroupInput,
         GroupResult,
         GroupSlot,
         LoadRunInput,
+        Outcome,
         PollFleetInput,
         RetrySettings,
         RolloutInput,
+        RolloutResult,
         RunInput,
         RunProgress,
         RunState,
+        StoredOutcome,
+        TerminatedGroup,
+        TerminatedGroupInput,
         group_id,
         sampling_params,
     )
@@ -63,7 +75,7 @@ with workflow.unsafe.imports_passed_through():
         replica_load,
         spend_bucket,
     )
-    from workflows.group import GroupWorkflow
+    from workflows.group import GroupWorkflow, close_group, member_input, slot_of
 
 
 def rollout_template(cfg: Config, run_id: str, env: EnvTraits) -> RolloutInput:
@@ -115,6 +127,8 @@ class RunWorkflow:
         self._task_ids: dict[int, str] = {}
         self._cap: int | None = None
         self._freed = False
+        self._accounting: set[str] = set()
+        """Terminated groups being accounted for (``group_terminated``)."""
 
     @workflow.signal
     def group_done(self, record: GroupResult) -> None:
@@ -129,6 +143,60 @@ class RunWorkflow:
         st.wasted_tokens += record.wasted_tokens
         for outcome, n in record.outcomes.items():
             st.outcomes[outcome] = st.outcomes.get(outcome, 0) + n
+
+    @workflow.signal
+    async def group_terminated(self, inp: TerminatedGroupInput) -> None:
+        """A group was terminated by hand: record its running members as failed (infra: terminated),
+        write its record from what the store holds (the one it wrote itself, if it got that far) and
+        count it as done. A group that already reported, or is being accounted for, is ignored."""
+        st, cfg = self._state, self._cfg
+        slot = st.slots.get(inp.group_id)
+        if slot is None or inp.group_id in self._accounting or st.env is None:
+            return
+        self._accounting.add(inp.group_id)
+        idx = int(inp.group_id.removeprefix("g"))
+        ask = inp.model_copy(update={"run_id": self._run_id, "task_index": idx % max(1, st.num_tasks)})
+        seen: TerminatedGroup = await call(DispatchActivities.terminated_group, ask)
+        record = seen.record
+        if record is None:
+            ginp = GroupInput(
+                run_id=self._run_id,
+                group_id=inp.group_id,
+                task_id=seen.task_id,
+                size=slot.size,
+                advantage_eps=cfg.run.advantage_eps,
+                template=rollout_template(cfg, self._run_id, st.env),
+                engine=slot.engine or None,
+            )
+            attempts = list(seen.members)
+            recorded = {r.rollout_id for r in attempts}
+            slots_seen = {r.sample_index for r in attempts} | {slot_of(m)[0] for m in inp.members}
+            dead = [m for m in inp.members if m not in recorded]
+            dead += [f"{self._run_id}/{inp.group_id}/{i}" for i in range(slot.size) if i not in slots_seen]
+            reason = f"{FailureKind.INFRA.value}: WorkflowTerminated: group terminated ({inp.reason})"[:500]
+            for rid in dead:
+                i, attempt = slot_of(rid)
+                m = member_input(ginp, i, attempt)
+                stored: StoredOutcome = await call(
+                    RolloutActivities.finalize_rollout,
+                    FinalizeRolloutInput(
+                        run_id=m.run_id, group_id=m.group_id, rollout_id=m.rollout_id, task_id=m.task_id,
+                        sample_index=i, env=m.env.name, outcome=Outcome.FAILED, reason=reason, reward=None,
+                        scorable=False, sampling=m.sampling, turns=0,
+                    ),
+                )  # fmt: skip
+                attempts.append(
+                    RolloutResult(
+                        rollout_id=rid, sample_index=i, outcome=stored.outcome, reason=stored.reason,
+                        reward=stored.reward, scorable=stored.scorable, wasted_tokens=stored.wasted_tokens,
+                    )
+                )  # fmt: skip
+            record, advantages = close_group(
+                self._run_id, inp.group_id, seen.task_id, slot.size, attempts, cfg.run.advantage_eps
+            )
+            closing = FinalizeGroupInput(record=record, advantages=advantages)
+            await call(RolloutActivities.finalize_group, closing)
+        self.group_done(record)
 
     @workflow.query
     def progress(self) -> RunProgress:

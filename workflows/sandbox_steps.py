@@ -25,7 +25,7 @@ from temporalio.exceptions import ActivityError
 
 with workflow.unsafe.imports_passed_through():
     from activities.sandbox import SandboxActivities
-    from contracts.types import RolloutInput, RolloutState, SandboxStepInput
+    from contracts.types import RolloutInput, RolloutState, SandboxCreated, SandboxStepInput
     from errors import SandboxGone, SandboxNotReady, SandboxSlotPending, application_error, is_error
     from workflows.calls import call
 
@@ -63,16 +63,18 @@ class SandboxSteps:
             pool=self.inp.pool if with_pool else None,
         )
 
-    async def create(self, engine: str) -> None:
+    async def create(self, engine: str) -> str | None:
         """Create the sandbox the task needs (if any); while no pool slot is free, wait durably and ask
-        again."""
+        again. Returns the host running it (None: no sandbox, or a backend that does not say)."""
         waits = 0
         while True:
             try:
-                self.state.sandbox = await self._timed(
+                made: SandboxCreated = await self._timed(
                     call(SandboxActivities.sandbox_create, self._input(engine, 0, with_pool=True))
                 )
-                return
+                self.state.sandbox = made.created
+                self.state.sandbox_host = made.host if made.created else None
+                return self.state.sandbox_host
             except ActivityError as e:
                 if not is_error(e, SandboxSlotPending, SandboxNotReady):
                     raise
