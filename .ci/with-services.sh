@@ -2,7 +2,7 @@
 # Run a command with the services the tests need, then stop exactly what this script started (by pid).
 #   - Docker: Debian's docker.io (and debootstrap for the sandbox image) are installed if missing; dockerd
 #     is started if no daemon answers; the sandbox image is built offline if absent.
-#   - Chromium: Debian's chromium is installed if missing (headless report rendering).
+#   - Chromium: Debian's chromium is installed if missing (headless report rendering, the web UI check).
 #   - Prometheus: Debian's prometheus is installed if missing (tests/integration/test_metrics.py starts its
 #     own, by pid, scraping an in-process worker).
 # Temporal and vLLM are started by the test fixtures themselves (tests/conftest.py), by pid.
@@ -20,7 +20,8 @@ if ! command -v dockerd >/dev/null || ! command -v debootstrap >/dev/null || ! c
   fi
 fi
 
-# Headless Chromium renders the run reports in tests/integration/test_report.py.
+# Headless Chromium renders the run reports in tests/integration/test_report.py and the Temporal web UI's
+# "stuck" filter in tests/integration/test_ops.py.
 if ! command -v chromium >/dev/null; then
   if [ "$(id -u)" = 0 ]; then
     apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null

