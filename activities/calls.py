@@ -13,6 +13,7 @@ from datetime import timedelta
 from typing import Any, TypeVar
 
 from temporalio.common import RetryPolicy
+from temporalio.workflow import ActivityCancellationType
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -26,6 +27,9 @@ class Options:
     heartbeat: timedelta | None = None
     local: bool = False
     """Run as a local activity (a marker event in history instead of three; retried by the worker)."""
+    wait_cancellation: bool = False
+    """A cancelled call is awaited until the activity has stopped (it learns of the cancel by its next
+    heartbeat), so nothing it writes can land after the caller moved on (e.g. after the record)."""
 
     def kwargs(
         self, retry: RetryPolicy | None = None, start_to_close: timedelta | None = None
@@ -36,6 +40,8 @@ class Options:
             kw["retry_policy"] = retry or self.retry
         if self.heartbeat is not None and not self.local:
             kw["heartbeat_timeout"] = self.heartbeat
+        if self.wait_cancellation and not self.local:
+            kw["cancellation_type"] = ActivityCancellationType.WAIT_CANCELLATION_COMPLETED
         return kw
 
 

@@ -58,7 +58,9 @@ class EnvironmentActivities:
         self.engine = engine
         self.sandboxes = sandboxes
 
-    @options(Options(timedelta(minutes=15), ENV_RETRY, heartbeat=timedelta(seconds=30)))
+    @options(
+        Options(timedelta(minutes=15), ENV_RETRY, heartbeat=timedelta(seconds=30), wait_cancellation=True)
+    )
     @activity.defn
     async def env_step(self, inp: EnvStepInput) -> EnvStepResult:
         """Step the environment with the turn's text, or (``score_only``) score the rollout as it stands."""

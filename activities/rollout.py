@@ -143,7 +143,7 @@ class RolloutActivities:
         return PrepareResult(prompt_tokens=len(existing.token_ids), engine=inp.engine_url)
 
     # start-to-close is derived from engine.request_timeout_s by the caller; retry from [engine]
-    @options(Options(timedelta(minutes=5), heartbeat=timedelta(seconds=10)))
+    @options(Options(timedelta(minutes=5), heartbeat=timedelta(seconds=10), wait_cancellation=True))
     @activity.defn
     async def generate_turn(self, inp: GenerateInput) -> TurnResult:
         """One model call on the rollout's stored context; the sampled tokens are stored, not returned.

@@ -71,6 +71,42 @@ async def test_cancel_signal_mid_generate_ends_cancelled_with_one_record(
     assert rec.state.sampled_tokens == 10
 
 
+class LateWriter(Hang):
+    """Like Hang, but on cancellation keeps working a while (as a real call writing its segment would)
+    and notes when it stopped, beside the finalize calls."""
+
+    def __init__(self, fakes: Fakes, turn: int) -> None:
+        super().__init__(turn)
+        self.fakes = fakes
+
+    async def __call__(self, inp: GenerateInput) -> TurnResult | None:
+        try:
+            return await super().__call__(inp)
+        except asyncio.CancelledError:
+            await asyncio.sleep(0.3)
+            self.fakes.calls["generate_turn_stopped"].append(len(self.fakes.calls["finalize_rollout"]))
+            raise
+
+
+async def test_a_cancelled_model_call_stops_before_the_record_is_written(
+    own_client: Client, uid: str
+) -> None:
+    """The rollout waits for its cancelled model call to stop: nothing that call writes can land after the
+    record (whose token count it would then contradict)."""
+    fakes = Fakes()
+    late = fakes.generate_hook = LateWriter(fakes, turn=1)
+    inp = rollout_input(uid)
+    tq = f"tq-{uid}"
+    async with fake_worker(own_client, tq, fakes):
+        handle = await own_client.start_workflow(RolloutWorkflow.run, inp, id=inp.rollout_id, task_queue=tq)
+        await asyncio.wait_for(late.started.wait(), 10)
+        await handle.signal(RolloutWorkflow.cancel_for, "manual")
+        result: RolloutResult = await handle.result()
+    assert result.outcome == Outcome.CANCELLED
+    assert fakes.calls["generate_turn_stopped"] == [0], "the record was written before the call stopped"
+    assert len(fakes.finalized(inp.rollout_id)) == 1
+
+
 async def test_cancel_signal_before_start_still_records(ts_client: Client, uid: str) -> None:
     """A cancel that arrives with the first workflow task (signal-with-start) cancels before any turn."""
     fakes = Fakes()
