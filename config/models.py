@@ -39,6 +39,10 @@ class EngineConfig(_Strict):
     failover: bool = True
     """When a rollout's replica stays unreachable past max_attempts, move the rollout to its next replica
     (which re-prefills the context; counted in the record) instead of failing it."""
+    outage_budget_s: float = Field(300.0, ge=0.0, le=86_400.0)
+    """When no replica is left to fail over to, how long rollouts wait out an unavailable engine (durable
+    timers, back-off capped at 30 s) before they fail as infra: longer than an engine restart, so a restart
+    of the only engine delays rollouts instead of failing them. 0 = fail at once."""
     affinity: Literal["group", "rollout"] = "group"
     """Replica choice: "group" = the dispatcher puts a whole group on one replica (bounded-load hashing
     of the task id, so the shared prompt prefix is cached once); "rollout" = each rollout hashes its own

@@ -118,6 +118,8 @@ class EngineTarget(_Data):
     model: str
     request_timeout_s: float
     failover: bool = True
+    outage_budget_s: float = 300.0
+    """How long an engine with no replica to fail over to may stay unavailable before rollouts fail."""
 
 
 class EnvTraits(_Data):
@@ -195,6 +197,10 @@ class RolloutState(_Data):
     """Sandboxes lost and replaced by replaying the recorded actions."""
     sandbox_slot_waits: int = 0
     """Durable waits for a sandbox pool slot (or a backend that was not ready)."""
+    outage_since: float | None = None
+    """Workflow time the current engine outage began (None: the engine answers)."""
+    outage_waits: int = 0
+    """Durable waits for an unavailable engine so far."""
     sandbox_s: float = 0.0
     """Workflow seconds in the sandbox's create, recover and destroy activities (environment time)."""
 

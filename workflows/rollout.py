@@ -53,6 +53,8 @@ with workflow.unsafe.imports_passed_through():
     from workflows.sandbox_steps import SandboxSteps
 
 T = TypeVar("T")
+OUTAGE_BACKOFF_MAX_S = 30.0
+"""Longest wait between two tries of an engine that is out (the outage budget bounds the total)."""
 
 OPS_PATCH = "ops-search-attributes"
 """Patch id of the operating search attributes (progress time, replica, sandbox host, attempt)."""
@@ -293,20 +295,47 @@ class RolloutWorkflow:
         )
 
     async def _with_failover(self, inp: RolloutInput, step: Callable[[RolloutInput, str], Awaitable[T]]) -> T:
-        """Run an engine step; an engine unreachable past its retries moves the rollout on a replica."""
+        """Run an engine step; an engine unreachable past its retries moves the rollout on a replica, or,
+        with no replica left to move to, waits the outage out (durable timers, capped back-off) until
+        ``engine.outage_budget_s`` has passed since the outage began: a restart of the only engine delays
+        rollouts instead of failing them."""
         s = self._s
         while True:
             try:
-                return await step(inp, self._engine)
+                result = await step(inp, self._engine)
+                s.outage_since = None
+                return result
             except (ActivityError, ApplicationError) as e:
-                gone = is_error(e, EngineUnavailable)
-                if not (gone and inp.engine.failover and s.engine_failovers + 1 < len(self._order)):
+                if not is_error(e, EngineUnavailable):
                     raise
-            self._failed_attempts += inp.retry.max_attempts
+                self._failed_attempts += inp.retry.max_attempts
+                if not (inp.engine.failover and s.engine_failovers + 1 < len(self._order)):
+                    await self._ride_out_outage(inp, e)
+                    continue
             s.engine_failovers += 1
             s.reprefill_tokens += s.tokens  # the new replica prefills the whole context again
             self._engine = self._order[s.engine_failovers]
             workflow.logger.warning("rollout %s: failing over to %s", inp.rollout_id, self._engine)
+
+    async def _ride_out_outage(self, inp: RolloutInput, e: BaseException) -> None:
+        """Wait for the engine to come back, or re-raise ``e`` once the outage budget is spent."""
+        s = self._s
+        now = workflow.now().timestamp()
+        if s.outage_since is None:
+            s.outage_since = now
+        left = inp.engine.outage_budget_s - (now - s.outage_since)
+        if left <= 0:
+            raise e
+        s.outage_waits += 1
+        delay = min(left, OUTAGE_BACKOFF_MAX_S, 2.0 ** min(s.outage_waits, 5))
+        workflow.set_current_details(
+            f"engine {self._engine} unavailable since {s.outage_since:.0f} (wait {s.outage_waits}, "
+            f"{left:.0f}s of the outage budget left): retrying in {delay:.0f}s"
+        )
+        workflow.logger.warning(
+            "rollout %s: engine %s unavailable; retrying in %.0fs", inp.rollout_id, self._engine, delay
+        )
+        await workflow.sleep(delay)
 
     def _prepare_input(self, inp: RolloutInput, engine: str) -> PrepareInput:
         return PrepareInput(

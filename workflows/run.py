@@ -93,6 +93,7 @@ def rollout_template(cfg: Config, run_id: str, env: EnvTraits) -> RolloutInput:
             model=cfg.engine.model,
             request_timeout_s=cfg.engine.request_timeout_s,
             failover=cfg.engine.failover,
+            outage_budget_s=cfg.engine.outage_budget_s,
         ),
         retry=RetrySettings(
             max_attempts=cfg.engine.max_attempts,

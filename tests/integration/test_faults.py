@@ -11,9 +11,12 @@ from pathlib import Path
 import pytest
 from temporalio.client import Client
 
+from contracts.types import group_id, rollout_id
 from faults import Fault, FaultProxy, LedgerReport
 from simengine import SimEngine, SimSettings
-from tests.integration.support import make_config, run_to_end, worker
+from store import RunStore
+from tests.integration.support import export, make_config, run_to_end, start_run, worker
+from workers.procs import free_port
 
 SIM = {"policy": "random", "random_min_tokens": 4, "random_max_tokens": 8, "decode_ms_per_token": 20}
 
@@ -75,3 +78,43 @@ async def test_engine_faults_are_ridden_out_and_the_ledger_is_clean(
     assert report.rollouts == 8 and report.successes == 8
     assert sum(e.setting.fault == fault for e in proxied.events) >= 2  # the fault was set, repeatedly
     assert max(attempts) > 1, "no model call was ever retried: the fault never hit the pipeline"
+
+
+@pytest.mark.timeout(300)
+async def test_a_restart_of_the_only_engine_delays_rollouts_instead_of_failing_them(
+    client: Client, ledger: Callable[..., Awaitable[LedgerReport]], task_queue: str, tmp_path: Path
+) -> None:
+    """The engine goes away for longer than the model call's retries last (its port closed) and comes
+    back on the same address: no rollout fails; they wait the outage out (engine.outage_budget_s)."""
+    port = free_port()
+    slow = {**SIM, "decode_ms_per_token": 60}
+    run_id = "engine-restart"
+    cfg = make_config(
+        [f"http://127.0.0.1:{port}"], task_queue,
+        run={"num_groups": 3, "group_size": 2, "max_inflight_groups": 3},
+        rollout={"max_turns": 3},
+        engine={"max_attempts": 2, "retry_initial_s": 0.2, "retry_max_s": 0.2, "outage_budget_s": 120},
+    )  # fmt: skip
+    async with worker(client, task_queue, tmp_path) as store:
+        async with SimEngine(SimSettings(**slow)).serve(port=port):
+            handle = await start_run(client, cfg, run_id)
+            await wait_for_model_turns(store, run_id, 2)
+        await asyncio.sleep(6.0)  # down: every attempt in this window is refused
+        async with SimEngine(SimSettings(**slow)).serve(port=port):
+            result = await asyncio.wait_for(handle.result(), 240)
+        report = await ledger(store, run_id, client=client)
+        rollouts, _ = export(store, run_id)
+    assert result.done and result.outcomes.get("failed", 0) == 0, result.outcomes
+    assert report.rollouts == 6 and report.successes == 6
+    assert max(r["time"]["wall_s"] for r in rollouts) >= 6.0  # some rollout lived through the outage
+
+
+async def wait_for_model_turns(store: RunStore, run_id: str, n: int, timeout_s: float = 60.0) -> None:
+    """Until the run's rollouts have ``n`` model turns stored in all."""
+    for _ in range(int(timeout_s * 10)):
+        ids = [rollout_id(run_id, group_id(g), k) for g in range(8) for k in range(8)]
+        rows = [s for rid in ids for s in store.segments(rid) if s.kind == "model"]
+        if len(rows) >= n:
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"run {run_id}: fewer than {n} model turns in {timeout_s}s")

@@ -23,6 +23,11 @@ from workflows.rollout import RolloutWorkflow, rollout_replicas
 
 from .fakes import Fakes, fake_worker, rollout_input
 
+NO_OUTAGE_BUDGET = EngineTarget(
+    urls=["http://engine-a"], model="tiny", request_timeout_s=30.0, outage_budget_s=0
+)
+"""The fakes' engine, failing at once when it is unavailable (no outage to wait out)."""
+
 
 async def run_rollout(client: Client, fakes: Fakes, inp: RolloutInput, uid: str) -> RolloutResult:
     async with fake_worker(client, f"tq-{uid}", fakes):
@@ -119,7 +124,7 @@ async def test_engine_unavailable_non_retryable_fails_as_infra(ts_client: Client
         raise ApplicationError("engine refused", type="EngineUnavailable", non_retryable=True)
 
     fakes.generate_hook = down
-    inp = rollout_input(uid)
+    inp = rollout_input(uid, engine=NO_OUTAGE_BUDGET)
     result = await run_rollout(ts_client, fakes, inp, uid)
 
     assert result.outcome == Outcome.FAILED
@@ -136,12 +141,51 @@ async def test_engine_unavailable_retried_then_fails_as_infra(ts_client: Client,
         raise ApplicationError("connection reset", type="EngineUnavailable")
 
     fakes.generate_hook = flaky
-    inp = rollout_input(uid)  # retry: max_attempts=2
+    inp = rollout_input(uid, engine=NO_OUTAGE_BUDGET)  # retry: max_attempts=2
     result = await run_rollout(ts_client, fakes, inp, uid)
 
     assert result.outcome == Outcome.FAILED
     assert result.reason == "infra: EngineUnavailable: connection reset"
     assert len(fakes.calls["generate_turn"]) == inp.retry.max_attempts
+
+
+async def test_an_outage_of_the_only_engine_is_waited_out_within_its_budget(
+    ts_client: Client, uid: str
+) -> None:
+    """No replica to fail over to: the rollout waits (durable timers) while the engine is down, then
+    completes once it is back; the waits count in its state."""
+    fakes = Fakes()
+    fakes.done_on_turn = 1
+    down_for = {"calls": 5}
+
+    async def restarting(inp: GenerateInput) -> None:
+        if len(fakes.calls["generate_turn"]) <= down_for["calls"]:
+            raise ApplicationError("connection refused", type="EngineUnavailable")
+
+    fakes.generate_hook = restarting
+    inp = rollout_input(uid)  # outage budget 300 s (the default), 2 attempts per activity
+    result = await run_rollout(ts_client, fakes, inp, uid)
+
+    assert (result.outcome, result.reward) == (Outcome.COMPLETED, 1.0), result.reason
+    [rec] = fakes.finalized(inp.rollout_id)
+    assert rec.state.outage_waits == 2 and rec.state.outage_since is None
+    assert len(fakes.calls["generate_turn"]) == 6
+
+
+async def test_an_outage_longer_than_its_budget_fails_as_infra(ts_client: Client, uid: str) -> None:
+    fakes = Fakes()
+
+    async def down(inp: GenerateInput) -> None:
+        raise ApplicationError("connection refused", type="EngineUnavailable")
+
+    fakes.generate_hook = down
+    budget = NO_OUTAGE_BUDGET.model_copy(update={"outage_budget_s": 90.0})
+    result = await run_rollout(ts_client, fakes, rollout_input(uid, engine=budget), uid)
+
+    assert result.outcome == Outcome.FAILED
+    assert result.reason == "infra: EngineUnavailable: connection refused"
+    [rec] = fakes.finalized()
+    assert rec.state.outage_waits >= 3  # 2 + 4 + 8 + ... s of back-off until 90 s have passed
 
 
 async def test_engine_unavailable_fails_over_to_the_next_replica(ts_client: Client, uid: str) -> None:
