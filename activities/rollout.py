@@ -45,6 +45,7 @@ from errors import (
     ConfigError,
     ContextLengthExceeded,
     EngineBadRequest,
+    EngineUnavailable,
     EnvironmentFailure,
     RolloutError,
     TaskFileError,
@@ -82,6 +83,7 @@ class RolloutActivities:
         self.store = store
         self.engine = engine
         self.env_steps = env_steps
+        self._known_versions: set[str] = set()
         """Runs the inline env steps of ``generate_turn`` (environments with ``inline_steps``)."""
 
     @options(
@@ -177,6 +179,7 @@ class RolloutActivities:
                 return _no_turn(inp, len(context), "context_length", TruncationReason.CONTEXT_LENGTH)
             except RolloutError as e:
                 raise e.to_application_error() from e
+            await self._refuse_unknown_versions(inp.engine_url, gen.policy_versions, timed)
             meta = {
                 "engine": inp.engine_url,
                 "finish_reason": gen.finish_reason,
@@ -214,6 +217,30 @@ class RolloutActivities:
             env=env,
             attempt=activity.info().attempt,
         )
+
+    async def _refuse_unknown_versions(
+        self, engine_url: str, versions: list[str | None], timed: StoreClock
+    ) -> None:
+        """A turn sampled under a version label the store never saw published (or being published) is not
+        stored: an engine restarted from its files reports a label such as ``default`` for weights nobody
+        can name. The call fails as EngineUnavailable (retried, failed over, or waited out) until the
+        engine serves a known version again (``rollouts policy publish``). A store with no policy at all
+        (a run outside any publish history) labels nothing and checks nothing.
+
+        The known labels are cached per worker and reread from the store only on a miss.
+        """
+        seen = {v for v in versions if v is not None}
+        if seen <= self._known_versions:
+            return
+        rows = await timed(self.store.policies)
+        self._known_versions = {r["version"] for r in rows}
+        unknown = sorted(seen - self._known_versions)
+        if unknown and self._known_versions:
+            err = EngineUnavailable(
+                f"engine {engine_url} serves version {', '.join(unknown)}, which was never published "
+                f"(known: {', '.join(sorted(self._known_versions))}); refusing its samples"
+            )
+            raise err.to_application_error()
 
     @options(Options(timedelta(seconds=60), RECORD_RETRY, local=True))
     @activity.defn

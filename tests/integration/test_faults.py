@@ -8,6 +8,7 @@ import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
+import httpx
 import pytest
 from temporalio.client import Client
 
@@ -118,3 +119,41 @@ async def wait_for_model_turns(store: RunStore, run_id: str, n: int, timeout_s: 
             return
         await asyncio.sleep(0.1)
     raise AssertionError(f"run {run_id}: fewer than {n} model turns in {timeout_s}s")
+
+
+@pytest.mark.timeout(300)
+async def test_samples_under_a_version_label_never_published_are_refused(
+    client: Client, ledger: Callable[..., Awaitable[LedgerReport]], task_queue: str, tmp_path: Path
+) -> None:
+    """A restarted engine reports a label nobody published (vLLM says ``default``): its samples are not
+    stored; the rollouts wait until it serves the published version again, and no record carries the
+    unknown label."""
+    run_id = "unknown-label"
+    cfg = make_config(
+        ["http://127.0.0.1:1"], task_queue,  # replaced below
+        run={"num_groups": 3, "group_size": 2, "max_inflight_groups": 3},
+        rollout={"max_turns": 3},
+        engine={"max_attempts": 2, "retry_initial_s": 0.2, "retry_max_s": 0.2, "outage_budget_s": 120},
+    )  # fmt: skip
+    async with SimEngine(SimSettings(**{**SIM, "decode_ms_per_token": 40})).serve(port=0) as url:
+        cfg = cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"urls": [url]})})
+        async with httpx.AsyncClient(timeout=10) as http, worker(client, task_queue, tmp_path) as store:
+            await _label(http, url, "v0")
+            store.put_policy("v0", "hash-v0", "/weights/v0", [url])
+            store.finish_policy("v0", [url])
+            handle = await start_run(client, cfg, run_id)
+            await wait_for_model_turns(store, run_id, 2)
+            await _label(http, url, "default")  # as after a restart from the engine's own files
+            await asyncio.sleep(3.0)
+            await _label(http, url, "v0")  # `rollouts policy publish v0` again
+            result = await asyncio.wait_for(handle.result(), 240)
+            await ledger(store, run_id, client=client)
+            rollouts, _ = export(store, run_id)
+    assert result.done and result.outcomes.get("failed", 0) == 0, result.outcomes
+    labels = {v for r in rollouts for v in r["policy_versions"] if v is not None}
+    assert labels == {"v0"}, labels
+    assert all(r["lineage"]["policy_versions"] == ["v0"] for r in rollouts)
+
+
+async def _label(http: httpx.AsyncClient, url: str, version: str) -> None:
+    (await http.post(f"{url}/update_weight_version", json={"new_version": version})).raise_for_status()
