@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from datetime import timedelta
 
 from temporalio import activity
@@ -54,6 +55,9 @@ from errors import (
 from records.export import rollout_lineage
 from store import RunStore, Segment, model_segment
 
+MODE_TTL_S = 30.0
+"""How long a worker trusts an engine's reported logprobs mode before asking again (a restarted engine
+may come back with another; a failed call forgets it at once)."""
 RECORD_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=30))
 """Writing a record retries until it lands: a record is never lost to a store hiccup."""
 
@@ -84,6 +88,8 @@ class RolloutActivities:
         self.engine = engine
         self.env_steps = env_steps
         self._known_versions: set[str] = set()
+        self._modes: dict[str, tuple[str | None, float]] = {}
+        """Engine URL -> (logprobs mode it reported, when it was asked)."""
         """Runs the inline env steps of ``generate_turn`` (environments with ``inline_steps``)."""
 
     @options(
@@ -168,6 +174,7 @@ class RolloutActivities:
             info = activity.info()
             queued = max(0.0, (info.started_time - info.current_attempt_scheduled_time).total_seconds())
             request_id = f"{inp.rollout_id}/{inp.turn}/{info.attempt}"
+            served = await self._served_mode(inp.engine_url, inp.sampling.logprob_mode)
             try:
                 gen = await heartbeating(
                     self.engine.generate(
@@ -178,6 +185,7 @@ class RolloutActivities:
                 activity.logger.info("rollout %s turn %d: %s", inp.rollout_id, inp.turn, e)
                 return _no_turn(inp, len(context), "context_length", TruncationReason.CONTEXT_LENGTH)
             except RolloutError as e:
+                self._modes.pop(inp.engine_url, None)  # it may come back as another engine: ask again
                 raise e.to_application_error() from e
             await self._refuse_unknown_versions(inp.engine_url, gen.policy_versions, timed)
             meta = {
@@ -187,6 +195,7 @@ class RolloutActivities:
                 "model_s": gen.model_s,
                 "attempt": info.attempt,
                 "transfer_s": timed.seconds,
+                "logprob_mode": served,
             }
             seg = Segment(
                 name=name,
@@ -217,6 +226,28 @@ class RolloutActivities:
             env=env,
             attempt=activity.info().attempt,
         )
+
+    async def _served_mode(self, engine_url: str, wanted: str) -> str | None:
+        """The logprobs mode the engine really serves (asked at most every MODE_TTL_S per engine, and
+        again after it failed a call); an engine whose mode differs from the run's is refused as
+        EngineUnavailable (the rollout fails over, or waits for an engine that serves the right mode), so
+        no sample's declared meaning is wrong. None: the engine cannot tell (not in dev mode)."""
+        now = time.monotonic()
+        cached = self._modes.get(engine_url)
+        if cached is None or now - cached[1] > MODE_TTL_S:
+            try:
+                cached = (await self.engine.logprob_mode(engine_url), now)
+            except RolloutError as e:
+                raise e.to_application_error() from e
+            self._modes[engine_url] = cached
+        served = cached[0]
+        if served is not None and served != wanted:
+            self._modes.pop(engine_url, None)
+            err = EngineUnavailable(
+                f"engine {engine_url} serves {served}, the run declares {wanted}; refused"
+            )
+            raise err.to_application_error()
+        return served
 
     async def _refuse_unknown_versions(
         self, engine_url: str, versions: list[str | None], timed: StoreClock

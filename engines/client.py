@@ -56,6 +56,27 @@ class EngineClient:
             raise EngineUnavailable(f"{url}: {type(e).__name__}: {e}") from e
         return _classify(url, resp)
 
+    async def logprob_mode(self, base_url: str) -> str | None:
+        """The logprobs mode the engine really serves, from vLLM's dev-mode ``/server_info`` (its whole
+        config); None when the engine does not expose it (not in dev mode).
+
+        Raises:
+            EngineUnavailable: transport error, timeout or 5xx.
+        """
+        url = f"{base_url}/server_info"
+        try:
+            resp = await self._http.get(url, params={"config_format": "json"}, timeout=30.0)
+        except httpx.TransportError as e:
+            raise EngineUnavailable(f"{url}: {type(e).__name__}: {e}") from e
+        if resp.status_code in (404, 405):
+            return None
+        data = _classify(url, resp)
+        try:
+            mode = data["vllm_config"]["model_config"]["logprobs_mode"]
+        except (KeyError, TypeError):
+            return None
+        return mode if isinstance(mode, str) else None
+
     async def max_model_len(self, base_url: str, model: str) -> int:
         """The engine's context length, read once per replica from /v1/models."""
         if base_url not in self._max_len:

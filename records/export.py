@@ -134,6 +134,8 @@ def _turns(segs: list[Segment]) -> list[dict[str, Any]]:
         }
         if "transfer_s" in m:  # recorded from schema 3 on
             turn["transfer_s"] = m["transfer_s"]
+        if "logprob_mode" in m:  # recorded from schema 4 on
+            turn["logprob_mode"] = m["logprob_mode"]
         out.append(turn)
     return out
 

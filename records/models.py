@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """Version of the export format written today (1 = the implicit format before ``schema_version``; 3 added
 the time decomposition: ``time`` and the turns' ``transfer_s``)."""
 
@@ -79,6 +79,10 @@ class TurnRecord(_Record):
     transfer_s: float = Field(0.0, ge=0)
     """Seconds the turn's activities spent in run-store reads and writes (present from schema 3; from
     then on ``env_s`` excludes them, so the turn's times are disjoint)."""
+    logprob_mode: str | None = None
+    """The logprobs mode the engine reported serving when it sampled the turn (vLLM's dev-mode
+    ``/server_info``; from schema 4); null when the engine could not tell. A turn is never sampled by an
+    engine whose reported mode differs from ``sampling.logprob_mode``."""
 
 
 class RolloutTime(_Record):

@@ -43,6 +43,7 @@ def build_app(engine: SimEngine) -> web.Application:
     app.router.add_get("/metrics", _metrics)
     app.router.add_post("/update_weight_version", _update_weight_version)
     app.router.add_get("/weight_info", _weight_info)
+    app.router.add_get("/server_info", _server_info)
     app.router.add_get("/fault", _get_fault)
     app.router.add_post("/fault", _set_fault)
     app.router.add_post("/mode", _set_mode)
@@ -150,6 +151,14 @@ async def _update_weight_version(request: web.Request) -> web.StreamResponse:
 
 async def _weight_info(request: web.Request) -> web.StreamResponse:
     return web.json_response({"weight_version": request.app[_ENGINE].weight_version})
+
+
+async def _server_info(request: web.Request) -> web.StreamResponse:
+    """The subset of vLLM's dev-mode /server_info?config_format=json the pipeline reads."""
+    settings = request.app[_ENGINE].settings
+    model_config = {"model": settings.model, "max_model_len": settings.max_model_len,
+                    "logprobs_mode": settings.logprob_mode}  # fmt: skip
+    return web.json_response({"vllm_config": {"model_config": model_config}})
 
 
 async def _get_fault(request: web.Request) -> web.StreamResponse:

@@ -113,6 +113,8 @@ class SimSettings(BaseModel):
     """Checked in order; the first match decides the mode."""
     weight_version: str = Field(default="v0", min_length=1)
     """Version label of the weights at start; /update_weight_version changes it."""
+    logprob_mode: Literal["processed_logprobs", "raw_logprobs"] = "processed_logprobs"
+    """The logprobs mode it reports in /server_info (vLLM's --logprobs-mode), as a dev-mode vLLM does."""
     prefill_ms: float = Field(default=0.0, ge=0.0)
     """Delay before the first token of every request."""
     decode_ms_per_token: float = Field(default=0.0, ge=0.0)

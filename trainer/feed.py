@@ -20,6 +20,7 @@ Invariants:
 
 from __future__ import annotations
 
+import json
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -131,13 +132,19 @@ class TrainerFeed:
 
     # -- consumption ----------------------------------------------------------------------------------
     def take(
-        self, n_groups: int, current_version: str, max_lag: int, drop_zero_variance: bool = False
+        self,
+        n_groups: int,
+        current_version: str,
+        max_lag: int,
+        drop_zero_variance: bool = False,
+        logprob_mode: str | None = None,
     ) -> Batch:
         """Consume up to ``n_groups`` complete groups that are fresh for ``current_version``.
 
-        Every complete waiting group is judged: stale (lag > ``max_lag`` or an unpublished version) and,
-        with ``drop_zero_variance``, zero-variance groups are discarded with a reason; fresh ones are
-        consumed oldest first up to ``n_groups``; the rest keep waiting.
+        Every complete waiting group is judged: stale (lag > ``max_lag`` or an unpublished version), with
+        ``logprob_mode`` a group whose records declare another logprobs mode than the trainer asks for,
+        and with ``drop_zero_variance`` zero-variance groups are discarded with a reason (counted in the
+        books); fresh ones are consumed oldest first up to ``n_groups``; the rest keep waiting.
 
         Raises:
             FeedError: If ``current_version`` was never published, or ``n_groups``/``max_lag`` < 0.
@@ -150,6 +157,8 @@ class TrainerFeed:
         for cand in self._complete_waiting():
             versions = self._versions(cand.rows)
             lag, reason = _judge(versions, current_version, max_lag, order)
+            if reason is None and logprob_mode is not None:
+                reason = _mode_mismatch(cand.rows, logprob_mode)
             if reason is None and lag is None:
                 continue  # sampled by a version newer than current: wait for the trainer to catch up
             if reason is None and drop_zero_variance and cand.group.get("zero_variance"):
@@ -281,6 +290,15 @@ def _bucket(n: int) -> str:
     while n > edge:
         edge *= 2
     return f"<={edge}"
+
+
+def _mode_mismatch(rows: list[dict[str, Any]], wanted: str) -> str | None:
+    """The discard reason of a group with a record whose declared logprobs mode is not ``wanted``."""
+    for r in rows:
+        declared = json.loads(r.get("sampling_json") or "{}").get("logprob_mode")
+        if declared != wanted:
+            return f"logprob_mode: {declared}, the trainer asked for {wanted}"
+    return None
 
 
 def _judge(

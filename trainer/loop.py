@@ -39,6 +39,10 @@ from trainer.loss import clipped_policy_loss, token_logprobs
 from trainer.policy_io import load_policy, save_policy
 from trainer.settings import TrainerSettings
 
+BEHAVIOUR_LOGPROBS = "processed_logprobs"
+"""The logprobs mode the loss's importance ratios assume (after temperature and top-k/top-p, the
+distribution the tokens were really drawn from); the feed discards groups declaring another."""
+
 
 class TrainerError(RuntimeError):
     """The loop cannot start or continue (one line: what is wrong and what to do)."""
@@ -253,7 +257,7 @@ class Loop:
             finished = run_done.done()  # read before the take: a run that ended is fully in the store
             want = self.ts.groups_per_step - len(groups)
             batch = await asyncio.to_thread(
-                self.feed.take, want, current, self.ts.max_lag, self.ts.drop_zero_variance
+                self.feed.take, want, current, self.ts.max_lag, self.ts.drop_zero_variance, BEHAVIOUR_LOGPROBS
             )
             groups += batch.groups
             for d in batch.discarded:

@@ -85,13 +85,18 @@ def take(
     max_lag: Annotated[int, typer.Option("--max-lag", min=0, help="Publishes a sample may lag behind.")],
     output: Annotated[Path | None, typer.Option("-o", "--output", help="JSONL file for the batch.")] = None,
     drop_zero_variance: Annotated[bool, typer.Option(help="Discard zero-variance groups.")] = False,
+    logprob_mode: Annotated[
+        str | None, typer.Option(help="Discard groups whose records declare another logprobs mode.")
+    ] = None,
 ) -> None:
     """Consume up to N complete groups fresh for VERSION (stale ones are discarded with a reason)."""
     from trainer.feed import FeedError
 
     feed = _feed(run_id)
     try:
-        batch = feed.take(n, version, max_lag, drop_zero_variance=drop_zero_variance)
+        batch = feed.take(
+            n, version, max_lag, drop_zero_variance=drop_zero_variance, logprob_mode=logprob_mode
+        )
     except FeedError as e:
         raise _fail(str(e)) from None
     if output is not None:

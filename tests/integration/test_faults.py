@@ -17,6 +17,7 @@ from faults import Fault, FaultProxy, LedgerReport
 from simengine import SimEngine, SimSettings
 from store import RunStore
 from tests.integration.support import export, make_config, run_to_end, start_run, worker
+from trainer.feed import TrainerFeed
 from workers.procs import free_port
 
 SIM = {"policy": "random", "random_min_tokens": 4, "random_max_tokens": 8, "decode_ms_per_token": 20}
@@ -157,3 +158,45 @@ async def test_samples_under_a_version_label_never_published_are_refused(
 
 async def _label(http: httpx.AsyncClient, url: str, version: str) -> None:
     (await http.post(f"{url}/update_weight_version", json={"new_version": version})).raise_for_status()
+
+
+@pytest.mark.timeout(300)
+async def test_an_engine_serving_the_other_logprobs_mode_is_refused(
+    client: Client, ledger: Callable[..., Awaitable[LedgerReport]], task_queue: str, tmp_path: Path
+) -> None:
+    """Two replicas, one started with raw_logprobs while the run declares processed_logprobs: every
+    rollout sent there fails over, so every turn was sampled by an engine that said it serves the
+    declared mode; with only the wrong engine, nothing is sampled at all and nothing reaches a trainer."""
+    raw = SimSettings(**{**SIM, "logprob_mode": "raw_logprobs"})
+    async with SimEngine(SimSettings(**SIM)).serve(port=0) as good, SimEngine(raw).serve(port=0) as bad:
+        mixed = make_config(
+            [good, bad], task_queue,
+            run={"num_groups": 4, "group_size": 2, "max_inflight_groups": 4},
+            engine={"affinity": "rollout", "max_attempts": 1, "logprob_mode": "processed_logprobs"},
+        )  # fmt: skip
+        only_bad = make_config(
+            [bad], task_queue,
+            run={"num_groups": 1, "group_size": 2},
+            engine={"max_attempts": 1, "outage_budget_s": 3, "logprob_mode": "processed_logprobs"},
+        )  # fmt: skip
+        async with worker(client, task_queue, tmp_path) as store:
+            result = await run_to_end(client, mixed, "mode-mixed")
+            await ledger(store, "mode-mixed", client=client)
+            refused = await run_to_end(client, only_bad, "mode-bad")
+            mixed_recs, _ = export(store, "mode-mixed")
+            bad_recs, _ = export(store, "mode-bad")
+            store.put_policy("v0", "hash-v0", "/weights/v0", [good, bad])
+            store.finish_policy("v0", [good, bad])
+            batch = TrainerFeed(store, "mode-bad").take(10, "v0", 0, logprob_mode="processed_logprobs")
+    assert result.outcomes.get("failed", 0) == 0, result.outcomes
+    turns = [t for r in mixed_recs for t in r["turns"]]
+    assert {t["engine"] for t in turns} == {good} and {t["logprob_mode"] for t in turns} == {
+        "processed_logprobs"
+    }
+    assert sum(r.get("engine_failovers", 0) for r in mixed_recs) >= 1  # some rollouts hashed to the bad one
+    assert refused.outcomes == {"failed": 2}
+    assert all(
+        r["reason"].startswith("infra: EngineUnavailable") and "raw_logprobs" in r["reason"] for r in bad_recs
+    )
+    assert all(not r["turns"] and not r["token_ids"][r["prompt_length"] :] for r in bad_recs)
+    assert batch.count.tokens == 0  # the failed members hold no sampled token for a trainer to take
