@@ -213,8 +213,14 @@ def _ops(work: Callable[[], Coroutine[Any, Any, None]]) -> None:
         error = str(e)  # raised below, so no traceback keeps the client alive into interpreter shutdown
     except KeyboardInterrupt:  # `top` ends on Ctrl-C
         pass
-    if error is not None:
-        raise _fail(error)
+    if error is not None:  # one line, exit 2; leave at once: the Temporal runtime's threads can outlive
+        import os  # interpreter shutdown after a failed command and abort it (SIGABRT instead of 2)
+        import sys
+
+        typer.echo(f"error: {error}", err=True)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(2)
 
 
 @app.command()

@@ -303,6 +303,7 @@ class RolloutWorkflow:
         while True:
             try:
                 result = await step(inp, self._engine)
+                self._stop_if_cancelled()
                 s.outage_since = None
                 return result
             except (ActivityError, ApplicationError) as e:
@@ -389,8 +390,17 @@ class RolloutWorkflow:
         step = self._step_input(inp, last, score_only)
         run = lambda: call(EnvironmentActivities.env_step, step)  # noqa: E731
         if self._sandbox is None:
-            return await run()
-        return await self._sandbox.recovering(self._engine, self._s.turn, run)
+            result = await run()
+        else:
+            result = await self._sandbox.recovering(self._engine, self._s.turn, run)
+        self._stop_if_cancelled()
+        return result
+
+    def _stop_if_cancelled(self) -> None:
+        """End the turn loop if ``cancel_for`` arrived while a step ran: an activity awaited until its
+        cancellation completes may finish with its result instead, and the loop must not go on."""
+        if self._cancel_reason is not None:
+            raise asyncio.CancelledError
 
     def _step_input(self, inp: RolloutInput, last: bool, score_only: bool = False) -> EnvStepInput:
         return EnvStepInput(

@@ -20,9 +20,18 @@ import pytest
 from temporalio.client import Client
 
 from config.paths import REPO_ROOT
-from simengine import SimEngine, SimSettings
+from sandboxes import DockerBackend
+from simengine import Mode, SimEngine, SimSettings
 from store.runstore import RunStore
-from tests.integration.support import export, make_config, start_run, worker
+from tests.integration.support import (
+    CODING_TASKS,
+    assert_no_containers,
+    coding_config,
+    export,
+    make_config,
+    start_run,
+    worker,
+)
 from workers import ops, procs
 from workflows.rollout import RolloutWorkflow
 
@@ -176,7 +185,7 @@ async def test_cancel_retry_and_terminate_on_a_live_run_keep_the_books_whole(
                 "max_inflight_groups": 4,
                 "task_file": never_tasks(tmp_path),
             },
-            rollout={"max_turns": 24, "max_total_tokens": 4096},
+            rollout={"max_turns": 60, "max_total_tokens": 8192},  # ~30 s each: the actions land first
         )
         async with worker(client, task_queue, tmp_path) as store:
             handle = await start_run(client, cfg, run_id)
@@ -187,17 +196,29 @@ async def test_cancel_retry_and_terminate_on_a_live_run_keep_the_books_whole(
 
             await wait_for(all_running, 90, "all twelve rollouts past their first turn")
             r = lambda g, i: f"{run_id}/g{g:06d}/{i}"  # noqa: E731
-            said = {}
-            for args in (("cancel", r(0, 0)), ("retry", r(0, 1)), ("terminate", r(1, 0)),
-                         ("terminate", f"{run_id}/g000002")):  # fmt: skip
-                res = await asyncio.to_thread(cli, client, tmp_path, *args)
+            acts = [("cancel", r(0, 0)), ("retry", r(0, 1)), ("terminate", r(1, 0)),
+                    ("terminate", f"{run_id}/g000002")]  # fmt: skip
+            # at once, as operators would: each waits for its record (a cancel lands once the model call
+            # has stopped, up to a heartbeat interval later)
+            done = await asyncio.gather(*(asyncio.to_thread(cli, client, tmp_path, *a) for a in acts))
+            for args, res in zip(acts, done, strict=True):
                 assert res.returncode == 0, (args, res.stdout, res.stderr)
-                said[args] = res.stdout.strip()
-            print("\n".join(said.values()))
+            print("\n".join(res.stdout.strip() for res in done))
             bad = await asyncio.to_thread(cli, client, tmp_path, "cancel", f"{run_id}/g000009/0")
             assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
             gone = await asyncio.to_thread(cli, client, tmp_path, "stuck", "no-such-run")
             assert gone.returncode == 2 and "no run" in gone.stderr, gone.stderr
+            top = subprocess.Popen(  # the live view, for a few refreshes, then Ctrl-C
+                [sys.executable, "-m", "workers.cli", "top", run_id, "--interval", "0.5",
+                 "--address", client.service_client.config.target_host],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT,
+            )  # fmt: skip
+            await asyncio.sleep(4)
+            top.send_signal(signal.SIGINT)
+            shown, top_err = await asyncio.to_thread(top.communicate, timeout=30)
+            assert top.returncode == 0, top_err
+            flat = " ".join(shown.split())  # rich wraps the title to the table's width
+            assert f"run {run_id}:" in flat and "in flight" in flat and "replica" in flat, shown
             result = await asyncio.wait_for(handle.result(), timeout=200)
             actions = store.manual_actions(run_id)
             # every documented filter is valid; the reason filter finds the rollouts acted on
@@ -229,3 +250,26 @@ async def test_cancel_retry_and_terminate_on_a_live_run_keep_the_books_whole(
     assert Counter(a["action"] for a in actions) == {"cancel": 1, "retry": 1, "terminate": 2}
     assert {a["target"] for a in actions} == {r(0, 0), r(0, 1), r(1, 0), f"{run_id}/g000002"}
     assert RunStore(tmp_path).schema_version() >= 1
+
+
+@pytest.mark.timeout(300)
+async def test_a_sandboxed_rollout_is_findable_by_its_sandbox_host_replica_and_attempt(
+    client: Client, docker: DockerBackend, task_queue: str, tmp_path: Path
+) -> None:
+    settings = SimSettings(tasks=CODING_TASKS, mode=Mode.REFERENCE, max_model_len=4096)
+    async with SimEngine(settings).serve(port=0) as url:
+        cfg = coding_config(url, task_queue, groups=1, size=2)
+        async with worker(client, task_queue, tmp_path):
+            await (await start_run(client, cfg, "hosted")).result()
+    host = docker.host()
+    q = f'{ops.rollouts_of("hosted")} AND RolloutSandboxHost = "{host}" AND RolloutEngine = "{url}"'
+
+    async def found() -> list[str] | None:
+        ids = sorted([w.id async for w in client.list_workflows(f"{q} AND RolloutAttempt = 1")])
+        return ids if len(ids) == 2 else None
+
+    assert await wait_for(found, 15, "both rollouts by host, replica and attempt") == [
+        "hosted/g000000/0",
+        "hosted/g000000/1",
+    ]
+    assert_no_containers(docker, "hosted")
