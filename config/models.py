@@ -104,6 +104,13 @@ class RunConfig(_Strict):
     """Groups the run workflow starts before it continues-as-new (bounds its history)."""
     advantage_eps: float = Field(1e-6, gt=0, le=1)
     """eps in GRPO's (r - mean) / (std + eps)."""
+    breaker_failures: int | None = Field(20, ge=1, le=1_000_000)
+    """Circuit breaker: this many consecutive infrastructure failures of one error type (no member of a
+    closed group succeeding in between) pause admission instead of burning through the task list. None
+    disables it."""
+    breaker_probe_s: float = Field(60.0, gt=0, le=86_400)
+    """While the breaker is open, one probe group is admitted this long after it opened (or after the last
+    probe failed); a probe with a success closes it."""
 
 
 class AdmissionConfig(BaseModel):

@@ -286,6 +286,25 @@ class GroupResult(_Data):
     """Members cancelled by the dispatcher (reason admission); with redispatch, their slots ran again."""
     wasted_tokens: int = 0
     """Tokens those cancelled members had sampled."""
+    infra_failures: dict[str, int] = Field(default_factory=dict)
+    """Members that failed for infrastructure, by error type (the run's circuit breaker counts them)."""
+    successes: int = 0
+    """Members with a reward (scorable)."""
+
+
+class BreakerState(_Data):
+    """What the run's circuit breaker remembers (carried across continue-as-new; rules in
+    workflows/breaker.py)."""
+
+    streaks: dict[str, int] = Field(default_factory=dict)
+    """Consecutive infra failures per error type since the last success."""
+    open_since: float | None = None
+    """When it opened (or the last probe failed); None = closed."""
+    reason: str | None = None
+    probe: str | None = None
+    """The probe group in flight while open."""
+    opened: int = 0
+    """Times it opened in this run."""
 
 
 class RunInput(_Data):
@@ -313,6 +332,8 @@ class RunState(_Data):
     admission_cancelled: int = 0
     wasted_tokens: int = 0
     dispatch: DispatchState = Field(default_factory=lambda: DispatchState())
+    breaker: BreakerState = Field(default_factory=lambda: BreakerState())
+    """The circuit breaker (workflows/breaker.py)."""
     """The adaptive dispatcher's carry (unused with a fixed cap)."""
 
 
@@ -404,6 +425,10 @@ class RunProgress(_Data):
     """The dispatcher's current in-flight cap in rollouts (adaptive admission), else None."""
     admission_cancelled: int = 0
     wasted_tokens: int = 0
+    breaker: str | None = None
+    """The circuit breaker, when open (one line); None when closed."""
+    breaker_opened: int = 0
+    """Times the circuit breaker opened in this run."""
 
 
 def sampling_params(cfg: Config) -> SamplingParams:

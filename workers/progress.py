@@ -64,6 +64,8 @@ def summary_table(p: RunProgress, groups: list[dict] | None = None) -> Table:
         table.add_row("admission cap (rollouts)", str(p.cap))
     if p.admission_cancelled:
         table.add_row("cancelled for admission", f"{p.admission_cancelled} ({p.wasted_tokens} tokens wasted)")
+    if p.breaker is not None or p.breaker_opened:
+        table.add_row("circuit breaker", p.breaker or f"closed (opened {p.breaker_opened}x)")
     if groups:
         scored = [(g["reward_mean"], g["scorable"]) for g in groups if g["reward_mean"] is not None]
         n = sum(k for _, k in scored)

@@ -28,6 +28,7 @@ from temporalio.exceptions import ChildWorkflowError
 with workflow.unsafe.imports_passed_through():
     from activities.rollout import RolloutActivities
     from contracts.types import (
+        FailureKind,
         FinalizeGroupInput,
         FinalizeRolloutInput,
         GroupInput,
@@ -94,9 +95,21 @@ def close_group(
         update={
             "admission_cancelled": len(cancelled),
             "wasted_tokens": sum(r.wasted_tokens for r in cancelled),
+            "infra_failures": infra_failures(attempts),
+            "successes": sum(1 for r in attempts if r.scorable),
         }
     )
     return record, advantages
+
+
+def infra_failures(attempts: list[RolloutResult]) -> dict[str, int]:
+    """Members that failed for infrastructure, by error type (from reasons ``infra: <Type>: ...``)."""
+    out: dict[str, int] = {}
+    for r in attempts:
+        if r.outcome == Outcome.FAILED and (r.reason or "").startswith(f"{FailureKind.INFRA.value}:"):
+            kind = (r.reason or "").split(":", 2)[1].strip() or "unknown"
+            out[kind] = out.get(kind, 0) + 1
+    return out
 
 
 @workflow.defn(name="GroupWorkflow")

@@ -64,6 +64,7 @@ with workflow.unsafe.imports_passed_through():
         group_id,
         sampling_params,
     )
+    from workflows import breaker
     from workflows import search_attributes as sa
     from workflows.admission import AdmissionController
     from workflows.calls import call
@@ -144,6 +145,11 @@ class RunWorkflow:
         st.wasted_tokens += record.wasted_tokens
         for outcome, n in record.outcomes.items():
             st.outcomes[outcome] = st.outcomes.get(outcome, 0) + n
+        run = self._cfg.run
+        st.breaker = breaker.record(
+            st.breaker, record.group_id, record.infra_failures, record.successes, workflow.now().timestamp(),
+            run.breaker_failures,
+        )  # fmt: skip
 
     @workflow.signal
     async def group_terminated(self, inp: TerminatedGroupInput) -> None:
@@ -214,6 +220,13 @@ class RunWorkflow:
             cap=self._cap,
             admission_cancelled=st.admission_cancelled,
             wasted_tokens=st.wasted_tokens,
+            breaker=breaker.describe(st.breaker, run.breaker_probe_s),
+            breaker_opened=st.breaker.opened,
+        )
+
+    def _may_admit(self) -> bool:
+        return breaker.may_admit(
+            self._state.breaker, workflow.now().timestamp(), self._cfg.run.breaker_probe_s
         )
 
     @workflow.run
@@ -238,13 +251,36 @@ class RunWorkflow:
         else:
             started = 0
             while st.next_group < cfg.run.num_groups:
-                await workflow.wait_condition(lambda: len(st.slots) < cfg.run.max_inflight_groups)
+                await self._room_for_a_group()
                 await self._start_group(inp, template, cfg.engine.urls)
                 started += 1
                 await self._maybe_continue_as_new(inp, started >= cfg.run.groups_per_run_segment)
         await workflow.wait_condition(lambda: not st.slots)
         await call(RolloutActivities.finish_run, inp.run_id)
         return self.progress()
+
+    async def _room_for_a_group(self) -> None:
+        """Wait (fixed cap) until a group may start: a free slot, and the circuit breaker closed or due for
+        its probe. The breaker's state changes with group_done signals and its probe time with the clock,
+        so each wait ends on whichever comes first and the loop looks again."""
+        st, run = self._state, self._cfg.run
+        free = lambda: len(st.slots) < run.max_inflight_groups  # noqa: E731
+        closed = lambda: st.breaker.open_since is None  # noqa: E731
+        while True:
+            b = st.breaker
+            if b.open_since is None:
+                await workflow.wait_condition(lambda: free() or not closed())
+                if closed():
+                    return
+            elif b.probe is not None:  # the probe's result decides
+                await workflow.wait_condition(lambda: st.breaker.probe is None or closed())
+            elif (due := b.open_since + run.breaker_probe_s - workflow.now().timestamp()) > 0:
+                with contextlib.suppress(TimeoutError):
+                    await workflow.wait_condition(closed, timeout=due)
+            else:
+                await workflow.wait_condition(lambda: free() or closed())
+                if free() and self._may_admit():
+                    return
 
     async def _maybe_continue_as_new(self, inp: RunInput, segment_full: bool) -> None:
         if not (segment_full or workflow.info().is_continue_as_new_suggested()):
@@ -281,9 +317,12 @@ class RunWorkflow:
             ds.bucket = room.bucket
             healthy = [u for u in cfg.engine.urls if u in d.healthy]
             left, admitted = room.rollouts, 0
+            if not self._may_admit():
+                room.reasons.append(f"breaker {breaker.describe(st.breaker, cfg.run.breaker_probe_s)}")
             while (
                 st.next_group < cfg.run.num_groups
                 and healthy
+                and self._may_admit()
                 and len(st.slots) < room.max_groups
                 and (left >= size or (left > 0 and not inflight and admitted == 0))
             ):
@@ -380,4 +419,5 @@ class RunWorkflow:
                 ]
             ),
         )
+        st.breaker = breaker.admitted(st.breaker, gid)  # while open, this group is the probe
         st.next_group += 1

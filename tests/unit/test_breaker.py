@@ -1,0 +1,41 @@
+"""The circuit breaker's rules (workflows/breaker.py), on recorded sequences of closed groups."""
+
+from __future__ import annotations
+
+from contracts.types import BreakerState
+from workflows import breaker
+
+
+def test_consecutive_failures_of_one_kind_open_it_and_a_success_closes_it() -> None:
+    s = BreakerState()
+    s = breaker.record(s, "g0", {"SandboxNotReady": 2}, 0, now=10.0, threshold=3)
+    assert s.open_since is None and breaker.may_admit(s, 10.0, 60.0)
+    s = breaker.record(s, "g1", {"SandboxNotReady": 1, "EngineUnavailable": 1}, 0, now=20.0, threshold=3)
+    assert (
+        s.open_since == 20.0
+        and s.opened == 1
+        and "3 consecutive infra failures of SandboxNotReady" in s.reason
+    )
+    assert not breaker.may_admit(s, 79.0, 60.0) and breaker.may_admit(s, 80.0, 60.0)
+    s = breaker.admitted(s, "g2")
+    assert s.probe == "g2" and not breaker.may_admit(s, 500.0, 60.0)  # one probe at a time
+    assert "probe g2 in flight" in (breaker.describe(s, 60.0) or "")
+    failed = breaker.record(s, "g2", {"SandboxNotReady": 2}, 0, now=90.0, threshold=3)
+    assert failed.open_since == 90.0 and failed.probe is None and failed.opened == 1  # waits again
+    ok = breaker.record(s, "g2", {}, 2, now=90.0, threshold=3)
+    assert ok == BreakerState(opened=1) and breaker.describe(ok, 60.0) is None
+
+
+def test_other_kinds_and_successes_in_between_do_not_trip_it() -> None:
+    s = BreakerState()
+    for i in range(10):
+        s = breaker.record(s, f"g{i}", {"EngineUnavailable": 2}, 1, now=float(i), threshold=3)
+    assert s.open_since is None and s.streaks == {}
+    s = breaker.record(s, "a", {"X": 2}, 0, 1.0, 3)
+    s = breaker.record(s, "b", {"Y": 2}, 0, 2.0, 3)
+    assert s.open_since is None and s.streaks == {"X": 2, "Y": 2}
+
+
+def test_disabled_it_never_opens() -> None:
+    s = breaker.record(BreakerState(), "g0", {"X": 100}, 0, now=1.0, threshold=None)
+    assert s == BreakerState() and breaker.admitted(s, "g1") == s
