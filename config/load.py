@@ -88,7 +88,12 @@ def read_toml(path: str | Path | None, overrides: list[str] | None = None) -> tu
     return data, source
 
 
-def config_hash(cfg: Config) -> str:
-    """Stable hash of the resolved config (lineage: which config produced a record)."""
-    canon = json.dumps(cfg.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+def config_hash(cfg: Config | dict[str, Any]) -> str:
+    """Stable hash of the resolved config (lineage: which config produced a record).
+
+    Given the stored JSON object (a dict) it hashes that as stored: a later release whose config gained a
+    field (with a default) still finds the hash the run was started with.
+    """
+    data = cfg if isinstance(cfg, dict) else cfg.model_dump(mode="json")
+    canon = json.dumps(data, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canon.encode()).hexdigest()[:16]

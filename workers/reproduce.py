@@ -130,7 +130,7 @@ def reproduce(
     lineage = record["lineage"]
 
     mismatches: list[str] = []
-    stored_hash = config_hash(cfg)
+    stored_hash = config_hash(json.loads(run["config_json"]))  # as stored, whatever fields came since
     if stored_hash != run["config_hash"]:
         mismatches.append(f"stored config hashes to {stored_hash}, run says {run['config_hash']}")
     if lineage.get("config_hash") not in (None, run["config_hash"]):
