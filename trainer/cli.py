@@ -33,6 +33,10 @@ def train(
     set_: Annotated[
         list[str] | None, typer.Option("--set", help="section.field=value (trainer.* too)")
     ] = None,
+    metrics_port: Annotated[
+        int | None,
+        typer.Option("--metrics-port", help="Serve the trainer feed's Prometheus metrics (0 = a free port)."),
+    ] = None,
 ) -> None:
     """Generate a run and train on it as it arrives: take fresh groups from the trainer feed, take GRPO steps
     with importance weights from the recorded logprobs, save and publish each new version to the engines;
@@ -69,7 +73,12 @@ def train(
     except TaskFileError as e:
         raise _fail(str(e)) from None
     rid = run_id or time.strftime("grpo-%Y%m%d-%H%M%S")
-    metrics = _run(cfg, ts, rid, rollouts_home())
+    from metrics.serve import serve_metrics
+
+    with serve_metrics(metrics_port) as port:  # feed freshness, discards, tokens consumed (metrics/)
+        if port is not None:
+            typer.echo(f"trainer metrics on http://127.0.0.1:{port}/metrics", err=True)
+        metrics = _run(cfg, ts, rid, rollouts_home())
     if out is not None:
         from trainer.loop import write_metrics
 
