@@ -89,6 +89,7 @@ class RolloutActivities:
         self.env_steps = env_steps
         self._known_versions: set[str] = set()
         self._modes: dict[str, tuple[str | None, float]] = {}
+        self._mode_locks: dict[str, asyncio.Lock] = {}
         """Engine URL -> (logprobs mode it reported, when it was asked)."""
         """Runs the inline env steps of ``generate_turn`` (environments with ``inline_steps``)."""
 
@@ -232,14 +233,19 @@ class RolloutActivities:
         again after it failed a call); an engine whose mode differs from the run's is refused as
         EngineUnavailable (the rollout fails over, or waits for an engine that serves the right mode), so
         no sample's declared meaning is wrong. None: the engine cannot tell (not in dev mode)."""
-        now = time.monotonic()
         cached = self._modes.get(engine_url)
-        if cached is None or now - cached[1] > MODE_TTL_S:
-            try:
-                cached = (await self.engine.logprob_mode(engine_url), now)
-            except RolloutError as e:
-                raise e.to_application_error() from e
-            self._modes[engine_url] = cached
+        if cached is None or time.monotonic() - cached[1] > MODE_TTL_S:
+            # One question per engine at a time: the rollouts arriving meanwhile wait for its answer (vLLM's
+            # /server_info dumps its whole config, and gathers system info on its first call).
+            lock = self._mode_locks.setdefault(engine_url, asyncio.Lock())
+            async with lock:
+                cached = self._modes.get(engine_url)
+                if cached is None or time.monotonic() - cached[1] > MODE_TTL_S:
+                    try:
+                        cached = (await self.engine.logprob_mode(engine_url), time.monotonic())
+                    except RolloutError as e:
+                        raise e.to_application_error() from e
+                    self._modes[engine_url] = cached
         served = cached[0]
         if served is not None and served != wanted:
             self._modes.pop(engine_url, None)
