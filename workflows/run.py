@@ -112,6 +112,10 @@ def rollout_template(cfg: Config, run_id: str, env: EnvTraits) -> RolloutInput:
     )
 
 
+FINAL_DECISION_PATCH = "final-dispatch-decision"
+"""Runs started from 0.2.0 on step the controller once more after the last group and log it (histories of
+0.2.0 replay the old path)."""
+
 TASK_ID_BATCH = 32
 """Task ids the run looks up at once (one local activity per this many groups, off the critical path)."""
 
@@ -345,11 +349,32 @@ class RunWorkflow:
             )
             await self._maybe_continue_as_new(inp, started >= cfg.run.groups_per_run_segment)
             if st.next_group >= cfg.run.num_groups and not st.slots:
-                await self._poll(inp, template)  # writes the last decision to the dispatch log
+                last = await self._poll(inp, template)  # writes the last decision to the dispatch log
+                if workflow.patched(FINAL_DECISION_PATCH):
+                    await self._log_final_decision(inp, template, ctl, last)
             else:
                 self._freed = False
                 with contextlib.suppress(TimeoutError):  # the poll interval passed with no group ending
                     await workflow.wait_condition(lambda: self._freed, timeout=adm.poll_interval_s)
+
+    async def _log_final_decision(
+        self, inp: RunInput, template: RolloutInput, ctl: AdmissionController, last: FleetPoll
+    ) -> None:
+        """What the controller makes of the fleet once the last group has ended, logged too: a preemption
+        (or usage) that the run's end outran would otherwise never show its reaction in the dispatch log."""
+        st = self._state
+        ds = st.dispatch
+        now = workflow.now().timestamp()
+        for r in last.readings:
+            ds.readings[r.engine_id] = r
+        d = ctl.step(now, list(ds.readings.values()), [])
+        ds.admission, self._cap = ctl.state, d.cap
+        ds.polls += 1
+        ds.last_log = DispatchLog(
+            run_id=inp.run_id, seq=ds.polls, at=now, cap=d.cap, inflight=0, admitted=0, cancelled=0,
+            kv_usage=d.kv_usage, healthy=d.healthy, pool=last.pool, reasons=["final", *d.reasons],
+        )  # fmt: skip
+        await self._poll(inp, template)  # writes it
 
     async def _poll(self, inp: RunInput, template: RolloutInput) -> FleetPoll:
         st, cfg = self._state, self._cfg
