@@ -176,6 +176,47 @@ def report(
 
 
 @app.command()
+def ledger(
+    run_id: str,
+    address: Annotated[str, typer.Option(help="Temporal frontend host:port.")] = "127.0.0.1:7233",
+    temporal: Annotated[
+        bool, typer.Option(help="Also check every RolloutWorkflow of the run has a record.")
+    ] = True,
+    docker: Annotated[bool, typer.Option(help="Also check no container of the run is left.")] = True,
+) -> None:
+    """The ledger check (faults/ledger.py): one line per broken promise; exit 1 on any, 2 on bad input."""
+    from config.paths import rollouts_home
+    from errors import SandboxError
+    from faults import LedgerReport, check_run
+    from sandboxes.pool import SandboxPool
+    from store import RunStore
+
+    store = RunStore(rollouts_home())
+    if store.get_run(run_id) is None:
+        raise _fail(f"run {run_id}: not in the store at {store.root}")
+
+    async def go() -> LedgerReport:
+        client = await _client(address) if temporal else None
+        backend = None
+        if docker:
+            from sandboxes import DockerBackend
+
+            try:
+                backend = DockerBackend()
+            except SandboxError as e:
+                raise _fail(f"cannot check containers ({e}); use --no-docker", 1) from None
+        return await check_run(
+            store, run_id, client=client, backend=backend, pool=SandboxPool(store.root / "pool.sqlite")
+        )
+
+    report = asyncio.run(go())
+    for line in report.lines():
+        typer.echo(line)
+    if not report.ok:
+        raise typer.Exit(1)
+
+
+@app.command()
 def reap(
     run_id: Annotated[str | None, typer.Option("--run-id", help="Only this run's sandboxes.")] = None,
     address: Annotated[str, typer.Option(help="Temporal frontend host:port.")] = "127.0.0.1:7233",

@@ -142,3 +142,28 @@ def test_missing_records_and_no_success_are_caught(tmp_path: Path) -> None:
     assert any("attempts [1] have a gap" in line for line in found)
     assert any(line.startswith("no-success") for line in found)
     assert "group-counts: group g000000 says 1 scorable, its records 0" in found
+
+
+def test_rollouts_ledger_prints_one_line_per_violation_and_exits_1(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from typer.testing import CliRunner
+
+    from workers.cli import app
+
+    monkeypatch.setenv("ROLLOUTS_HOME", str(tmp_path))
+    store = _store(tmp_path)
+    runner = CliRunner()
+    clean = runner.invoke(app, ["ledger", RUN, "--no-temporal", "--no-docker"])
+    assert clean.exit_code == 0, clean.output
+    assert clean.output.strip() == f"run {RUN}: ledger clean (2 groups, 4 records, 4 successes)"
+    with store._tx() as db:
+        db.execute("DELETE FROM rollouts WHERE rollout_id=?", (f"{RUN}/g000001/0",))
+    broken = runner.invoke(app, ["ledger", RUN, "--no-temporal", "--no-docker"])
+    assert broken.exit_code == 1
+    assert broken.output.strip().splitlines() == [
+        f"run {RUN}: missing-record: slot {RUN}/g000001/0 has no record",
+        f"run {RUN}: group-counts: group g000001 says 2 scorable, its records 1",
+    ]
+    unknown = runner.invoke(app, ["ledger", "nope", "--no-temporal", "--no-docker"])
+    assert unknown.exit_code == 2 and "run nope: not in the store" in unknown.output
