@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
@@ -200,3 +202,49 @@ async def test_an_engine_serving_the_other_logprobs_mode_is_refused(
     )
     assert all(not r["turns"] and not r["token_ids"][r["prompt_length"] :] for r in bad_recs)
     assert batch.count.tokens == 0  # the failed members hold no sampled token for a trainer to take
+
+
+@pytest.mark.timeout(300)
+async def test_the_temporal_server_killed_and_restarted_mid_run(
+    ledger: Callable[..., Awaitable[LedgerReport]], tmp_path: Path
+) -> None:
+    """A Temporal dev server on its own SQLite file, SIGKILLed mid-run and started again on the same
+    file and port: the worker and the client reconnect, the in-flight rollouts continue, the ledger is
+    clean."""
+    from contracts.client import connect
+    from workers import procs
+
+    home = tmp_path / "temporal"
+    home.mkdir()
+    port, ui = free_port(), free_port()
+    address = f"127.0.0.1:{port}"
+
+    def start() -> int:
+        pid = procs.spawn("temporal", procs.temporal_argv(home, port, ui), home)
+        procs.wait_until(lambda: procs.temporal_healthy(address), 60, "temporal", pid=pid)
+        return pid
+
+    pid = start()
+    try:
+        client = await connect(address)
+        slow = {**SIM, "decode_ms_per_token": 60}
+        async with (
+            SimEngine(SimSettings(**slow)).serve(port=0) as url,
+            worker(client, "restart", tmp_path / "w") as store,
+        ):
+            cfg = make_config(
+                [url], "restart",
+                run={"num_groups": 4, "group_size": 2, "max_inflight_groups": 2},
+                rollout={"max_turns": 3},
+            )  # fmt: skip
+            handle = await start_run(client, cfg, "server-restart")
+            await wait_for_model_turns(store, "server-restart", 3)
+            os.kill(pid, signal.SIGKILL)
+            procs.stop_pid(pid)  # reaps the group
+            await asyncio.sleep(2.0)
+            pid = start()
+            result = await asyncio.wait_for(handle.result(), 240)
+            await ledger(store, "server-restart", client=client)
+        assert result.done and result.groups_done == 4 and result.outcomes.get("failed", 0) == 0, result
+    finally:
+        procs.stop_pid(pid)
