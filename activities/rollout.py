@@ -55,6 +55,9 @@ from errors import (
 from records.export import rollout_lineage
 from store import RunStore, Segment, model_segment
 
+EMPTY_POLICIES_REREAD_S = 5.0
+"""How often a worker whose store holds no published policy looks again (a run outside any publish
+history would otherwise read the policies table on every turn)."""
 MODE_TTL_S = 30.0
 """How long a worker trusts an engine's reported logprobs mode before asking again (a restarted engine
 may come back with another; a failed call forgets it at once)."""
@@ -88,6 +91,7 @@ class RolloutActivities:
         self.engine = engine
         self.env_steps = env_steps
         self._known_versions: set[str] = set()
+        self._versions_read_at = float("-inf")
         self._modes: dict[str, tuple[str | None, float]] = {}
         self._mode_locks: dict[str, asyncio.Lock] = {}
         """Engine URL -> (logprobs mode it reported, when it was asked)."""
@@ -269,6 +273,9 @@ class RolloutActivities:
         seen = {v for v in versions if v is not None}
         if seen <= self._known_versions:
             return
+        if not self._known_versions and time.monotonic() - self._versions_read_at < EMPTY_POLICIES_REREAD_S:
+            return  # the store had no policy a moment ago: nothing to check against, no reread per turn
+        self._versions_read_at = time.monotonic()
         rows = await timed(self.store.policies)
         self._known_versions = {r["version"] for r in rows}
         unknown = sorted(seen - self._known_versions)

@@ -49,3 +49,11 @@ def get(name: str) -> Environment:
             f"run.env: {eps[name].value} is registered as {name!r} but names itself {cls.name!r}"
         )
     return cls()
+
+
+def find(name: str) -> Environment | None:
+    """The environment registered as ``name``, or None when it is not installed (or does not load)."""
+    try:
+        return get(name)
+    except ConfigError:
+        return None

@@ -47,13 +47,9 @@ LINEAGE_FIELDS = (
 def env_versions(env: str) -> tuple[str | None, str | None]:
     """(environment version, verifier version) of the code running now; None for an env not installed."""
     from envs import registry
-    from errors import ConfigError
 
-    try:
-        e = registry.get(env)
-    except ConfigError:
-        return None, None
-    return e.env_version, e.verifier_version
+    e = registry.find(env)
+    return (e.env_version, e.verifier_version) if e is not None else (None, None)
 
 
 def versions_in_order(segs: list[Segment]) -> list[str]:
@@ -89,13 +85,9 @@ def rollout_lineage(
 def _sandbox_image(run: dict[str, Any] | None, env: str) -> str | None:
     """The run's default sandbox image, for an environment that uses sandboxes."""
     from envs import registry
-    from errors import ConfigError
 
-    try:
-        uses_sandbox = registry.get(env).uses_sandbox
-    except ConfigError:
-        return None
-    if not uses_sandbox or not run:
+    e = registry.find(env)
+    if e is None or not e.uses_sandbox or not run:
         return None
     try:
         image = json.loads(run["config_json"])["sandbox"]["image"]
