@@ -298,6 +298,7 @@ class RolloutActivities:
         see ``records.export.rollout_lineage``) in ``extra_json["lineage"]``, and its per-rollout time
         entries (``started_at``, ``ended_at``, ``sandbox_s``, ``record_transfer_s``: its own store reads).
         """
+        t0 = time.monotonic()
         timed = StoreClock()
         segs = await timed(self.store.segments, inp.rollout_id)
         run = await timed(self.store.get_run, inp.run_id)
@@ -305,7 +306,7 @@ class RolloutActivities:
         image = handle.spec.image if handle is not None else None
         extra = {
             **_extras(inp),
-            **_times(inp, timed.seconds),
+            **_times(inp, timed.seconds, time.monotonic() - t0),
             "lineage": rollout_lineage(run, inp.env, segs, image),
         }
         prompt_len = segs[0].end if segs and segs[0].kind == "prompt" else 0
@@ -394,12 +395,16 @@ def _extras(inp: FinalizeRolloutInput) -> dict[str, int | bool]:
     return out
 
 
-def _times(inp: FinalizeRolloutInput, transfer_s: float) -> dict[str, float | None]:
-    """The record's per-rollout time entries (``records/timing.py``): wall-time bounds, sandbox, transfer."""
+def _times(inp: FinalizeRolloutInput, transfer_s: float, reads_s: float) -> dict[str, float | None]:
+    """The record's per-rollout time entries (``records/timing.py``): wall-time bounds, sandbox, transfer.
+
+    The wall time ends when the record's reads end (``reads_s`` after this activity started, on top of the
+    workflow's time at scheduling it): those reads count as transfer, so they must lie inside the wall time.
+    """
     s = inp.state
     return {
         "started_at": s.started_at,
-        "ended_at": inp.ended_at,
+        "ended_at": inp.ended_at + reads_s if inp.ended_at is not None else None,
         "sandbox_s": s.sandbox_s,
         "record_transfer_s": transfer_s,
     }

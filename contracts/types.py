@@ -535,7 +535,7 @@ class FinalizeRolloutInput(_Data):
     wasted_tokens: int | None = None
     """Set on rollouts cancelled for admission: the tokens they had sampled."""
     ended_at: float | None = None
-    """Workflow time of the rollout's end (its wall time runs from ``state.started_at`` to here)."""
+    """Workflow time of scheduling the record; the stored end adds the record's reads (``_times``)."""
 
 
 class StoredOutcome(_Data):

@@ -80,7 +80,7 @@ def assert_decomposed(rec: dict) -> None:
     assert t["wall_s"] is not None and t["wall_s"] > 0
     per_turn = sum(sum(turn_times(turn).values()) for turn in rec["turns"])
     assert per_turn + t["sandbox_s"] <= t["wall_s"], (rec["rollout_id"], per_turn, t)
-    assert sum(t[k] for k in COMPONENTS) <= t["wall_s"] + 0.01  # + the record's own reads, after the turns
+    assert sum(t[k] for k in COMPONENTS) <= t["wall_s"] + 1e-9  # the wall time covers the record's own reads
     assert t["transfer_s"] > 0  # at least the record's own reads
     assert all(turn["transfer_s"] > 0 and turn["model_s"] > 0 for turn in rec["turns"])
     assert t["generation_s"] > 0 or not rec["turns"]
