@@ -1,0 +1,99 @@
+"""``rollouts chaos RUN...``: a seeded schedule of faults against the stack of ``$ROLLOUTS_HOME`` and the
+runs named, each fault logged with its time (JSON lines: the log file and stdout), then the ledger check of
+every run (exit 1 on a violation).
+
+Invariant: bad input (an unknown kind, a bad interval, a run not in the store) prints one ``error:`` line
+and exits 2 before any fault fires; a fault that cannot be injected is logged and the schedule goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+
+def _fail(msg: str, code: int = 2) -> typer.Exit:
+    typer.echo(f"error: {msg}", err=True)
+    return typer.Exit(code)
+
+
+def _interval(text: str, what: str) -> tuple[float, float]:
+    try:
+        lo, _, hi = text.partition(",")
+        return float(lo), float(hi or lo)
+    except ValueError:
+        raise _fail(f"{what} {text!r}: give LOW,HIGH seconds (e.g. 15,30)") from None
+
+
+def chaos_command(
+    run_ids: Annotated[list[str], typer.Argument(help="Runs to target and check.")],
+    kinds: Annotated[str, typer.Option(help="Comma-separated fault kinds (see faults/chaos.py).")] = (
+        "worker_kill,worker_freeze,container_kill,container_pause,container_oom"
+    ),
+    seed: Annotated[int, typer.Option(help="Schedule seed (same seed, same schedule).")] = 0,
+    duration: Annotated[float, typer.Option(help="Seconds of schedule.")] = 120.0,
+    every: Annotated[str, typer.Option(help="Seconds between faults, LOW,HIGH (uniform).")] = "15,30",
+    fault_s: Annotated[str, typer.Option("--fault-s", help="Fault duration, LOW,HIGH seconds.")] = "2,10",
+    log: Annotated[Path | None, typer.Option(help="JSON lines log (HOME/chaos/*.jsonl).")] = None,
+    address: Annotated[str, typer.Option(help="Temporal frontend host:port.")] = "127.0.0.1:7233",
+    image: Annotated[
+        str | None, typer.Option(help="Image sandbox_create untags (default: the runs' sandbox image).")
+    ] = None,
+    weights: Annotated[
+        Path | None, typer.Option(help="Weights publish publishes (default: the latest version's).")
+    ] = None,
+    wait: Annotated[float, typer.Option(help="Seconds to wait for each run to end.")] = 600.0,
+    docker: Annotated[bool, typer.Option(help="Check no container of the runs is left.")] = True,
+) -> None:
+    """Fire a seeded fault schedule at the stack and the runs, log each fault, then check the ledger."""
+    from config.paths import rollouts_home
+    from contracts.client import connect
+    from faults.chaos import INSTANT, KINDS, Chaos
+    from faults.schedule import schedule
+    from sandboxes.pool import SandboxPool
+    from store import RunStore
+
+    chosen = [k.strip() for k in kinds.split(",") if k.strip()]
+    unknown = sorted(set(chosen) - set(KINDS))
+    if unknown:
+        raise _fail(f"--kinds: unknown {', '.join(unknown)}; kinds: {', '.join(KINDS)}")
+    home = rollouts_home()
+    store = RunStore(home)
+    missing = [r for r in run_ids if store.get_run(r) is None]
+    if missing:
+        raise _fail(f"run {missing[0]}: not in the store at {store.root}")
+    try:
+        plan = schedule(seed, chosen, duration, _interval(every, "--every"), _interval(fault_s, "--fault-s"),
+                        instant=INSTANT)  # fmt: skip
+    except ValueError as e:
+        raise _fail(str(e)) from None
+    log_path = log or home / "chaos" / time.strftime("%Y%m%d-%H%M%S.jsonl")
+
+    async def go() -> bool:
+        try:
+            client = await connect(address)
+        except Exception as e:
+            raise _fail(f"cannot reach Temporal at {address} ({e})", 1) from None
+        chaos = Chaos(home, run_ids, log_path, seed=seed, store=store, client=client, image=image,
+                      weights=weights, echo=typer.echo)  # fmt: skip
+        typer.echo(f"chaos: {len(plan)} faults over {duration:g} s (seed {seed}); log {log_path}")
+        counts = await chaos.run(plan)
+        injected = ", ".join(f"{k} {n}" for k, n in sorted(counts.items()))
+        typer.echo(f"chaos: injected {injected or 'nothing'}")
+        backend = None
+        if docker:
+            from sandboxes import DockerBackend
+
+            backend = DockerBackend()
+        reports = await chaos.ledger(wait, backend=backend, pool=SandboxPool(home / "pool.sqlite"))
+        for rep in reports:
+            for line in rep.lines():
+                typer.echo(line)
+        return all(rep.ok for rep in reports)
+
+    if not asyncio.run(go()):
+        raise typer.Exit(1)
