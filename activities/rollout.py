@@ -41,6 +41,7 @@ from contracts.types import (
     TurnResult,
 )
 from engines.client import EngineClient
+from engines.watchdog import watching
 from envs import registry
 from errors import (
     ConfigError,
@@ -136,7 +137,8 @@ class RolloutActivities:
     @activity.defn
     async def prepare_rollout(self, inp: PrepareInput) -> PrepareResult:
         """Build the environment's first prompt once and store it as segment 'prompt'."""
-        return await self._prepare(inp, StoreClock())
+        with watching(inp.stall_timeout_s):
+            return await self._prepare(inp, StoreClock())
 
     async def _prepare(self, inp: PrepareInput, timed: StoreClock) -> PrepareResult:
         existing = await timed(self.store.get_segment, inp.rollout_id, "prompt")
@@ -162,8 +164,14 @@ class RolloutActivities:
         """One model call on the rollout's stored context; the sampled tokens are stored, not returned.
 
         Its store calls are timed (meta ``transfer_s``; the segment's own write is handed to the inline
-        env step, which records it, or goes uncounted).
+        env step, which records it, or goes uncounted). Its engine calls are watched for a stalled engine
+        (``engine.stall_timeout_s``, ``engines.watchdog``): a hung engine fails the call as EngineStalled
+        within seconds, not after request_timeout_s, and it is not retried in place.
         """
+        with watching(inp.stall_timeout_s):
+            return await self._generate_turn(inp)
+
+    async def _generate_turn(self, inp: GenerateInput) -> TurnResult:
         name = model_segment(inp.turn)
         timed = StoreClock()
         if inp.prepare is not None:

@@ -36,6 +36,12 @@ class EngineConfig(_Strict):
     """Meaning of the logprobs the engines return (vLLM's --logprobs-mode); recorded with every sample."""
     request_timeout_s: float = Field(120.0, gt=0, le=3600)
     """Per-request HTTP timeout for one model call."""
+    stall_timeout_s: float = Field(10.0, ge=0, le=3600)
+    """A hung engine is detected within this (plus a quarter of it per probe, at most 1.5 x): while a model
+    call is outstanding the worker probes the engine's /metrics, and an engine that answers no probe, or
+    processes no token, for this long is stalled; the call fails at once (EngineStalled, not retried in
+    place) and the rollout fails over or waits the outage out. Must exceed the engine's longest step
+    without output (a long prefill). 0 = not watched (only request_timeout_s applies)."""
     failover: bool = True
     """When a rollout's replica stays unreachable past max_attempts, move the rollout to its next replica
     (which re-prefills the context; counted in the record) instead of failing it."""

@@ -120,6 +120,8 @@ class EngineTarget(_Data):
     failover: bool = True
     outage_budget_s: float = 300.0
     """How long an engine with no replica to fail over to may stay unavailable before rollouts fail."""
+    stall_timeout_s: float | None = None
+    """How long an engine may make no progress under an outstanding call (None: the worker's default)."""
 
 
 class EnvTraits(_Data):
@@ -479,6 +481,8 @@ class PrepareInput(_Data):
     engine_url: str
     model: str
     env: str
+    stall_timeout_s: float | None = None
+    """``engine.stall_timeout_s`` (None: the worker's default; see ``engines.watchdog``)."""
 
 
 class GenerateInput(_Data):
@@ -496,6 +500,8 @@ class GenerateInput(_Data):
     that reaches it is truncated (token_budget), not stepped. 0 = no limit beyond max_tokens."""
     prepare: PrepareInput | None = None
     """Render and store the prompt first if it is not stored yet (a math rollout's first call)."""
+    stall_timeout_s: float | None = None
+    """``engine.stall_timeout_s`` (None: the worker's default; see ``engines.watchdog``)."""
 
 
 class EnvStepInput(_Data):

@@ -6,6 +6,8 @@ Invariants:
   environment adds (the rendered first prompt, observations), through the engine's own /tokenize.
 - Every failure is classified once, here: retryable (transport, timeout, 5xx, unparseable reply),
   non-retryable (4xx), or context length exceeded (a truncation, not a failure).
+- Every call is watched for a stalled engine (``engines.watchdog``): a call outstanding on an engine that
+  answers nothing, or generates nothing, for the stall timeout fails as EngineStalled within seconds.
 
 Endpoints used: ``POST /inference/v1/generate`` (token ids in, token ids + logprobs + weight-version spans
 out; vLLM needs ``--enable-scale-out``), ``POST /tokenize``, ``POST /detokenize``, ``GET /v1/models``.
@@ -20,6 +22,7 @@ from typing import Any
 import httpx
 
 from contracts.types import SamplingParams
+from engines.watchdog import Watchdog
 from errors import ContextLengthExceeded, EngineBadReply, EngineBadRequest, EngineUnavailable
 
 _CONTEXT_MARKERS = ("maximum context length", "maximum model length", "max_model_len", "context length")
@@ -40,16 +43,21 @@ class Generation:
 class EngineClient:
     """Async HTTP client for a fleet of engine replicas; one per worker process."""
 
-    def __init__(self, timeout_s: float = 120.0) -> None:
+    def __init__(self, timeout_s: float = 120.0, stall_timeout_s: float | None = None) -> None:
+        """``stall_timeout_s``: of calls made where ``engines.watchdog.stall_timeout`` is unset (None:
+        those calls are not watched)."""
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0))
         self._max_len: dict[str, int] = {}
+        self.watchdog = Watchdog(stall_timeout_s)
 
     async def aclose(self) -> None:
+        await self.watchdog.aclose()
         await self._http.aclose()
 
-    async def _post(self, url: str, body: dict[str, Any], timeout_s: float | None = None) -> Any:
+    async def _post(self, base_url: str, path: str, body: dict[str, Any], model_call: bool = False) -> Any:
+        url = f"{base_url}{path}"
         try:
-            resp = await self._http.post(url, json=body, timeout=timeout_s or httpx.USE_CLIENT_DEFAULT)
+            resp = await self.watchdog.watch(base_url, self._http.post(url, json=body), model_call=model_call)
         except httpx.TimeoutException as e:
             raise EngineUnavailable(f"{url}: timed out ({type(e).__name__})") from e
         except httpx.TransportError as e:
@@ -65,7 +73,8 @@ class EngineClient:
         """
         url = f"{base_url}/server_info"
         try:
-            resp = await self._http.get(url, params={"config_format": "json"}, timeout=30.0)
+            get = self._http.get(url, params={"config_format": "json"}, timeout=30.0)
+            resp = await self.watchdog.watch(base_url, get)
         except httpx.TransportError as e:
             raise EngineUnavailable(f"{url}: {type(e).__name__}: {e}") from e
         if resp.status_code in (404, 405):
@@ -81,7 +90,7 @@ class EngineClient:
         """The engine's context length, read once per replica from /v1/models."""
         if base_url not in self._max_len:
             try:
-                resp = await self._http.get(f"{base_url}/v1/models")
+                resp = await self.watchdog.watch(base_url, self._http.get(f"{base_url}/v1/models"))
             except httpx.TransportError as e:
                 raise EngineUnavailable(f"{base_url}/v1/models: {type(e).__name__}: {e}") from e
             data = _classify(f"{base_url}/v1/models", resp)
@@ -95,15 +104,15 @@ class EngineClient:
     async def tokenize_chat(self, base_url: str, model: str, messages: list[dict[str, str]]) -> list[int]:
         """Render messages through the model's chat template once and return the token ids."""
         body = {"model": model, "messages": messages, "add_generation_prompt": True}
-        return _tokens(base_url, await self._post(f"{base_url}/tokenize", body))
+        return _tokens(base_url, await self._post(base_url, "/tokenize", body))
 
     async def tokenize_text(self, base_url: str, model: str, text: str) -> list[int]:
         """Token ids of new text (special-token markers included), without adding a BOS."""
         body = {"model": model, "prompt": text, "add_special_tokens": False}
-        return _tokens(base_url, await self._post(f"{base_url}/tokenize", body))
+        return _tokens(base_url, await self._post(base_url, "/tokenize", body))
 
     async def detokenize(self, base_url: str, model: str, token_ids: list[int]) -> str:
-        data = await self._post(f"{base_url}/detokenize", {"model": model, "tokens": token_ids})
+        data = await self._post(base_url, "/detokenize", {"model": model, "tokens": token_ids})
         if not isinstance(data, dict) or not isinstance(data.get("prompt"), str):
             raise EngineBadReply(f"{base_url}/detokenize: reply has no 'prompt' text")
         return data["prompt"]
@@ -142,7 +151,7 @@ class EngineClient:
             "output_mode": "tokens",
         }
         t0 = time.monotonic()
-        data = await self._post(f"{base_url}/inference/v1/generate", body)
+        data = await self._post(base_url, "/inference/v1/generate", body, model_call=True)
         elapsed = time.monotonic() - t0
         return _parse_generation(base_url, data, elapsed)
 

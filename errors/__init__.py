@@ -50,6 +50,14 @@ class EngineUnavailable(EngineError):
     retryable = True
 
 
+class EngineStalled(EngineUnavailable):
+    """The engine made no progress for the stall timeout while a call was outstanding (it accepts
+    connections and never answers, or answers /health while generation stalls: ``engines.watchdog``).
+    Not retried in place: the rollout fails over at once, or waits the outage out like a dead engine."""
+
+    retryable = False
+
+
 class EngineBadReply(EngineError):
     """The engine answered 2xx with a body that does not parse as the expected reply."""
 

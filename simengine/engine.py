@@ -127,12 +127,14 @@ class SimEngine:
                     self.prefix.lookup(prompt)
                     await self._check_hang()
                     await _sleep_ms(self.settings.prefill_ms)
+                    self.counters.prompt_tokens += len(prompt)
                     spans = await self._decode(len(tokens))
         except asyncio.CancelledError:
             self.counters.finished["abort"] += 1
             raise
-        self.counters.prompt_tokens += len(prompt)
-        self.counters.generation_tokens += len(tokens)
+        if self.steps is not None:  # the timing model counts a request's tokens when it ends
+            self.counters.prompt_tokens += len(prompt)
+            self.counters.generation_tokens += len(tokens)
         self.counters.finished[finish] += 1
         content = [_logprob(t, lp) for t, lp in zip(tokens, logprobs, strict=True)]
         choice = {
@@ -207,7 +209,10 @@ class SimEngine:
             )
 
     async def _decode(self, n: int) -> list[dict[str, Any]]:
-        """Pace ``n`` tokens; returns the ``[start, end)`` weight-version spans they were produced under."""
+        """Pace ``n`` tokens; returns the ``[start, end)`` weight-version spans they were produced under.
+
+        The token counters move as the tokens are produced (as vLLM's do, step by step: a watchdog judges
+        progress on them), prompt tokens once the prefill is done."""
         spans: list[dict[str, Any]] = []
         for start in range(0, n, DECODE_CHUNK):
             end = min(n, start + DECODE_CHUNK)
@@ -217,6 +222,7 @@ class SimEngine:
             else:
                 spans.append({"version": version, "start": start, "end": end})
             await _sleep_ms(self.settings.decode_ms_per_token * (end - start))
+            self.counters.generation_tokens += end - start
         return spans
 
 

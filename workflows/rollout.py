@@ -346,6 +346,7 @@ class RolloutWorkflow:
             engine_url=engine,
             model=inp.engine.model,
             env=inp.env.name,
+            stall_timeout_s=inp.engine.stall_timeout_s,
         )
 
     async def _prepare_on(self, inp: RolloutInput, engine: str) -> PrepareResult:
@@ -372,6 +373,7 @@ class RolloutWorkflow:
                 env_after=env_after,
                 max_total_tokens=inp.max_total_tokens,
                 prepare=prepare,
+                stall_timeout_s=inp.engine.stall_timeout_s,
             ),
             retry=engine_retry(inp.retry),
             start_to_close=timedelta(seconds=inp.engine.request_timeout_s + 30),

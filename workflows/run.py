@@ -95,6 +95,7 @@ def rollout_template(cfg: Config, run_id: str, env: EnvTraits) -> RolloutInput:
             request_timeout_s=cfg.engine.request_timeout_s,
             failover=cfg.engine.failover,
             outage_budget_s=cfg.engine.outage_budget_s,
+            stall_timeout_s=cfg.engine.stall_timeout_s,
         ),
         retry=RetrySettings(
             max_attempts=cfg.engine.max_attempts,
