@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -16,8 +17,14 @@ def rollouts_home() -> Path:
 
 
 def venv_bin(name: str) -> Path:
-    """A console script installed beside the running interpreter (temporal, temporal-test-server)."""
-    return Path(sys.executable).parent / name
+    """A console script installed beside the running interpreter (temporal, temporal-test-server); where
+    none is (a ``pip install --target`` image), the one on ``PATH``; else the path beside the interpreter,
+    so that the caller's error names where it looked."""
+    beside = Path(sys.executable).parent / name
+    if beside.exists():
+        return beside
+    found = shutil.which(name)
+    return Path(found) if found else beside
 
 
 def resolve_repo_path(path: str | Path) -> Path:

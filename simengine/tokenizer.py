@@ -22,6 +22,8 @@ class SimTokenizer:
 
     def __init__(self, model_dir: Path) -> None:
         path = Path(model_dir) / "tokenizer.json"
+        if not path.is_file():
+            raise ValueError(f"{path}: no such tokenizer file (pass --model-dir, a model directory)")
         self._tok = Tokenizer.from_file(str(path))
         end_id = self._tok.token_to_id(END)
         if end_id is None:

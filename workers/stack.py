@@ -145,8 +145,13 @@ def _check_preconditions(cfg: StackConfig, home: Path, components: Collection[st
         raise StackError("module workers.worker not found: pip install -e . from the repository")
 
 
-def _ensure_search_attributes(address: str) -> None:
-    """Register missing search attributes; start-dev only registers them when it creates the database."""
+def ensure_search_attributes(address: str) -> None:
+    """Register the project's missing search attributes (idempotent); start-dev only registers them when it
+    creates the database, and a production server never does (``rollouts stack search-attributes``).
+
+    Raises:
+        StackError: The server cannot be asked, or an attribute exists with another type.
+    """
     from workflows.search_attributes import DEFINITIONS
 
     res = temporal_cli("operator", "search-attribute", "list", "--address", address, "-o", "json")
@@ -197,7 +202,7 @@ def _start(cfg: StackConfig, home: Path, components: Collection[str], started: d
         launch("temporal", temporal_argv(home, cfg.temporal_port, cfg.ui_port))
         await_healthy("temporal", lambda: temporal_healthy(address))
         await_healthy("temporal", lambda: http_ok(ui_url), label="ui")
-        _ensure_search_attributes(address)
+        ensure_search_attributes(address)
     if "engine" in components:
         if port_in_use(cfg.engine_port):  # Temporal binds extra random ports; make a clash explicit
             raise StackError(f"port {cfg.engine_port} (engine) is already in use")

@@ -135,5 +135,20 @@ def status() -> None:
         raise typer.Exit(1)
 
 
+@stack_app.command("search-attributes")
+def search_attributes(
+    address: Annotated[str, typer.Option(help="Temporal frontend host:port.")] = "127.0.0.1:7233",
+) -> None:
+    """Register the project's search attributes on a Temporal server that lacks them (idempotent): the
+    one set-up step a production server needs before the first run (docker-compose runs it)."""
+    from workers.stack import StackError, ensure_search_attributes
+
+    try:
+        ensure_search_attributes(address)
+    except StackError as e:
+        raise _fail(str(e)) from None
+    typer.echo(f"search attributes registered on {address}")
+
+
 if __name__ == "__main__":
     stack_app()
