@@ -5,6 +5,8 @@
 #   - Chromium: Debian's chromium is installed if missing (headless report rendering, the web UI check).
 #   - Prometheus: Debian's prometheus is installed if missing (tests/integration/test_metrics.py starts its
 #     own, by pid, scraping an in-process worker).
+#   - docker-compose: Debian's docker-compose is installed if missing; the project's image
+#     durable-rollouts:local is built offline (tests/integration/test_compose.py runs the local stack).
 # Temporal and vLLM are started by the test fixtures themselves (tests/conftest.py), by pid.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -12,11 +14,12 @@ state="${ROLLOUTS_HOME:-.rollouts}/ci"
 mkdir -p "$state"
 started_dockerd=""
 
-if ! command -v dockerd >/dev/null || ! command -v debootstrap >/dev/null || ! command -v prometheus >/dev/null; then
+if ! command -v dockerd >/dev/null || ! command -v debootstrap >/dev/null || ! command -v prometheus >/dev/null \
+    || ! command -v docker-compose >/dev/null; then
   if [ "$(id -u)" = 0 ]; then
-    apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q docker.io debootstrap prometheus >/dev/null
+    apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q docker.io debootstrap prometheus docker-compose >/dev/null
   else
-    echo "docker.io, debootstrap or prometheus is missing; install them (apt-get install docker.io debootstrap prometheus) as root" >&2
+    echo "docker.io, debootstrap, prometheus or docker-compose is missing; install them (apt-get install docker.io debootstrap prometheus docker-compose) as root" >&2
   fi
 fi
 
@@ -42,6 +45,7 @@ fi
 if docker info >/dev/null 2>&1; then
   bash sandboxes/image/build_image.sh || echo "sandbox image build failed; Docker tests will say why" >&2
   bash environments/swe/build_images.sh || echo "SWE image build failed; SWE Docker tests will say why" >&2
+  bash workers/image/build_local_image.sh || echo "project image build failed; the compose test will say why" >&2
 fi
 
 "$@"
