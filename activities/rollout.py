@@ -94,8 +94,9 @@ class RolloutActivities:
         self._known_versions: set[str] = set()
         self._versions_read_at = float("-inf")
         self._modes: dict[str, tuple[str | None, float]] = {}
-        self._mode_locks: dict[str, asyncio.Lock] = {}
         """Engine URL -> (logprobs mode it reported, when it was asked)."""
+        self._mode_asks: dict[str, asyncio.Future[tuple[str | None, float]]] = {}
+        """Engine URL -> the question being asked (every rollout arriving meanwhile awaits its answer)."""
         """Runs the inline env steps of ``generate_turn`` (environments with ``inline_steps``)."""
 
     @options(
@@ -247,17 +248,16 @@ class RolloutActivities:
         no sample's declared meaning is wrong. None: the engine cannot tell (not in dev mode)."""
         cached = self._modes.get(engine_url)
         if cached is None or time.monotonic() - cached[1] > MODE_TTL_S:
-            # One question per engine at a time: the rollouts arriving meanwhile wait for its answer (vLLM's
-            # /server_info dumps its whole config, and gathers system info on its first call).
-            lock = self._mode_locks.setdefault(engine_url, asyncio.Lock())
-            async with lock:
-                cached = self._modes.get(engine_url)
-                if cached is None or time.monotonic() - cached[1] > MODE_TTL_S:
-                    try:
-                        cached = (await self.engine.logprob_mode(engine_url), time.monotonic())
-                    except RolloutError as e:
-                        raise e.to_application_error() from e
-                    self._modes[engine_url] = cached
+            # One question per engine at a time: the rollouts arriving meanwhile await its answer (vLLM's
+            # /server_info dumps its whole config, and gathers system info on its first call), and its
+            # failure, so a stalled engine fails them all within one stall timeout, not one after another.
+            ask = self._mode_asks.get(engine_url)
+            if ask is None or ask.done():
+                ask = self._mode_asks[engine_url] = asyncio.ensure_future(self._ask_mode(engine_url))
+            try:
+                cached = await asyncio.shield(ask)
+            except RolloutError as e:
+                raise e.to_application_error() from e
         served = cached[0]
         if served is not None and served != wanted:
             self._modes.pop(engine_url, None)
@@ -266,6 +266,12 @@ class RolloutActivities:
             )
             raise err.to_application_error()
         return served
+
+    async def _ask_mode(self, engine_url: str) -> tuple[str | None, float]:
+        """Ask the engine its logprobs mode (watched with the stall timeout of the rollout that asks)."""
+        answer = (await self.engine.logprob_mode(engine_url), time.monotonic())
+        self._modes[engine_url] = answer
+        return answer
 
     async def _refuse_unknown_versions(
         self, engine_url: str, versions: list[str | None], timed: StoreClock
