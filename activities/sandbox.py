@@ -49,7 +49,7 @@ class SandboxActivities:
         self.store = store
         self._make_backend = backend
         self._backend: AsyncSandboxBackend | None = None
-        self.pool = pool or SandboxPool(store.root / "pool.sqlite")
+        self.pool = pool or SandboxPool(store)
 
     @property
     def backend(self) -> AsyncSandboxBackend:

@@ -67,7 +67,7 @@ def load(store: RunStore, run_id: str) -> RunData:
     """
     run = store.get_run(run_id)
     if run is None:
-        raise ReportError(f"no run {run_id!r} in the store at {store.root}")
+        raise ReportError(f"no run {run_id!r} in the store at {store.location}")
     turns: dict[str, list[dict[str, Any]]] = {}
     for rid, meta in store.turn_meta(run_id):
         turns.setdefault(rid, []).append(meta)

@@ -6,8 +6,9 @@ A slot stands for the capacity one sandbox needs (a share of a node). The pool s
 raises `SandboxSlotPending` with the time to wait, and the rollout backs off; it never fails for it.
 
 Invariants:
-- State lives in one SQLite file shared by every worker on the host, changed only inside ``BEGIN
-  IMMEDIATE`` transactions, so two workers never hand out the same slot.
+- State lives in the run store (its ``pool_*`` tables, schema 3), shared by every worker of the store on
+  any host, and is changed only in transactions that first lock the pool's state row (SQLite: ``BEGIN
+  IMMEDIATE``; PostgreSQL: ``SELECT ... FOR UPDATE``), so two workers never hand out the same slot.
 - Holding is idempotent on the sandbox key (the rollout id): a retried create holds one slot, not two;
   releasing an absent key is a no-op. A rollout waiting for a slot is counted once (``waiting``) and asks
   for at most one new slot.
@@ -18,21 +19,27 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
-import sqlite3
 import time
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from errors import SandboxSlotPending
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS pool_state (id INTEGER PRIMARY KEY CHECK (id = 1), ready INTEGER NOT NULL);
-CREATE TABLE IF NOT EXISTS pool_starting (slot INTEGER PRIMARY KEY AUTOINCREMENT, ready_at REAL NOT NULL);
-CREATE TABLE IF NOT EXISTS pool_holders (key TEXT PRIMARY KEY, at REAL NOT NULL);
-CREATE TABLE IF NOT EXISTS pool_waiters (key TEXT PRIMARY KEY, at REAL NOT NULL);
-"""
+
+class _Tx(Protocol):
+    def execute(self, sql: str, args: Sequence[Any] = ()) -> Any: ...
+
+
+class _Database(Protocol):
+    """What the pool needs of the store's database (store/db.py; sandboxes/ never imports store/)."""
+
+    for_update: str
+
+    def tx(self) -> contextlib.AbstractContextManager[_Tx]: ...
+
+    def execute(self, sql: str, args: Sequence[Any] = ()) -> Any: ...
 
 
 class SandboxPoolConfig(BaseModel):
@@ -72,40 +79,31 @@ class PoolStatus(BaseModel):
 
 
 class SandboxPool:
-    """Slots of one host's sandbox pool, kept in ``path`` (SQLite)."""
+    """The slots of the sandbox pool every worker of one store shares (its ``pool_*`` tables)."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        db = sqlite3.connect(self.path, timeout=30)
-        try:
-            db.executescript(SCHEMA)
-        finally:
-            db.close()
+    def __init__(self, store: Any) -> None:
+        """``store``: a `store.RunStore`, or its database (``store.db``)."""
+        self.db: _Database = getattr(store, "db", store)
 
     @contextlib.contextmanager
-    def _tx(self) -> Iterator[sqlite3.Connection]:
-        db = sqlite3.connect(self.path, timeout=30, isolation_level=None)
-        try:
-            db.execute("BEGIN IMMEDIATE")
-            try:
-                yield db
-            except BaseException:
-                db.execute("ROLLBACK")
-                raise
-            db.execute("COMMIT")
-        finally:
-            db.close()
+    def _tx(self) -> Iterator[_Tx]:
+        """A write transaction holding the pool's state row: every change to the pool is serialized
+        (SQLite: the write transaction itself; PostgreSQL: ``SELECT ... FOR UPDATE`` on the row)."""
+        with self.db.tx() as db:
+            db.execute("INSERT INTO pool_state (id, ready) VALUES (1, -1) ON CONFLICT DO NOTHING")
+            db.execute("SELECT ready FROM pool_state WHERE id = 1" + self.db.for_update).fetchone()
+            yield db
 
-    def _ready(self, db: sqlite3.Connection, cfg: SandboxPoolConfig, now: float) -> int:
-        """Ready slots after promoting the started ones whose time has come."""
-        row = db.execute("SELECT ready FROM pool_state WHERE id = 1").fetchone()
-        ready = row[0] if row else min(cfg.initial_size, cfg.max_size)
+    def _ready(self, db: _Tx, cfg: SandboxPoolConfig, now: float) -> int:
+        """Ready slots after promoting the started ones whose time has come (-1 stored: never used)."""
+        ready = db.execute("SELECT ready FROM pool_state WHERE id = 1").fetchone()[0]
+        if ready < 0:
+            ready = min(cfg.initial_size, cfg.max_size)
         done = db.execute("SELECT COUNT(*) FROM pool_starting WHERE ready_at <= ?", (now,)).fetchone()[0]
         if done:
             db.execute("DELETE FROM pool_starting WHERE ready_at <= ?", (now,))
         ready = min(cfg.max_size, ready + done)
-        db.execute("INSERT OR REPLACE INTO pool_state (id, ready) VALUES (1, ?)", (ready,))
+        db.execute("UPDATE pool_state SET ready = ? WHERE id = 1", (ready,))
         return ready
 
     def acquire(self, key: str, cfg: SandboxPoolConfig, now: float | None = None) -> None:
@@ -124,7 +122,7 @@ class SandboxPool:
                 db.execute("INSERT INTO pool_holders (key, at) VALUES (?, ?)", (key, now))
                 db.execute("DELETE FROM pool_waiters WHERE key = ?", (key,))
                 return
-            db.execute("INSERT OR IGNORE INTO pool_waiters (key, at) VALUES (?, ?)", (key, now))
+            db.execute("INSERT INTO pool_waiters (key, at) VALUES (?, ?) ON CONFLICT DO NOTHING", (key, now))
             waiting = db.execute("SELECT COUNT(*) FROM pool_waiters").fetchone()[0]
             starting = db.execute("SELECT COUNT(*) FROM pool_starting").fetchone()[0]
             more = min(waiting - starting, cfg.max_size - ready - starting)
@@ -146,8 +144,7 @@ class SandboxPool:
 
     def holders(self) -> list[str]:
         """Keys holding a slot."""
-        with self._tx() as db:
-            return [r[0] for r in db.execute("SELECT key FROM pool_holders ORDER BY key")]
+        return [r[0] for r in self.db.execute("SELECT key FROM pool_holders ORDER BY key").fetchall()]
 
     def status(self, cfg: SandboxPoolConfig, now: float | None = None) -> PoolStatus:
         """The pool now (promotes slots whose start finished)."""

@@ -24,7 +24,7 @@ from config.paths import REPO_ROOT, venv_bin
 from workers.procs import free_port
 from workflows import search_attributes as sa
 
-pytest_plugins = ["faults.pytest_plugin"]  # the fault kit's fixtures, as a user's suite would load them
+pytest_plugins = ["faults.pytest_plugin", "tests.postgres"]  # the fault kit's fixtures; both store backends
 
 MODEL_DIR = REPO_ROOT / "models" / "tiny-policy"
 POLICY_VERSION = "v0"

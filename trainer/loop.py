@@ -32,7 +32,7 @@ from config.load import config_hash
 from config.models import Config
 from config.paths import resolve_repo_path
 from engines.policy import publish
-from store.runstore import RunStore
+from store import RunStore, open_store
 from trainer.batch import TensorBatch, to_tensors
 from trainer.feed import FeedGroup, TrainerFeed
 from trainer.loss import clipped_policy_loss, token_logprobs
@@ -170,7 +170,7 @@ class Loop:
         ``cfg.temporal.address``)."""
         self.cfg, self.ts, self.run_id, self.home, self.log = cfg, ts, run_id, Path(home), log
         self.client = client
-        self.store = RunStore(self.home)
+        self.store = open_store(home=self.home)  # $ROLLOUTS_STORE if set, else the home directory
         self.feed = TrainerFeed(self.store, run_id)
         self.urls = [u.rstrip("/") for u in cfg.engine.urls]
         self.weights_root = resolve_repo_path(ts.weights_root) if ts.weights_root else self.home / "policies"
@@ -188,7 +188,8 @@ class Loop:
         row = self.store.get_policy(version)
         if row is None or row["status"] != "published":
             raise TrainerError(
-                f"engine serves version {version!r}, which the store at {self.store.root} never published; "
+                f"engine serves version {version!r}, which the store at {self.store.location} never "
+                "published; "
                 "start the stack with `rollouts stack up` (it records v0) or `rollouts policy publish`"
             )
         return row

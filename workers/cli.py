@@ -11,9 +11,12 @@ import asyncio
 import re
 from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+
+if TYPE_CHECKING:
+    from store import RunStore
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Durable rollout generation for agent RL.")
 
@@ -23,6 +26,18 @@ RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 def _fail(msg: str, code: int = 2) -> typer.Exit:
     typer.echo(f"error: {msg}", err=True)
     return typer.Exit(code)
+
+
+def _store() -> RunStore:
+    """The configured run store ($ROLLOUTS_STORE, else $ROLLOUTS_HOME; imported lazily, so the CLI starts
+    fast); a bad URL or a server that does not answer is one line and exit 2."""
+    from errors import ConfigError
+    from store import open_store
+
+    try:
+        return open_store()
+    except ConfigError as e:
+        raise _fail(str(e)) from None
 
 
 def _new_run_id() -> str:
@@ -140,13 +155,11 @@ def export(
     output: Annotated[Path, typer.Option("-o", "--output", help="JSONL file to write.")],
 ) -> None:
     """Write a run's rollout and group records as JSONL (the trainer contract; see README)."""
-    from config.paths import rollouts_home
     from records.export import export_run
-    from store.runstore import RunStore
 
-    store = RunStore(rollouts_home())
+    store = _store()
     if store.get_run(run_id) is None:
-        raise _fail(f"no run {run_id!r} in the store at {store.root}")
+        raise _fail(f"no run {run_id!r} in the store at {store.location}")
     with output.open("w", encoding="utf-8") as fh:
         counts = export_run(store, run_id, fh)
     typer.echo(f"wrote {counts['rollout']} rollouts and {counts['group']} groups to {output}")
@@ -159,15 +172,13 @@ def report(
 ) -> None:
     """Write a run's report: one self-contained HTML file of plots (time decomposition, lengths, rewards,
     admission, replicas; see README, "Reports")."""
-    from config.paths import rollouts_home
     from reports import ReportError, write_report
-    from store.runstore import RunStore
+    from store import store_exists, store_url
 
-    home = rollouts_home()
-    if not (home / "store.sqlite").exists():
-        raise _fail(f"no run store at {home} (set ROLLOUTS_HOME?)")
+    if not store_exists():
+        raise _fail(f"no run store at {store_url()} (set ROLLOUTS_STORE or ROLLOUTS_HOME?)")
     try:
-        data = write_report(RunStore(home), run_id, output)
+        data = write_report(_store(), run_id, output)
     except ReportError as e:
         raise _fail(str(e)) from None
     except OSError as e:
@@ -185,15 +196,13 @@ def ledger(
     docker: Annotated[bool, typer.Option(help="Also check no container of the run is left.")] = True,
 ) -> None:
     """The ledger check (faults/ledger.py): one line per broken promise; exit 1 on any, 2 on bad input."""
-    from config.paths import rollouts_home
     from errors import SandboxError
     from faults import LedgerReport, check_run
     from sandboxes.pool import SandboxPool
-    from store import RunStore
 
-    store = RunStore(rollouts_home())
+    store = _store()
     if store.get_run(run_id) is None:
-        raise _fail(f"run {run_id}: not in the store at {store.root}")
+        raise _fail(f"run {run_id}: not in the store at {store.location}")
 
     async def go() -> LedgerReport:
         client = await _client(address) if temporal else None
@@ -205,9 +214,7 @@ def ledger(
                 backend = DockerBackend()
             except SandboxError as e:
                 raise _fail(f"cannot check containers ({e}); use --no-docker", 1) from None
-        return await check_run(
-            store, run_id, client=client, backend=backend, pool=SandboxPool(store.root / "pool.sqlite")
-        )
+        return await check_run(store, run_id, client=client, backend=backend, pool=SandboxPool(store))
 
     report = asyncio.run(go())
     for line in report.lines():
@@ -222,7 +229,6 @@ def reap(
     address: Annotated[str, typer.Option(help="Temporal frontend host:port.")] = "127.0.0.1:7233",
 ) -> None:
     """Remove sandboxes whose rollout workflow is no longer running (terminated, finished, unknown)."""
-    from config.paths import rollouts_home
     from sandboxes import SandboxError
     from sandboxes.pool import SandboxPool
     from sandboxes.reaper import reap_orphans
@@ -230,7 +236,7 @@ def reap(
 
     async def go() -> list[str]:
         client = await _client(address)
-        pool = SandboxPool(rollouts_home() / "pool.sqlite")
+        pool = SandboxPool(_store())
         return await reap_orphans(client, docker_sandboxes(), run_id, min_age_s=0, pool=pool)
 
     try:
@@ -309,13 +315,11 @@ def top(
 
 
 def _act(action: str, target: str, address: str) -> None:
-    from config.paths import rollouts_home
-    from store.runstore import RunStore
     from workers import ops
 
     async def go() -> None:
         client = await _client(address)
-        typer.echo(await getattr(ops, action)(client, RunStore(rollouts_home()), target))
+        typer.echo(await getattr(ops, action)(client, _store(), target))
 
     _ops(go)
 
@@ -354,13 +358,11 @@ def policy_publish(
 ) -> None:
     """Pause every engine (keeping in-flight requests), reload weights, set the version, reset the prefix
     cache, resume; record the publish in the store. Version ids are immutable."""
-    from config.paths import rollouts_home
     from engines.policy import PolicyError, publish
-    from store.runstore import RunStore
 
     urls = engine or ["http://127.0.0.1:8000"]
     try:
-        rec = publish(urls, version, weights.resolve(), RunStore(rollouts_home()))
+        rec = publish(urls, version, weights.resolve(), _store())
     except PolicyError as e:
         raise _fail(str(e)) from None
     state = "already published" if rec.already_published else "published"
@@ -399,14 +401,19 @@ def worker(
         bool, typer.Option(help="Run workflow code without the SDK's sandbox (less CPU per workflow task).")
     ] = False,
     metrics_port: Annotated[
-        int | None, typer.Option(help="Serve rollouts_* metrics on 127.0.0.1:PORT (SDK metrics on PORT+1).")
+        int | None, typer.Option(help="Serve rollouts_* metrics on HOST:PORT (SDK metrics on PORT+1).")
     ] = None,
+    metrics_host: Annotated[
+        str, typer.Option(help="Address the metrics bind (0.0.0.0 in a container scraped over a network).")
+    ] = "127.0.0.1",
 ) -> None:
-    """Start an additional worker (runs until Ctrl-C)."""
+    """Start an additional worker (runs until Ctrl-C or SIGTERM)."""
     from workers.worker import main as worker_main
 
     argv = ["--address", address, "--task-queue", task_queue] + (["--unsandboxed"] if unsandboxed else [])
-    worker_main(argv + (["--metrics-port", str(metrics_port)] if metrics_port is not None else []))
+    if metrics_port is not None:
+        argv += ["--metrics-port", str(metrics_port), "--metrics-host", metrics_host]
+    worker_main(argv)
 
 
 def _mount_stack() -> None:
@@ -429,6 +436,12 @@ def _mount_reproduce() -> None:
     app.command("reproduce")(reproduce_command)
 
 
+def _mount_chaos() -> None:
+    from faults.cli import chaos_command
+
+    app.command("chaos")(chaos_command)
+
+
 def _mount_train() -> None:
     from trainer.cli import train
 
@@ -439,6 +452,7 @@ _mount_stack()
 _mount_feed()
 _mount_train()
 _mount_reproduce()
+_mount_chaos()
 
 
 def main() -> None:

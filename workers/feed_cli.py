@@ -27,13 +27,16 @@ def _fail(message: str) -> typer.Exit:
 
 
 def _feed(run_id: str) -> TrainerFeed:
-    from config.paths import rollouts_home
-    from store.runstore import RunStore
+    from errors import ConfigError
+    from store import open_store
     from trainer.feed import TrainerFeed
 
-    store = RunStore(rollouts_home())
+    try:
+        store = open_store()
+    except ConfigError as e:
+        raise _fail(str(e)) from None
     if store.get_run(run_id) is None:
-        raise _fail(f"no run {run_id!r} in the store at {store.root}")
+        raise _fail(f"no run {run_id!r} in the store at {store.location}")
     return TrainerFeed(store, run_id)
 
 

@@ -314,7 +314,7 @@ def _status(t: Target) -> str:
 
 def _in_store(store: RunStore, run_id: str) -> None:
     if store.get_run(run_id) is None:
-        raise OpsError(f"run {run_id} is not in the run store at {store.root} (set ROLLOUTS_HOME?)")
+        raise OpsError(f"run {run_id} is not in the run store at {store.location} (set ROLLOUTS_STORE?)")
 
 
 def _need(t: Target, kind: str, running_only: bool = True) -> None:

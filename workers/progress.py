@@ -110,11 +110,9 @@ def run_totals(store: RunStore, run_id: str) -> dict[str, Totals]:
 def print_summary(p: RunProgress) -> None:
     """Print the summary, with reward figures and the time decomposition when this machine's store holds
     the run."""
-    from config.paths import rollouts_home
-    from store.runstore import RunStore
+    from store import open_store, store_exists
 
-    home = rollouts_home()
-    store = RunStore(home) if (home / "store.sqlite").exists() else None
+    store = open_store() if store_exists() else None
     Console().print(summary_table(p, store.groups(p.run_id) if store else None))
     totals = run_totals(store, p.run_id) if store else {}
     if totals:
@@ -137,11 +135,9 @@ async def show_status(client: Client, run_id: str) -> None:
 
 def _print_dispatch(run_id: str, last: int = 5) -> None:
     """The dispatcher's latest decisions (adaptive admission), when this machine's store holds the run."""
-    from config.paths import rollouts_home
-    from store.runstore import RunStore
+    from store import open_store, store_exists
 
-    home = rollouts_home()
-    log = RunStore(home).dispatch_log(run_id)[-last:] if (home / "store.sqlite").exists() else []
+    log = open_store().dispatch_log(run_id)[-last:] if store_exists() else []
     for e in log:
         usage = "-" if e["kv_usage"] is None else f"{e['kv_usage']:.2f}"
         pool = e.get("pool")

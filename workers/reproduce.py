@@ -20,7 +20,6 @@ import asyncio
 import json
 import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -107,7 +106,7 @@ def reproduce(
     where = f"run {run_id}, rollout {rollout_id}"
     run = store.get_run(run_id)
     if run is None:
-        raise ReproduceError(f"run {run_id}: not in the store at {store.root}")
+        raise ReproduceError(f"run {run_id}: not in the store at {store.location}")
     row = store.rollout(rollout_id)
     if row is None or row["run_id"] != run_id:
         raise ReproduceError(f"{where}: no such rollout record")
@@ -260,16 +259,15 @@ def reproduce_command(
 ) -> None:
     """Re-run a recorded rollout's first model call from the stored config, prompt and seed; compare the
     token ids and the lineage. Exit 0 when reproduced, 1 when tokens or lineage differ, 2 on bad input."""
-    from config.paths import rollouts_home
-    from store.runstore import RunStore
+    from errors import ConfigError
+    from store import open_store, store_exists, store_url
 
-    home = rollouts_home()
-    if not (home / "store.sqlite").exists():
-        typer.echo(f"error: no run store at {home} (set ROLLOUTS_HOME)", err=True)
+    if not store_exists():
+        typer.echo(f"error: no run store at {store_url()} (set ROLLOUTS_STORE or ROLLOUTS_HOME)", err=True)
         raise typer.Exit(2)
     try:
-        rep = reproduce(RunStore(Path(home)), run_id, rollout_id, engine)
-    except ReproduceError as e:
+        rep = reproduce(open_store(), run_id, rollout_id, engine)
+    except (ReproduceError, ConfigError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
     typer.echo(as_json(rep) if as_json_ else rep.line())

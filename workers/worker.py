@@ -22,14 +22,13 @@ from activities.dispatch import DispatchActivities
 from activities.environment import EnvironmentActivities
 from activities.rollout import RolloutActivities
 from activities.sandbox import SandboxActivities
-from config.paths import rollouts_home
 from contracts.client import connect
 from engines.client import EngineClient
 from metrics.serve import ActivitiesInFlight, serve_metrics, temporal_runtime
 from sandboxes import AsyncSandboxBackend, DockerBackend, SandboxError
 from sandboxes.pool import SandboxPool
 from sandboxes.reaper import reap_forever
-from store.runstore import RunStore
+from store import RunStore, open_store
 from workflows.group import GroupWorkflow
 from workflows.rollout import RolloutWorkflow
 from workflows.run import RunWorkflow
@@ -56,7 +55,7 @@ def build_worker(
     workflow task, at the price of the sandbox's guard against non-deterministic calls (the replay check
     of history still applies). The workflows here import nothing non-deterministic; the default keeps it.
     """
-    pool = SandboxPool(store.root / "pool.sqlite")
+    pool = SandboxPool(store)  # the pool state lives in the store, shared by its workers on any host
     sandbox_acts = SandboxActivities(store, sandboxes, pool)
     env_acts = EnvironmentActivities(store, engine, sandbox_acts)
     rollout_acts = RolloutActivities(store, engine, env_acts)
@@ -79,21 +78,24 @@ async def serve(
     task_queue: str,
     namespace: str = "default",
     home: Path | None = None,
+    store_url: str | None = None,
     sandboxed: bool = True,
     metrics_port: int | None = None,
     sdk_metrics_port: int | None = None,
+    metrics_host: str = "127.0.0.1",
 ) -> None:
-    """Run a worker until SIGTERM/SIGINT; serve metrics on the ports given (None: not served)."""
-    client = await connect(address, namespace, runtime=temporal_runtime(sdk_metrics_port))
-    store = RunStore(home or rollouts_home())
+    """Run a worker until SIGTERM/SIGINT; serve metrics on ``metrics_host`` at the ports given (None: not
+    served). Bind ``0.0.0.0`` only where a scraper on another host (a compose network) must reach them."""
+    client = await connect(address, namespace, runtime=temporal_runtime(sdk_metrics_port, metrics_host))
+    store = open_store(store_url, home=home)
     engine = EngineClient()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    reaper = _start_reaper(client, SandboxPool(store.root / "pool.sqlite"))
+    reaper = _start_reaper(client, SandboxPool(store))
     try:
-        with serve_metrics(metrics_port) as port:
+        with serve_metrics(metrics_port, metrics_host) as port:
             async with build_worker(client, task_queue, store, engine, sandboxed=sandboxed):
                 served = f", metrics on :{port}" if port is not None else ""
                 print(f"worker polling {task_queue!r} on {address}{served}", flush=True)
@@ -119,6 +121,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--task-queue", default="rollouts")
     parser.add_argument("--namespace", default="default")
     parser.add_argument(
+        "--store",
+        default=None,
+        help="run store URL (postgresql://..., sqlite:///dir or a directory; default $ROLLOUTS_STORE, "
+        "else $ROLLOUTS_HOME)",
+    )
+    parser.add_argument(
         "--unsandboxed",
         action="store_true",
         help="run workflow code without the SDK's sandbox (less CPU per workflow task; see build_worker)",
@@ -135,6 +143,12 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="serve the Temporal SDK's metrics on 127.0.0.1:PORT (default: --metrics-port + 1 if set)",
     )
+    parser.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        help="address the metrics ports bind (default 127.0.0.1; 0.0.0.0 in a container scraped over a "
+        "network)",
+    )
     args = parser.parse_args(argv)
     sdk_port = args.sdk_metrics_port
     if sdk_port is None and args.metrics_port:  # 0 (a free port) has no neighbour to name
@@ -144,9 +158,11 @@ def main(argv: list[str] | None = None) -> None:
             args.address,
             args.task_queue,
             args.namespace,
+            store_url=args.store,
             sandboxed=not args.unsandboxed,
             metrics_port=args.metrics_port,
             sdk_metrics_port=sdk_port,
+            metrics_host=args.metrics_host,
         )
     )
 

@@ -21,7 +21,7 @@ from engines.client import EngineClient
 from records.export import export_run, iter_run
 from records.models import RECORDS, committed_schema
 from sandboxes import DockerBackend
-from store.runstore import RunStore
+from store import RunStore, open_store
 from workers.worker import build_worker
 from workflows.run import RunWorkflow
 
@@ -46,16 +46,18 @@ def make_config(engine_urls: list[str], task_queue: str, **sections: dict[str, A
 
 @asynccontextmanager
 async def worker(
-    client: Client, task_queue: str, home: Path, sandboxed: bool = True
+    client: Client, task_queue: str, home: Path, sandboxed: bool = True, store: str | None = None
 ) -> AsyncIterator[RunStore]:
-    """An in-process worker with its own store; yields the store."""
-    store = RunStore(home)
+    """An in-process worker with its own store (``store``: a store URL, e.g. the ``store_url`` fixture's;
+    default: the embedded store in ``home``); yields the store."""
+    opened = open_store(store or home)
     engine = EngineClient()
     try:
-        async with build_worker(client, task_queue, store, engine, sandboxed=sandboxed):
-            yield store
+        async with build_worker(client, task_queue, opened, engine, sandboxed=sandboxed):
+            yield opened
     finally:
         await engine.aclose()
+        opened.close()
 
 
 async def start_run(client: Client, cfg: Config, run_id: str):

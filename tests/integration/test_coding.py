@@ -221,7 +221,7 @@ async def test_terminated_rollout_gets_a_failed_record_and_the_reaper_removes_it
         await client.get_workflow_handle(rid).terminate(reason="test")
         await handle.result()
         assert len(docker.list_containers(run_id)) == 1  # terminated code cannot clean up after itself
-        pool = SandboxPool(store.root / "pool.sqlite")
+        pool = SandboxPool(store)
         assert rid in pool.holders()  # nor give back its pool slot
         removed = await reap_orphans(client, AsyncSandboxBackend(docker), run_id, min_age_s=0, pool=pool)
         assert rid not in pool.holders()

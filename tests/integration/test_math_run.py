@@ -40,15 +40,17 @@ def assert_consistent(rec: dict) -> None:
 
 @pytest.mark.timeout(600)
 async def test_math_run_8x4_gives_complete_provenance_records(
-    client: Client, engine: Engine, task_queue: str, tmp_path: Path
+    client: Client, engine: Engine, task_queue: str, tmp_path: Path, store_url: str
 ) -> None:
+    """On each store backend (``store_url``: SQLite, PostgreSQL)."""
     cfg = make_config([engine.url], task_queue, run={"num_groups": 8, "group_size": 4})
-    async with worker(client, task_queue, tmp_path) as store:
-        result = await run_to_end(client, cfg, "math-8x4")
+    run_id = "math-8x4-pg" if store_url.startswith("postgresql") else "math-8x4"
+    async with worker(client, task_queue, tmp_path, store=store_url) as store:
+        result = await run_to_end(client, cfg, run_id)
     assert result.done and result.groups_done == 8 and sum(result.outcomes.values()) == 32
-    rollouts, groups = export(store, "math-8x4")
+    rollouts, groups = export(store, run_id)
     assert len(rollouts) == 32 and len(groups) == 8
-    assert_schema_valid(export_lines(store, "math-8x4"))  # every line matches records/schema/*.json
+    assert_schema_valid(export_lines(store, run_id))  # every line matches records/schema/*.json
     assert len({r["rollout_id"] for r in rollouts}) == 32
     tok = AutoTokenizer.from_pretrained(str(MODEL_DIR))
     tasks = {t["id"]: t for t in map(json.loads, Path(cfg.run.task_file).read_text().splitlines())}

@@ -1,20 +1,23 @@
-"""The sandbox pool's slots: scale-up latency, the limit, idempotent holding, shared state."""
+"""The sandbox pool's slots, in the run store on both backends: scale-up latency, the limit, idempotent
+holding, state shared by every worker of the store, and no over-admission under contention."""
 
 from __future__ import annotations
 
-from pathlib import Path
+import random
+import threading
 
 import pytest
 
 from sandboxes.pool import SandboxPool, SandboxPoolConfig, SandboxSlotPending
+from store import RunStore, open_store
 
 CFG = SandboxPoolConfig(initial_size=2, max_size=3, scale_up_latency_s=10.0)
 
 
 def test_slots_beyond_the_ready_ones_start_after_the_latency_and_never_beyond_the_limit(
-    tmp_path: Path,
+    any_store: RunStore,
 ) -> None:
-    pool = SandboxPool(tmp_path / "pool.sqlite")
+    pool = SandboxPool(any_store)
     pool.acquire("a", CFG, now=0.0)
     pool.acquire("b", CFG, now=0.0)
     with pytest.raises(SandboxSlotPending) as e:
@@ -33,8 +36,8 @@ def test_slots_beyond_the_ready_ones_start_after_the_latency_and_never_beyond_th
     assert sorted(pool.holders()) == ["b", "c", "d"]
 
 
-def test_a_retried_acquire_holds_one_slot_and_a_waiter_asks_for_one_slot(tmp_path: Path) -> None:
-    pool = SandboxPool(tmp_path / "pool.sqlite")
+def test_a_retried_acquire_holds_one_slot_and_a_waiter_asks_for_one_slot(any_store: RunStore) -> None:
+    pool = SandboxPool(any_store)
     cfg = SandboxPoolConfig(initial_size=1, max_size=10, scale_up_latency_s=5.0)
     pool.acquire("a", cfg, now=0.0)
     pool.acquire("a", cfg, now=0.1)
@@ -47,11 +50,61 @@ def test_a_retried_acquire_holds_one_slot_and_a_waiter_asks_for_one_slot(tmp_pat
     assert pool.status(cfg, now=0.3).waiting == 0
 
 
-def test_two_pool_objects_on_one_file_share_the_slots(tmp_path: Path) -> None:
-    one, two = SandboxPool(tmp_path / "p.sqlite"), SandboxPool(tmp_path / "p.sqlite")
+def test_two_stores_on_one_url_share_the_slots(store_url: str) -> None:
+    one, two = SandboxPool(open_store(store_url)), SandboxPool(open_store(store_url).db)
     cfg = SandboxPoolConfig(initial_size=1, max_size=1, scale_up_latency_s=0.0)
     one.acquire("a", cfg, now=0.0)
     with pytest.raises(SandboxSlotPending):
         two.acquire("b", cfg, now=0.0)
     one.release("a")
     two.acquire("b", cfg, now=0.0)
+
+
+def test_workers_hammering_hold_and_release_never_over_admit(store_url: str) -> None:
+    """Eight workers, each with its own store object and connection (as on separate hosts), hold and
+    release slots as fast as they can while the pool scales up: at every moment the slots handed out
+    stay within the ready ones and the limit, and a key is held by one worker at most."""
+    cfg = SandboxPoolConfig(initial_size=2, max_size=5, scale_up_latency_s=0.005)
+    holding: set[str] = set()
+    lock = threading.Lock()
+    peak = [0]
+    problems: list[str] = []
+    admitted = [0]
+
+    def work(w: int) -> None:
+        pool, rng = SandboxPool(open_store(store_url)), random.Random(w)
+        mine: list[str] = []
+        for i in range(60):
+            if mine and rng.random() < 0.5:
+                key = mine.pop(rng.randrange(len(mine)))
+                with lock:  # leaves our books before the store's, so ours never exceed the store's
+                    holding.discard(key)
+                pool.release(key)
+                continue
+            key = f"w{w}-{i}"
+            try:
+                pool.acquire(key, cfg)
+            except SandboxSlotPending:
+                if rng.random() < 0.5:
+                    pool.release(key)  # gave up waiting
+                continue
+            with lock:
+                holding.add(key)
+                peak[0] = max(peak[0], len(holding))
+                admitted[0] += 1
+                if len(holding) > cfg.max_size:
+                    problems.append(f"{len(holding)} holders > max {cfg.max_size}")
+            mine.append(key)
+            s = pool.status(cfg)
+            if s.in_use > s.ready or s.ready + s.starting > cfg.max_size:
+                problems.append(f"in_use {s.in_use}, ready {s.ready}, starting {s.starting}")
+
+    threads = [threading.Thread(target=work, args=(w,)) for w in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert problems == []
+    final = SandboxPool(open_store(store_url)).status(cfg)
+    assert final.in_use == len(holding) <= final.ready <= cfg.max_size
+    assert peak[0] == cfg.max_size and admitted[0] > 50  # the pool was contended and filled

@@ -1,0 +1,271 @@
+"""The store's connection layer: one SQL dialect for the store's queries, two databases under it.
+
+The store's queries are written once, in the subset SQLite and PostgreSQL share (``?`` placeholders,
+``INSERT ... ON CONFLICT DO NOTHING``, ``RETURNING``); this module runs them on either:
+
+- `SqliteDatabase`: one file (WAL), a connection per thread, write transactions ``BEGIN IMMEDIATE`` (one
+  writer at a time, so a read-modify-write inside one never races another process).
+- `PostgresDatabase`: a server named by URL (psycopg 3), a connection per thread in autocommit mode,
+  write transactions ``READ COMMITTED``; what must not interleave takes a lock (`Tx.lock`: a transaction
+  advisory lock, or a row lock with `Database.for_update`).
+
+Invariants:
+- Schema changes are numbered migrations applied in order, each in the transaction that records its
+  number (SQLite's ``user_version``; PostgreSQL's ``schema_migrations`` table), under a lock and after
+  re-reading the version inside it: two processes opening an old store at once apply each migration once.
+- The DDL is written in SQLite's types; `postgres_ddl` maps them (``REAL`` -> ``DOUBLE PRECISION``,
+  ``BLOB`` -> ``BYTEA``, ``AUTOINCREMENT`` keys -> ``BIGSERIAL``, ``TEXT`` -> ``TEXT COLLATE "C"``, so text
+  sorts bytewise as in SQLite and both backends list records in the same order).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import sqlite3
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from errors import ConfigError
+
+Migration = tuple[int, str]
+
+
+class Tx:
+    """The statements of one transaction (or of one autocommitted statement, outside a transaction)."""
+
+    def __init__(self, conn: Any, dialect: str) -> None:
+        self._conn = conn
+        self.dialect = dialect
+
+    def execute(self, sql: str, args: Sequence[Any] = ()) -> Any:
+        """Run one statement; the cursor's rows index by position and by column name."""
+        return self._conn.execute(_sql(sql, self.dialect), args)
+
+    def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> None:
+        if self.dialect == "sqlite":
+            self._conn.executemany(sql, rows)
+        else:
+            with self._conn.cursor() as cur:
+                cur.executemany(_sql(sql, self.dialect), list(rows))
+
+    def lock(self, name: str) -> None:
+        """Hold ``name`` until this transaction ends (PostgreSQL advisory lock; SQLite's write transaction
+        is exclusive already)."""
+        if self.dialect == "postgresql":
+            self._conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (name,))
+
+
+@lru_cache(maxsize=1024)
+def _sql(sql: str, dialect: str) -> str:
+    return sql if dialect == "sqlite" else sql.replace("%", "%%").replace("?", "%s")
+
+
+def postgres_ddl(ddl: str) -> str:
+    """SQLite DDL in PostgreSQL's types (see the module docstring)."""
+    ddl = ddl.replace("INTEGER PRIMARY KEY AUTOINCREMENT", "BIGSERIAL PRIMARY KEY")
+    ddl = re.sub(r"\bREAL\b", "DOUBLE PRECISION", ddl)
+    ddl = re.sub(r"\bBLOB\b", "BYTEA", ddl)
+    return re.sub(r"\bTEXT\b", 'TEXT COLLATE "C"', ddl)
+
+
+class Database(ABC):
+    """Connections to one store database, one per thread; safe to share between threads."""
+
+    dialect: str
+    for_update: str
+    """Suffix of a SELECT that locks the rows it reads until the transaction ends ('' where the write
+    transaction is exclusive anyway)."""
+    location: str
+    """Where the database is, for messages (a path, or a URL without its password)."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+        self._all: list[Any] = []
+        self._all_lock = threading.Lock()
+
+    @abstractmethod
+    def _connect(self) -> Any: ...
+
+    def _conn(self) -> Any:
+        conn = getattr(self._local, "conn", None)
+        if conn is None or getattr(conn, "closed", False) or getattr(conn, "broken", False):
+            conn = self._connect()
+            self._local.conn = conn
+            with self._all_lock:
+                self._all.append(conn)
+        return conn
+
+    def execute(self, sql: str, args: Sequence[Any] = ()) -> Any:
+        """One statement outside any transaction (a read, or a write that needs no other)."""
+        return Tx(self._conn(), self.dialect).execute(sql, args)
+
+    @abstractmethod
+    def tx(self) -> Any:
+        """A write transaction (a context manager yielding a `Tx`): committed at its end, rolled back on
+        an error."""
+
+    @abstractmethod
+    def schema_version(self) -> int: ...
+
+    @abstractmethod
+    def migrate(self, base: str, migrations: list[Migration]) -> None:
+        """Create the base schema if absent and apply the migrations the database has not had yet."""
+
+    def close(self) -> None:
+        """Close every connection this object opened (threads reconnect if they use it again)."""
+        with self._all_lock:
+            conns, self._all = self._all, []
+        for conn in conns:
+            with contextlib.suppress(Exception):  # one another thread broke is closed already
+                conn.close()
+        self._local = threading.local()
+
+
+class SqliteDatabase(Database):
+    """A SQLite file in WAL mode."""
+
+    dialect = "sqlite"
+    for_update = ""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__()
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.location = str(self.path.parent)
+
+    def _connect(self) -> sqlite3.Connection:
+        conn = sqlite3.connect(self.path, timeout=30, isolation_level=None, check_same_thread=False)
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=NORMAL")
+        conn.row_factory = sqlite3.Row
+        return conn
+
+    @contextmanager
+    def tx(self) -> Iterator[Tx]:
+        conn = self._conn()
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield Tx(conn, self.dialect)
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        conn.execute("COMMIT")
+
+    def schema_version(self) -> int:
+        return int(self._conn().execute("PRAGMA user_version").fetchone()[0])
+
+    def migrate(self, base: str, migrations: list[Migration]) -> None:
+        conn = self._conn()
+        conn.executescript(base)
+        if self.schema_version() >= migrations[-1][0]:
+            return
+        with self.tx():  # re-read under the write lock: another process may have migrated meanwhile
+            current = self.schema_version()
+            for version, ddl in migrations:
+                if current < version:
+                    for stmt in _statements(ddl):
+                        conn.execute(stmt)
+                    conn.execute(f"PRAGMA user_version={int(version)}")
+
+
+def _statements(ddl: str) -> list[str]:
+    return [s.strip() for s in ddl.split(";") if s.strip()]
+
+
+class _Row(tuple[Any, ...]):
+    """A PostgreSQL row read like `sqlite3.Row`: by position, by column name, and as ``dict(row)``."""
+
+    _index: dict[str, int]
+
+    def __new__(cls, values: Sequence[Any], index: dict[str, int]) -> _Row:
+        row = super().__new__(cls, values)
+        row._index = index
+        return row
+
+    def __getitem__(self, key: Any) -> Any:
+        if isinstance(key, str):
+            return tuple.__getitem__(self, self._index[key])
+        return tuple.__getitem__(self, key)
+
+    def keys(self) -> list[str]:
+        return list(self._index)
+
+
+def _row_factory(cursor: Any) -> Any:
+    index = {c.name: i for i, c in enumerate(cursor.description or [])}
+    return lambda values: _Row(values, index)
+
+
+class PostgresDatabase(Database):
+    """A PostgreSQL database named by a ``postgresql://`` URL (psycopg 3)."""
+
+    dialect = "postgresql"
+    for_update = " FOR UPDATE"
+
+    def __init__(self, url: str) -> None:
+        super().__init__()
+        self.url = url
+        self.location = redact(url)
+
+    def _connect(self) -> Any:
+        import psycopg
+
+        try:
+            conn = psycopg.connect(self.url, autocommit=True, connect_timeout=10)
+        except psycopg.OperationalError as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ConfigError(f"store {self.location}: cannot connect: {first}") from None
+        conn.row_factory = _row_factory
+        return conn
+
+    @contextmanager
+    def tx(self) -> Iterator[Tx]:
+        conn = self._conn()
+        with conn.transaction():
+            yield Tx(conn, self.dialect)
+
+    def schema_version(self) -> int:
+        conn = self._conn()
+        if conn.execute("SELECT to_regclass('schema_migrations')").fetchone()[0] is None:
+            return 0
+        return int(conn.execute("SELECT COALESCE(MAX(version), 0) FROM schema_migrations").fetchone()[0])
+
+    def migrate(self, base: str, migrations: list[Migration]) -> None:
+        if self.schema_version() >= migrations[-1][0]:
+            return
+        with self.tx() as tx:
+            tx.lock("durable-rollouts schema")  # one process creates and migrates; the others wait
+            conn = self._conn()
+            conn.execute(postgres_ddl(base))
+            conn.execute(
+                "CREATE TABLE IF NOT EXISTS schema_migrations"
+                " (version INTEGER PRIMARY KEY, applied_at DOUBLE PRECISION NOT NULL)"
+            )
+            current = int(
+                conn.execute("SELECT COALESCE(MAX(version), 0) FROM schema_migrations").fetchone()[0]
+            )
+            for version, ddl in migrations:
+                if current < version:
+                    conn.execute(postgres_ddl(ddl))
+                    conn.execute(
+                        "INSERT INTO schema_migrations (version, applied_at) VALUES (%s, %s)",
+                        (version, time.time()),
+                    )
+
+
+def redact(url: str) -> str:
+    """A URL without its password (for messages and logs)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    netloc = f"{parts.username}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
