@@ -7,6 +7,9 @@
 #     own, by pid, scraping an in-process worker).
 #   - docker-compose: Debian's docker-compose is installed if missing; the project's image
 #     durable-rollouts:local is built offline (tests/integration/test_compose.py runs the local stack).
+#   - PostgreSQL: Debian's postgresql is installed if initdb is missing (Debian keeps it under
+#     /usr/lib/postgresql/<major>/bin, not on PATH); the tests start their own cluster in a temporary
+#     directory, by pid (tests/postgres.py), unless ROLLOUTS_TEST_POSTGRES names a server.
 # Temporal and vLLM are started by the test fixtures themselves (tests/conftest.py), by pid.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -20,6 +23,16 @@ if ! command -v dockerd >/dev/null || ! command -v debootstrap >/dev/null || ! c
     apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q docker.io debootstrap prometheus docker-compose >/dev/null
   else
     echo "docker.io, debootstrap, prometheus or docker-compose is missing; install them (apt-get install docker.io debootstrap prometheus docker-compose) as root" >&2
+  fi
+fi
+
+# The store's tests and the math run run on both store backends; under CI a missing PostgreSQL fails them.
+if [ -z "${ROLLOUTS_TEST_POSTGRES:-}" ] && ! command -v initdb >/dev/null \
+    && ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ]; then
+    apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q postgresql >/dev/null
+  else
+    echo "PostgreSQL is missing; install it (apt-get install postgresql) as root, or set ROLLOUTS_TEST_POSTGRES" >&2
   fi
 fi
 
