@@ -373,8 +373,9 @@ class RolloutActivities:
 
     @options(Options(timedelta(seconds=60), RECORD_RETRY))
     @activity.defn
-    async def finish_run(self, run_id: str) -> None:
-        await asyncio.to_thread(self.store.finish_run, run_id)
+    async def finish_run(self, run_id: str, status: str = "finished") -> None:
+        """Mark the run ended in the store (``finished``, or ``cancelled`` for a run cancelled as a whole)."""
+        await asyncio.to_thread(self.store.finish_run, run_id, status)
 
     def all(self) -> list:
         """Every activity of this class, for ``Worker(activities=...)``."""

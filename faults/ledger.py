@@ -11,7 +11,13 @@ What it checks, from the run store (and, when given, Temporal and the sandbox ba
 - the group records agree with their members (scorable and failed counts);
 - the trainer feed's books balance;
 - with a sandbox backend and pool: no container and no pool slot of the run is left behind;
-- at least one rollout succeeded (completed with a reward): a chaos run with zero successes has failed.
+- at least one rollout succeeded (completed with a reward): a chaos run with zero successes has failed;
+- with a Temporal client: every GroupWorkflow of the run has a group record.
+
+A run cancelled as a whole (store status ``cancelled``) is held to the same rules for the groups it
+started (those with a group record or member records: each closed with its full size, every slot one
+final record); groups it never started have no records and are no
+violation, and it need not have a success (it may have been cancelled before any rollout ended).
 
 Invariant: the check only reads. It never raises on a violation; it returns them (``Violation.line``).
 """
@@ -75,6 +81,7 @@ def check_store(store: RunStore, run_id: str) -> LedgerReport:
         return LedgerReport(run_id, 0, 0, 0, [Violation("missing-run", f"run {run_id} is not in the store")])
     cfg = json.loads(run["config_json"])
     num_groups, size = int(cfg["run"]["num_groups"]), int(cfg["run"]["group_size"])
+    cancelled = run.get("status") == "cancelled"
     rows = store.rollouts(run_id)
     groups = {g["group_id"]: g for g in store.groups(run_id)}
     out: list[Violation] = []
@@ -84,6 +91,8 @@ def check_store(store: RunStore, run_id: str) -> LedgerReport:
     for i in range(num_groups):
         gid = f"g{i:06d}"
         g = groups.get(gid)
+        if cancelled and g is None and gid not in by_group:
+            continue  # never started: the run was cancelled first
         if g is None:
             out.append(Violation("missing-group", f"group {gid} has no record"))
         elif g["size"] != size:
@@ -102,7 +111,7 @@ def check_store(store: RunStore, run_id: str) -> LedgerReport:
             Violation("feed-books", f"generated {ledger.generated} != consumed+discarded+waiting {total}")
         )
     successes = sum(1 for r in rows if r["outcome"] == "completed" and r["reward"] is not None)
-    if rows and successes == 0:
+    if rows and successes == 0 and not cancelled:
         out.append(Violation("no-success", "not one rollout completed with a reward"))
     return LedgerReport(run_id, len(rows), len(groups), successes, out)
 
@@ -172,6 +181,11 @@ async def check_temporal(client: Any, store: RunStore, run_id: str) -> list[Viol
     async for wf in client.list_workflows(query):
         if store.rollout(wf.id) is None:
             out.append(Violation("missing-record", f"workflow {wf.id} ({wf.status.name}) has no record"))
+    query = f'RolloutRun = "{run_id}" AND WorkflowType = "GroupWorkflow"'
+    async for wf in client.list_workflows(query):
+        gid = wf.id.rsplit("/", 1)[-1]
+        if store.group(run_id, gid) is None:
+            out.append(Violation("missing-group", f"workflow {wf.id} ({wf.status.name}) has no group record"))
     return out
 
 

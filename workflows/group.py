@@ -14,6 +14,9 @@ Invariants:
   ``manual-retry`` (its record says so) and, once it ended cancelled, its slot runs again under the next
   attempt id, as for admission; a member that ended otherwise before the cancel reached it keeps its
   outcome and the slot is not run again (no slot ever has two scorable members).
+- A cancelled run tells its groups ``cancel_all``: every running member is cancelled (reason
+  ``run-cancelled``, its record says so), a member not started yet is recorded cancelled without running,
+  no slot runs again, and the group closes with its full size as always.
 """
 
 from __future__ import annotations
@@ -74,6 +77,8 @@ MAX_REDISPATCH = 3
 
 RETRY_REASON = "manual-retry"
 """Cancel reason of a member an operator retried (``rollouts retry``)."""
+RUN_CANCEL_REASON = "run-cancelled"
+"""Cancel reason of the members of a run cancelled as a whole (``rollouts cancel RUN``)."""
 
 
 def slot_of(member_id: str) -> tuple[int, int]:
@@ -121,6 +126,8 @@ class GroupWorkflow:
         self._told: set[str] = set()
         self._retry: set[str] = set()
         """Members an operator asked to run again (``retry``)."""
+        self._cancelled: str | None = None
+        """Set by ``cancel_all``: the reason every member ends cancelled with."""
 
     @workflow.query
     def progress(self) -> dict:
@@ -150,6 +157,23 @@ class GroupWorkflow:
         except Exception as e:  # it ended in the meantime: its outcome stands
             workflow.logger.info("retry %s: %s", rollout_id, e)
 
+    @workflow.signal
+    async def cancel_all(self, reason: str) -> None:
+        """The run was cancelled: cancel every running member with ``reason``; members not started yet are
+        recorded cancelled without running, and no slot runs again. Idempotent."""
+        if self._cancelled is not None:
+            return
+        self._cancelled = reason[:200]
+        for rid, handle in list(self._running.items()):
+            await self._tell_cancel(rid, handle)
+
+    async def _tell_cancel(self, rid: str, handle: workflow.ChildWorkflowHandle) -> None:
+        assert self._cancelled is not None
+        try:
+            await handle.signal(RolloutWorkflow.cancel_for, self._cancelled)
+        except Exception as e:  # it ended in the meantime: its outcome stands
+            workflow.logger.info("cancel %s: %s", rid, e)
+
     @workflow.run
     async def run(self, inp: GroupInput) -> GroupResult:
         self._size = inp.size
@@ -176,6 +200,9 @@ class GroupWorkflow:
         attempt = redispatched = 0
         while True:
             m = member_input(inp, i, attempt)
+            if self._cancelled is not None:  # the run was cancelled before this member started
+                attempts.append(await self._record_unrun(m, Outcome.CANCELLED, self._cancelled))
+                break
             attrs: list[SearchAttributePair] = [
                 SearchAttributePair(sa.RUN, inp.run_id),
                 SearchAttributePair(sa.GROUP, inp.group_id),
@@ -192,6 +219,8 @@ class GroupWorkflow:
                 search_attributes=TypedSearchAttributes(attrs),
             )
             self._running[m.rollout_id] = handle
+            if self._cancelled is not None:  # cancel_all arrived while it was being started
+                await self._tell_cancel(m.rollout_id, handle)
             try:
                 result = await handle
             except ChildWorkflowError as e:
@@ -199,6 +228,8 @@ class GroupWorkflow:
             finally:
                 del self._running[m.rollout_id]
             attempts.append(result)
+            if self._cancelled is not None:
+                break
             cancelled = result.outcome == Outcome.CANCELLED
             if cancelled and m.rollout_id in self._retry:
                 attempt += 1
@@ -214,6 +245,10 @@ class GroupWorkflow:
     async def _record_dead_member(self, m: RolloutInput, e: ChildWorkflowError) -> RolloutResult:
         """A member whose workflow died (terminated, timed out) is failed (infra) and still recorded."""
         reason = f"infra: child workflow {type(e.cause).__name__}: {e.cause}"[:500]
+        return await self._record_unrun(m, Outcome.FAILED, reason)
+
+    async def _record_unrun(self, m: RolloutInput, outcome: Outcome, reason: str) -> RolloutResult:
+        """Record a member that cannot record itself (its workflow died, or never ran): not scorable."""
         await call(
             RolloutActivities.finalize_rollout,
             FinalizeRolloutInput(
@@ -223,7 +258,7 @@ class GroupWorkflow:
                 task_id=m.task_id,
                 sample_index=m.sample_index,
                 env=m.env.name,
-                outcome=Outcome.FAILED,
+                outcome=outcome,
                 reason=reason,
                 reward=None,
                 scorable=False,
@@ -232,5 +267,5 @@ class GroupWorkflow:
             ),
         )
         return RolloutResult(
-            rollout_id=m.rollout_id, sample_index=m.sample_index, outcome=Outcome.FAILED, reason=reason
+            rollout_id=m.rollout_id, sample_index=m.sample_index, outcome=outcome, reason=reason
         )

@@ -22,10 +22,17 @@ Invariants:
   run ``group_terminated``, and the run accounts for it itself (its unrecorded members recorded as failed
   infra, its record written from the store, counted with its full size), as if it had reported. The CLI
   step is idempotent, so a group terminated from the web UI is accounted by running it afterwards.
+- A run cancelled as a whole (``rollouts cancel RUN``, or its handle's ``cancel``) starts no more groups,
+  tells each in-flight group ``cancel_all`` (every running member ends cancelled, reason ``run-cancelled``,
+  with its record; sandboxes are destroyed as at any rollout's end) and waits for each to report, accounts
+  itself for a group it cannot tell (as for a terminated one, its members recorded cancelled), marks the run
+  ``cancelled`` in the store and ends cancelled. Groups never started have no record: the ledger checks a
+  cancelled run's started groups only, and does not ask it for a success.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 
 from temporalio import workflow
@@ -76,7 +83,7 @@ with workflow.unsafe.imports_passed_through():
         replica_load,
         spend_bucket,
     )
-    from workflows.group import GroupWorkflow, close_group, member_input, slot_of
+    from workflows.group import RUN_CANCEL_REASON, GroupWorkflow, close_group, member_input, slot_of
 
 
 def rollout_template(cfg: Config, run_id: str, env: EnvTraits) -> RolloutInput:
@@ -116,6 +123,9 @@ def rollout_template(cfg: Config, run_id: str, env: EnvTraits) -> RolloutInput:
 FINAL_DECISION_PATCH = "final-dispatch-decision"
 """Runs started from 0.2.0 on step the controller once more after the last group and log it (histories of
 0.2.0 replay the old path)."""
+
+RUN_CANCEL_PATCH = "run-cancel"
+"""A cancelled run cancels its groups and waits for them (runs of 0.2.0 just ended, abandoning them)."""
 
 TASK_ID_BATCH = 32
 """Task ids the run looks up at once (one local activity per this many groups, off the critical path)."""
@@ -161,6 +171,12 @@ class RunWorkflow:
         """A group was terminated by hand: record its running members as failed (infra: terminated),
         write its record from what the store holds (the one it wrote itself, if it got that far) and
         count it as done. A group that already reported, or is being accounted for, is ignored."""
+        reason = f"{FailureKind.INFRA.value}: WorkflowTerminated: group terminated ({inp.reason})"[:500]
+        await self._account_for(inp, Outcome.FAILED, reason)
+
+    async def _account_for(self, inp: TerminatedGroupInput, outcome: Outcome, reason: str) -> None:
+        """Close a group that cannot report itself: its unrecorded members recorded with ``outcome`` and
+        ``reason``, its record written from the store, then counted as if it had reported."""
         st, cfg = self._state, self._cfg
         slot = st.slots.get(inp.group_id)
         if slot is None or inp.group_id in self._accounting or st.env is None:
@@ -185,7 +201,6 @@ class RunWorkflow:
             slots_seen = {r.sample_index for r in attempts} | {slot_of(m)[0] for m in inp.members}
             dead = [m for m in inp.members if m not in recorded]
             dead += [f"{self._run_id}/{inp.group_id}/{i}" for i in range(slot.size) if i not in slots_seen]
-            reason = f"{FailureKind.INFRA.value}: WorkflowTerminated: group terminated ({inp.reason})"[:500]
             for rid in dead:
                 i, attempt = slot_of(rid)
                 m = member_input(ginp, i, attempt)
@@ -193,7 +208,7 @@ class RunWorkflow:
                     RolloutActivities.finalize_rollout,
                     FinalizeRolloutInput(
                         run_id=m.run_id, group_id=m.group_id, rollout_id=m.rollout_id, task_id=m.task_id,
-                        sample_index=i, env=m.env.name, outcome=Outcome.FAILED, reason=reason, reward=None,
+                        sample_index=i, env=m.env.name, outcome=outcome, reason=reason, reward=None,
                         scorable=False, sampling=m.sampling, turns=0,
                     ),
                 )  # fmt: skip
@@ -236,6 +251,31 @@ class RunWorkflow:
 
     @workflow.run
     async def run(self, inp: RunInput) -> RunProgress:
+        try:
+            return await self._run(inp)
+        except asyncio.CancelledError:
+            if not workflow.patched(RUN_CANCEL_PATCH):
+                raise
+            await self._cancel_groups(inp)
+            raise
+
+    async def _cancel_groups(self, inp: RunInput) -> None:
+        """The run was cancelled: tell every in-flight group to cancel its members and wait until each has
+        reported (one that cannot be told, its start cut short by the cancel or already ended, is accounted
+        for here); then the store marks the run cancelled."""
+        st = self._state
+        for gid in sorted(st.slots):
+            group = workflow.get_external_workflow_handle_for(GroupWorkflow.run, f"{inp.run_id}/{gid}")
+            try:
+                await group.signal(GroupWorkflow.cancel_all, RUN_CANCEL_REASON)
+            except Exception as e:
+                workflow.logger.info("run %s: group %s not told to cancel (%s)", inp.run_id, gid, e)
+                ask = TerminatedGroupInput(run_id=inp.run_id, group_id=gid, reason=RUN_CANCEL_REASON)
+                await self._account_for(ask, Outcome.CANCELLED, RUN_CANCEL_REASON)
+        await workflow.wait_condition(lambda: not st.slots)
+        await call(RolloutActivities.finish_run, inp.run_id, "cancelled")
+
+    async def _run(self, inp: RunInput) -> RunProgress:
         st, cfg = self._state, self._cfg  # one state object, shared with the signal handler
         if st.env is None:
             loaded = await call(
