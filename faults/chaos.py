@@ -11,7 +11,8 @@ Kinds (``KINDS``):
 - ``worker_restart``: a graceful stop (SIGTERM) and a start;
 - ``container_kill``, ``container_pause`` (for the duration), ``container_oom``: one running sandbox of
   the runs, drawn by the schedule's seed (``faults.containers``);
-- ``sandbox_create``: the runs' sandbox image untagged for the duration: every create fails meanwhile;
+- ``sandbox_create``: the runs' sandbox image untagged for the duration: every create fails meanwhile
+  (the shared default image only when named explicitly: every run on the daemon would feel it);
 - ``publish``: a new policy version published to the engines of the latest one, rollouts in flight.
 
 Components are found by the pid files of the stack home (``<home>/pids/<name>.pid``); the store is the
@@ -37,11 +38,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import docker.errors
 import httpx
 
 from faults import containers, process
 from faults.ledger import LedgerReport, check_run
 from faults.schedule import Planned
+from sandboxes.base import DEFAULT_IMAGE
 
 PROCESS_KINDS = {
     "worker_kill": ("worker", "kill"),
@@ -212,6 +215,15 @@ class Chaos:
             return
         c = self._rng.choice(running)
         target = f"container {c.name} (rollout {containers.rollout_of(c)})"
+        try:
+            await self._container_fault(p, c, target)
+        except (docker.errors.NotFound, containers.ContainerFaultError) as e:
+            if await asyncio.to_thread(_running, c):
+                raise
+            # its rollout ended (the sandbox removed) or another fault holds it: this one never landed
+            self._log("skipped", p, target=target, why=f"the container stopped first ({e})"[:300])
+
+    async def _container_fault(self, p: Planned, c: Any, target: str) -> None:
         if p.kind == "container_kill":
             await asyncio.to_thread(containers.kill, c)
             self._fired(p, target=target)
@@ -231,6 +243,10 @@ class Chaos:
         image = self.image or await asyncio.to_thread(self._run_image)
         if image is None:
             self._log("skipped", p, why="no run with a sandbox image (give --image)")
+            return
+        if image == DEFAULT_IMAGE and self.image is None:
+            why = f"the runs use the shared default image {image}: give it with --image to untag it"
+            self._log("skipped", p, why=why)
             return
         ctx = containers.image_unavailable(image, self._dc())
         hold = await asyncio.to_thread(ctx.__enter__)
@@ -282,8 +298,14 @@ class Chaos:
         return reports
 
 
-def _unpause(c: Any) -> None:
-    import docker.errors
+def _running(c: Any) -> bool:
+    try:
+        c.reload()
+    except docker.errors.NotFound:
+        return False
+    return bool(c.status == "running")
 
+
+def _unpause(c: Any) -> None:
     with contextlib.suppress(docker.errors.NotFound, docker.errors.APIError):
         c.unpause()
