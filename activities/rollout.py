@@ -107,13 +107,20 @@ class RolloutActivities:
     )
     @activity.defn
     async def load_run(self, inp: LoadRunInput) -> LoadRunResult:
-        """Record the run with its resolved config and store its tasks; returns their number and the env."""
+        """Record the run with its resolved config and store its tasks; returns their number and the env.
+
+        Tasks `rollouts run` uploaded into the store at submit are used as they are (a worker on another
+        host needs no access to the submitter's files); otherwise the task file is read here."""
         try:
             traits = env_traits(inp.env)
-            tasks = await asyncio.to_thread(registry.get(inp.env).load_tasks, inp.task_file)
+            uploaded = await asyncio.to_thread(self.store.task_count, inp.run_id)
+            load = registry.get(inp.env).load_tasks
+            tasks = [] if uploaded else await asyncio.to_thread(load, inp.task_file)
         except RolloutError as e:
             raise e.to_application_error() from e
         await asyncio.to_thread(self.store.register_run, inp.run_id, inp.config_json, inp.config_hash)
+        if uploaded:
+            return LoadRunResult(num_tasks=uploaded, env=traits)
         dumped = [t.model_dump(mode="json") for t in tasks]
         return LoadRunResult(
             num_tasks=await asyncio.to_thread(self.store.put_tasks, inp.run_id, dumped), env=traits

@@ -102,6 +102,10 @@ class RunStore(SegmentStore, LogStore):
             )
             return db.execute("SELECT COUNT(*) FROM tasks WHERE run_id=?", (run_id,)).fetchone()[0]
 
+    def task_count(self, run_id: str) -> int:
+        """How many tasks the run has in the store (0 before they are stored)."""
+        return int(self.db.execute("SELECT COUNT(*) FROM tasks WHERE run_id=?", (run_id,)).fetchone()[0])
+
     def get_task(self, run_id: str, task_id: str) -> dict[str, Any]:
         row = self.db.execute(
             "SELECT data_json FROM tasks WHERE run_id=? AND task_id=?", (run_id, task_id)

@@ -87,12 +87,15 @@ def run(
     tasks_path = resolve_repo_path(cfg.run.task_file)
     cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"task_file": str(tasks_path)})})
     try:
-        load_tasks(tasks_path, cfg.run.env)
+        tasks = load_tasks(tasks_path, cfg.run.env)
     except TaskFileError as e:
         raise _fail(str(e)) from None
     rid = run_id or _new_run_id()
     if not RUN_ID_RE.match(rid):
         raise _fail(f"--run-id {rid!r}: use letters, digits, '.', '_' and '-' (at most 128)")
+    # Uploaded before the run starts: its workers read the tasks from the store, not from this host's file
+    # (an existing run keeps the tasks it has).
+    _store().put_tasks(rid, tasks)
     asyncio.run(_submit(cfg, config_hash(cfg), rid, wait))
 
 

@@ -4,6 +4,7 @@ stored packed; versioned migrations; stores of the previous schema still read.""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sqlite3
 import threading
@@ -216,3 +217,35 @@ def test_the_store_url_picks_the_backend(tmp_path: Path, monkeypatch: pytest.Mon
         open_store("postgresql://u:secret@127.0.0.1:1/db")
     assert redact("postgresql://u:secret@h:5/db") == "postgresql://u:***@h:5/db"
     assert PostgresDatabase("postgresql://h/db").location == "postgresql://h/db"
+
+
+def test_tasks_uploaded_at_submit_are_what_a_worker_on_another_host_loads(
+    store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from typer.testing import CliRunner
+
+    import workers.cli as cli
+    from activities.rollout import RolloutActivities
+    from contracts.types import LoadRunInput
+
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(
+        '{"id": "a", "prompt": "1+1=", "answer": "2"}\n{"id": "b", "prompt": "2+2=", "answer": "4"}\n'
+    )
+    submitted: list[str] = []
+
+    async def submit(cfg: object, cfg_hash: str, rid: str, wait: bool) -> None:
+        submitted.append(rid)
+
+    monkeypatch.setattr(cli, "_submit", submit)
+    monkeypatch.setenv("ROLLOUTS_STORE", store_url)
+    result = CliRunner().invoke(cli.app, ["run", "--task-file", str(tasks), "--run-id", "up1"])
+    assert result.exit_code == 0, result.output
+    assert submitted == ["up1"]
+    tasks.unlink()  # the worker's host has no such file
+    store = open_store(store_url)
+    acts = RolloutActivities(store, engine=None)  # type: ignore[arg-type]  # load_run never calls it
+    inp = LoadRunInput(run_id="up1", config_json="{}", config_hash="h", task_file=str(tasks), env="math")
+    loaded = asyncio.run(acts.load_run(inp))
+    assert loaded.num_tasks == 2 and store.task_at("up1", 1)["id"] == "b"
+    assert store.get_run("up1") is not None
