@@ -27,6 +27,15 @@ class TemporalConfig(_Strict):
     """Task queue the workers poll; every workflow and activity of a run uses it."""
 
 
+class StoreConfig(_Strict):
+    """Which run store the submitting command uses (README, "Store backends")."""
+
+    url: str | None = None
+    """``postgresql://user[:password]@host[:port]/db``, ``sqlite:///abs/dir`` or a directory; None:
+    ``$ROLLOUTS_STORE``, else ``$ROLLOUTS_HOME``. Workers take theirs from ``--store`` or the environment.
+    Never part of the run's stored config, its hash or its workflow input (a URL may hold a password)."""
+
+
 class EngineConfig(_Strict):
     urls: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:8000"], min_length=1)
     """Base URLs of the engine replicas (vLLM's OpenAI-compatible server), one per replica."""
@@ -258,6 +267,7 @@ class Config(_Strict):
     sandbox_pool: SandboxPoolConfig = Field(default_factory=SandboxPoolConfig)
     admission: AdmissionSection = Field(default_factory=AdmissionSection)
     stack: StackConfig = Field(default_factory=StackConfig)
+    store: StoreConfig = Field(default_factory=StoreConfig, exclude=True)
 
     @model_validator(mode="after")
     def _check(self) -> Config:

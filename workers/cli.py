@@ -28,14 +28,14 @@ def _fail(msg: str, code: int = 2) -> typer.Exit:
     return typer.Exit(code)
 
 
-def _store() -> RunStore:
-    """The configured run store ($ROLLOUTS_STORE, else $ROLLOUTS_HOME; imported lazily, so the CLI starts
-    fast); a bad URL or a server that does not answer is one line and exit 2."""
+def _store(url: str | None = None) -> RunStore:
+    """The run store ``url`` names, else the configured one ($ROLLOUTS_STORE, else $ROLLOUTS_HOME; imported
+    lazily, so the CLI starts fast); a bad URL or a server that does not answer is one line and exit 2."""
     from errors import ConfigError
     from store import open_store
 
     try:
-        return open_store()
+        return open_store(url)
     except ConfigError as e:
         raise _fail(str(e)) from None
 
@@ -95,7 +95,7 @@ def run(
         raise _fail(f"--run-id {rid!r}: use letters, digits, '.', '_' and '-' (at most 128)")
     # Uploaded before the run starts: its workers read the tasks from the store, not from this host's file
     # (an existing run keeps the tasks it has).
-    _store().put_tasks(rid, tasks)
+    _store(cfg.store.url).put_tasks(rid, tasks)
     asyncio.run(_submit(cfg, config_hash(cfg), rid, wait))
 
 

@@ -220,7 +220,7 @@ def _start(cfg: StackConfig, home: Path, components: Collection[str], started: d
 
 
 def _register_policy(cfg: StackConfig, home: Path, engine_url: str) -> None:
-    """Record the served model as published version ``cfg.policy_version`` in the home's run store.
+    """Record the served model as published version ``cfg.policy_version`` in the worker's run store.
 
     Goes through :func:`engines.policy.publish`, which skips an engine that already serves the version
     unpaused, so it only writes the store (idempotently) and never rolls engines back behind a newer version.
@@ -229,10 +229,10 @@ def _register_policy(cfg: StackConfig, home: Path, engine_url: str) -> None:
         StackError: The version id is already bound to other weights in this home's store.
     """
     from engines.policy import PolicyError, publish
-    from store.runstore import RunStore
+    from store import open_store
 
-    try:
-        publish([engine_url], cfg.policy_version, resolve_repo_path(cfg.model_dir), RunStore(home))
+    try:  # the worker's store: $ROLLOUTS_STORE (inherited by the worker) if set, else the home's
+        publish([engine_url], cfg.policy_version, resolve_repo_path(cfg.model_dir), open_store(home=home))
     except PolicyError as e:
         raise StackError(f"cannot record the served policy: {e}") from None
 

@@ -238,8 +238,17 @@ def test_tasks_uploaded_at_submit_are_what_a_worker_on_another_host_loads(
         submitted.append(rid)
 
     monkeypatch.setattr(cli, "_submit", submit)
-    monkeypatch.setenv("ROLLOUTS_STORE", store_url)
-    result = CliRunner().invoke(cli.app, ["run", "--task-file", str(tasks), "--run-id", "up1"])
+    monkeypatch.setenv("ROLLOUTS_HOME", str(tmp_path / "elsewhere"))
+    argv = [
+        "run",
+        "--task-file",
+        str(tasks),
+        "--run-id",
+        "up1",
+        "--set",
+        f"store.url={json.dumps(store_url)}",
+    ]
+    result = CliRunner().invoke(cli.app, argv)
     assert result.exit_code == 0, result.output
     assert submitted == ["up1"]
     tasks.unlink()  # the worker's host has no such file
@@ -249,3 +258,12 @@ def test_tasks_uploaded_at_submit_are_what_a_worker_on_another_host_loads(
     loaded = asyncio.run(acts.load_run(inp))
     assert loaded.num_tasks == 2 and store.task_at("up1", 1)["id"] == "b"
     assert store.get_run("up1") is not None
+
+
+def test_the_store_url_of_a_config_stays_out_of_the_run_it_submits() -> None:
+    from config.load import config_hash, load_config
+
+    cfg = load_config(None, ['store.url="postgresql://u:secret@db/rollouts"'])
+    assert cfg.store.url == "postgresql://u:secret@db/rollouts"
+    assert "store" not in cfg.model_dump() and "secret" not in cfg.model_dump_json()
+    assert config_hash(cfg) == config_hash(load_config(None, []))
