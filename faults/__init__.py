@@ -3,8 +3,8 @@ chaos injector (``rollouts chaos``), and the ledger check any suite can call aft
 (``faults.ledger.check_run``) to see that no rollout was lost, duplicated or mislabelled.
 
 Invariant: nothing here is imported by the pipeline itself; faults are injected from outside, as a user's
-suite would. The names below load on first use (``from faults import FaultProxy``), so the ``rollouts``
-command can mount ``chaos`` without importing the kit.
+suite would. The ledger's names load on first use, so the ``rollouts`` command can mount ``chaos``
+without importing the store.
 """
 
 from __future__ import annotations
@@ -12,21 +12,14 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from faults.proxy import Fault, FaultProxy
+from faults.schedule import Planned, schedule  # binds the function over the submodule of that name
+
 if TYPE_CHECKING:
     from faults.ledger import LedgerReport, Violation, check_run, check_store
-    from faults.proxy import Fault, FaultProxy
-    from faults.schedule import Planned, schedule
 
-_WHERE = {
-    "Fault": "faults.proxy",
-    "FaultProxy": "faults.proxy",
-    "LedgerReport": "faults.ledger",
-    "Planned": "faults.schedule",
-    "Violation": "faults.ledger",
-    "check_run": "faults.ledger",
-    "check_store": "faults.ledger",
-    "schedule": "faults.schedule",
-}
+_LAZY = {"LedgerReport", "Violation", "check_run", "check_store"}
+"""The ledger's names (it imports the store and the trainer feed): loaded on first use."""
 
 __all__ = [
     "Fault",
@@ -41,6 +34,6 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    if name not in _WHERE:
+    if name not in _LAZY:
         raise AttributeError(f"module 'faults' has no attribute {name!r}")
-    return getattr(importlib.import_module(_WHERE[name]), name)
+    return getattr(importlib.import_module("faults.ledger"), name)

@@ -15,7 +15,8 @@ way gets the same faults::
 Invariants:
 - Only a pid whose recorded start time still matches is signalled (a reused pid is never touched), and
   every signal goes to the process group it leads (each component leads its own session).
-- A frozen group is always thawed: ``frozen`` sends SIGCONT on the way out, even on an exception.
+- A frozen group is stopped when ``frozen`` returns, and always thawed: SIGCONT on the way out, even on
+  an exception.
 - A restart starts the same command line, environment and working directory as the process it replaces
   (read from /proc before the kill), appends to the same log and rewrites the same pid file, so the stack's
   own ``status`` and ``down`` see the new process.
@@ -160,9 +161,15 @@ def stop(t: Target, timeout_s: float = 30.0) -> None:
 
 @contextlib.contextmanager
 def frozen(t: Target) -> Iterator[Target]:
-    """SIGSTOP the target's group on entry, SIGCONT on exit (always)."""
+    """SIGSTOP the target's group on entry (returning once every process of it is stopped), SIGCONT on
+    exit (always)."""
     _signal(t, signal.SIGSTOP)
     try:
+        deadline = time.monotonic() + 5.0
+        while any((f := _stat(p)) and f[0] not in "Tt" for p in _group(t.pid)):
+            if time.monotonic() > deadline:
+                raise ProcessFaultError(f"{t}: not stopped 5 s after SIGSTOP")
+            time.sleep(0.01)
         yield t
     finally:
         with contextlib.suppress(ProcessLookupError):

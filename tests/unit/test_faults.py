@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import os
+import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -167,3 +169,107 @@ def test_rollouts_ledger_prints_one_line_per_violation_and_exits_1(
     ]
     unknown = runner.invoke(app, ["ledger", "nope", "--no-temporal", "--no-docker"])
     assert unknown.exit_code == 2 and "run nope: not in the store" in unknown.output
+
+
+# -- process faults and the injector, on processes of a test home ----------------------------------------
+
+
+def _sleeper(home: Path, name: str = "worker") -> int:
+    """A stand-in component: started as the stack starts its own (own session, pid file, log)."""
+    from workers import procs
+
+    return procs.spawn(
+        name, [sys.executable, "-c", "import time; time.sleep(600)"], home, {"CHAOS_MARK": "1"}
+    )
+
+
+def _state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def test_process_faults_freeze_kill_and_restart_the_same_command(tmp_path: Path) -> None:
+    from faults import process
+    from workers import procs
+
+    pid = _sleeper(tmp_path)
+    try:
+        (t,) = process.targets(tmp_path, "worker")
+        assert t.pid == pid and t.env["CHAOS_MARK"] == "1"
+        with process.frozen(t):
+            assert _state(pid) == "T"
+        assert _state(pid) in "SR"  # thawed on leaving
+        new = process.restart(t, down_s=0.1)
+        assert not procs.pid_alive(pid) and new.pid != pid and procs.pid_alive(new.pid)
+        assert new.argv == t.argv and new.env["CHAOS_MARK"] == "1"
+        assert procs.read_pid(tmp_path, "worker") == new.pid  # the stack's own view: the new process
+        process.kill(new)
+        assert process.find(tmp_path, "worker") is None
+        with pytest.raises(process.ProcessFaultError, match="no longer running"):
+            process.kill(new)
+    finally:
+        procs.stop_pid(pid)
+        if (again := procs.read_pid(tmp_path, "worker")) is not None:
+            procs.stop_pid(again)
+
+
+def test_a_pid_file_whose_start_time_differs_is_never_signalled(tmp_path: Path) -> None:
+    from faults import process
+
+    (tmp_path / "pids").mkdir()
+    process.pid_file(tmp_path, "engine").write_text(f"{os.getpid()} 1\n")  # our pid, another start time
+    assert process.find(tmp_path, "engine") is None and process.targets(tmp_path, "engine") == []
+
+
+async def test_the_injector_logs_each_fault_with_its_time_and_clears_it(tmp_path: Path) -> None:
+    from faults.chaos import Chaos
+    from faults.schedule import Planned
+    from workers import procs
+
+    pid = _sleeper(tmp_path)
+    log = tmp_path / "chaos.jsonl"
+    printed: list[str] = []
+    chaos = Chaos(tmp_path, [], log, store=RunStore(tmp_path), echo=printed.append)
+    plan = [Planned(0.0, "worker_freeze", 0.4), Planned(0.6, "worker_kill", 0.2),
+            Planned(1.2, "container_kill", 0.0), Planned(1.3, "engine_freeze", 1.0)]  # fmt: skip
+    try:
+        t0 = time.time()
+        counts = await chaos.run(plan)
+        events = [json.loads(line) for line in log.read_text().splitlines()]
+        assert printed == log.read_text().splitlines()  # the same lines on stdout
+        assert [(e["kind"], e["event"]) for e in events] == [
+            ("worker_freeze", "fired"), ("worker_freeze", "cleared"), ("worker_kill", "fired"),
+            ("worker_kill", "cleared"), ("container_kill", "skipped"), ("engine_freeze", "skipped"),
+        ]  # fmt: skip
+        assert dict(counts) == {"worker_freeze": 1, "worker_kill": 1}
+        assert all(
+            e["at"] >= t0 and abs(e["t"] - e["planned_s"]) < 0.5 for e in events if e["event"] != "cleared"
+        )
+        new = procs.read_pid(tmp_path, "worker")
+        assert new is not None and new != pid and events[3]["new_pid"] == new  # started again
+        assert _state(new) in "SR"
+    finally:
+        procs.stop_pid(pid)
+        if (again := procs.read_pid(tmp_path, "worker")) is not None:
+            procs.stop_pid(again)
+
+
+def test_rollouts_chaos_refuses_bad_input_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from typer.testing import CliRunner
+
+    from workers.cli import app
+
+    monkeypatch.setenv("ROLLOUTS_HOME", str(tmp_path))
+    _store(tmp_path)
+    runner = CliRunner()
+    cases = {
+        ("chaos", RUN, "--kinds", "worker_kill,bogus"): "--kinds: unknown bogus",
+        ("chaos", "nope"): "run nope: not in the store",
+        ("chaos", RUN, "--every", "soon"): "--every 'soon': give LOW,HIGH",
+        ("chaos", RUN, "--every", "30,15"): "schedule: bad intervals",
+    }
+    for argv, message in cases.items():
+        res = runner.invoke(app, list(argv))
+        assert res.exit_code == 2 and message in res.output, (argv, res.output)
+        assert len(res.output.strip().splitlines()) == 1
