@@ -9,8 +9,10 @@ Invariants:
   answers) is older than the threshold: exactly the rollouts without progress for that long.
 - Every action is written to the run store's manual-actions log, and keeps the books whole: one record per
   rollout id and every group closing with its full size. ``cancel`` signals the rollout (``cancel_for``,
-  reason ``manual``: it records itself cancelled); ``retry`` asks its group (``GroupWorkflow.retry``: the
-  member is recorded cancelled, reason ``manual-retry``, and the slot runs again as ``<i>r<n+1>``);
+  reason ``manual``: it records itself cancelled), or, given a run id, cancels the run's workflow (its
+  groups cancel their members, reason ``run-cancelled``, and close; the run ends cancelled); ``retry``
+  asks its group (``GroupWorkflow.retry``: the member is recorded cancelled, reason ``manual-retry``, and
+  the slot runs again as ``<i>r<n+1>``);
   ``terminate`` of a rollout lets its group record it (failed, infra); ``terminate`` of a group terminates
   it (its members die with it) and then signals the run ``group_terminated``, which records the members
   and the group from the store and counts the group done. That last step is idempotent, so it also
@@ -37,7 +39,7 @@ from temporalio.service import RPCError, RPCStatusCode
 from contracts.types import TerminatedGroupInput
 from store.runstore import RunStore
 from workflows import search_attributes as sa
-from workflows.group import RETRY_REASON, GroupWorkflow, slot_of
+from workflows.group import RETRY_REASON, RUN_CANCEL_REASON, GroupWorkflow, slot_of
 from workflows.rollout import RolloutWorkflow
 from workflows.run import RunWorkflow
 
@@ -338,13 +340,36 @@ def _said(rec: dict[str, Any] | None) -> str:
 
 
 async def cancel(client: Client, store: RunStore, rollout_id: str, wait_s: float = 30.0) -> str:
-    """Cancel a running rollout (reason ``manual``); it writes its own cancelled record."""
+    """Cancel a running rollout (reason ``manual``); it writes its own cancelled record. Given a run id,
+    cancel the whole run (`cancel_run`)."""
+    if (await _describe(client, rollout_id)).workflow_type == "RunWorkflow":
+        return await cancel_run(client, store, rollout_id, wait_s=max(wait_s, 120.0))
     t = await resolve(client, rollout_id)
     _need(t, "rollout")
     _in_store(store, t.run_id)
     await client.get_workflow_handle(rollout_id).signal(RolloutWorkflow.cancel_for, CANCEL_REASON)
     store.put_manual_action(t.run_id, rollout_id, "cancel", CANCEL_REASON, {"group": t.group_id})
     return f"cancelled {rollout_id}: {_said(await _await_record(store, rollout_id, wait_s))}"
+
+
+async def cancel_run(client: Client, store: RunStore, run_id: str, wait_s: float = 120.0) -> str:
+    """Cancel a running run as a whole: it starts no more groups, its in-flight rollouts end cancelled
+    (reason ``run-cancelled``) with their records, its groups close, and it ends CANCELED (``cancelled`` in
+    the store). Waits up to ``wait_s`` for that end."""
+    _in_store(store, run_id)
+    handle = client.get_workflow_handle(run_id)
+    desc = await handle.describe()
+    if desc.status != WorkflowExecutionStatus.RUNNING:
+        raise OpsError(f"run {run_id} is not running ({desc.status.name if desc.status else 'UNKNOWN'})")
+    await handle.cancel()
+    store.put_manual_action(run_id, run_id, "cancel", RUN_CANCEL_REASON, {})
+    deadline = time.monotonic() + wait_s
+    while (desc := await handle.describe()).status == WorkflowExecutionStatus.RUNNING:
+        if time.monotonic() >= deadline:
+            return f"cancelling run {run_id}: its in-flight rollouts are still ending"
+        await asyncio.sleep(0.5)
+    counts = dict(await asyncio.to_thread(store.count_rollouts, run_id))
+    return f"cancelled run {run_id} ({desc.status.name if desc.status else 'UNKNOWN'}): records {counts}"
 
 
 async def retry(client: Client, store: RunStore, rollout_id: str, wait_s: float = 30.0) -> str:

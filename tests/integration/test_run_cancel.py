@@ -1,7 +1,7 @@
-"""A run cancelled as a whole (the RunWorkflow's handle ``cancel``): every in-flight rollout ends with a
-record (cancelled, ``run-cancelled``), every started group closes with its full size, no group starts
-after the cancel, sandboxes are destroyed, the run's status says cancelled (Temporal and the store), and
-the ledger is clean."""
+"""A run cancelled as a whole (``rollouts cancel RUN``, or the RunWorkflow's handle ``cancel``): every
+in-flight rollout ends with a record (cancelled, ``run-cancelled``), every started group closes with its
+full size, no group starts after the cancel, sandboxes are destroyed, the run's status says cancelled
+(Temporal and the store), and the ledger is clean."""
 
 from __future__ import annotations
 
@@ -28,13 +28,21 @@ from tests.integration.support import (
     wait_for_first_command,
     worker,
 )
+from workers import ops
 from workflows.group import RUN_CANCEL_REASON
 from workflows.run import RunWorkflow
 
 
-async def _cancel_and_wait(client: Client, run_id: str) -> None:
+async def _cancel_and_wait(client: Client, run_id: str, store: RunStore | None = None) -> None:
+    """Cancel the run: with a store, as ``rollouts cancel RUN`` does (``workers.ops.cancel``), else by its
+    workflow handle; then it ends CANCELED."""
     handle = client.get_workflow_handle(run_id)
-    await handle.cancel()
+    if store is not None:
+        said = await ops.cancel(client, store, run_id)
+        assert said.startswith(f"cancelled run {run_id} (CANCELED): records "), said
+        assert [a["action"] for a in store.manual_actions(run_id)] == ["cancel"]
+    else:
+        await handle.cancel()
     with pytest.raises(WorkflowFailureError) as err:
         await asyncio.wait_for(handle.result(), 120)
     assert isinstance(err.value.cause, CancelledError)
@@ -74,7 +82,7 @@ async def test_a_cancelled_math_run_records_its_in_flight_rollouts_and_starts_no
         async with worker(client, task_queue, tmp_path) as store:
             await start_run(client, cfg, run_id)
             await _wait_for_inflight(store, client, run_id, 2)
-            await _cancel_and_wait(client, run_id)
+            await _cancel_and_wait(client, run_id, store)  # `rollouts cancel RUN`
             await ledger(store, run_id, client=client)
             rollouts, groups = _assert_closed_as_cancelled(store, run_id, 2)
     assert len(groups) == 2  # the groups never started have no record
