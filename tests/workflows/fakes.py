@@ -182,8 +182,9 @@ class Fakes:
         return new
 
     @activity.defn(name="finish_run")
-    async def finish_run(self, run_id: str) -> None:
+    async def finish_run(self, run_id: str, status: str = "finished") -> None:
         self._record("finish_run", run_id)
+        self._record("finish_run_status", status)
 
     # -- EnvironmentActivities ------------------------------------------------------------------------
     @activity.defn(name="env_step")
