@@ -328,9 +328,10 @@ def _act(action: str, target: str, address: str) -> None:
 
 
 @app.command()
-def cancel(rollout_id: str, address: Address = "127.0.0.1:7233") -> None:
-    """Cancel a running rollout (recorded cancelled, reason manual; logged in the run store)."""
-    _act("cancel", rollout_id, address)
+def cancel(target: str, address: Address = "127.0.0.1:7233") -> None:
+    """Cancel a running rollout (recorded cancelled, reason manual), or a whole run given its id (its
+    in-flight rollouts recorded cancelled, reason run-cancelled; its groups close); logged in the store."""
+    _act("cancel", target, address)
 
 
 @app.command()
