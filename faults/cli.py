@@ -52,17 +52,21 @@ def chaos_command(
     """Fire a seeded fault schedule at the stack and the runs, log each fault, then check the ledger."""
     from config.paths import rollouts_home
     from contracts.client import connect
+    from errors import ConfigError
     from faults.chaos import INSTANT, KINDS, Chaos
     from faults.schedule import schedule
     from sandboxes.pool import SandboxPool
-    from store import RunStore
+    from store import open_store
 
     chosen = [k.strip() for k in kinds.split(",") if k.strip()]
     unknown = sorted(set(chosen) - set(KINDS))
     if unknown:
         raise _fail(f"--kinds: unknown {', '.join(unknown)}; kinds: {', '.join(KINDS)}")
     home = rollouts_home()
-    store = RunStore(home)
+    try:
+        store = open_store()
+    except ConfigError as e:
+        raise _fail(str(e)) from None
     missing = [r for r in run_ids if store.get_run(r) is None]
     if missing:
         raise _fail(f"run {missing[0]}: not in the store at {store.root}")
@@ -89,7 +93,7 @@ def chaos_command(
             from sandboxes import DockerBackend
 
             backend = DockerBackend()
-        reports = await chaos.ledger(wait, backend=backend, pool=SandboxPool(home / "pool.sqlite"))
+        reports = await chaos.ledger(wait, backend=backend, pool=SandboxPool(store))
         for rep in reports:
             for line in rep.lines():
                 typer.echo(line)

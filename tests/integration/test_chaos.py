@@ -31,6 +31,7 @@ from sandboxes import DockerBackend
 from sandboxes.base import DEFAULT_IMAGE
 from sandboxes.pool import SandboxPool
 from simengine import Mode, ModeRule, SimEngine, SimSettings
+from store import RunStore
 from tests.conftest import MODEL_DIR, POLICY_VERSION, Engine
 from tests.integration.support import (
     CODING_TASKS,
@@ -57,8 +58,8 @@ async def sim() -> AsyncIterator[str]:
         yield url
 
 
-def _ledger_where(docker: DockerBackend, home: Path) -> dict:
-    return {"backend": docker, "pool": SandboxPool(home / "pool.sqlite")}
+def _ledger_where(docker: DockerBackend, store: RunStore) -> dict:
+    return {"backend": docker, "pool": SandboxPool(store)}
 
 
 def _victim(store, run_id: str) -> dict:
@@ -86,7 +87,7 @@ async def test_a_container_frozen_mid_command_is_given_up_and_replayed(
             assert victim.status == "paused"
             await asyncio.sleep(16.0)
         result = await asyncio.wait_for(handle.result(), 120)
-        await ledger(store, run_id, client=client, **_ledger_where(docker, tmp_path))
+        await ledger(store, run_id, client=client, **_ledger_where(docker, store))
         rec = _victim(store, run_id)
     assert result.done and result.outcomes.get("failed", 0) == 0, result.outcomes
     assert rec["sandbox_replays"] >= 1 and rec["reward"] is None  # lost, replaced; never scored as is
@@ -108,7 +109,7 @@ async def test_a_container_oom_killed_mid_command_is_replaced_and_replayed(
         )
         assert await asyncio.to_thread(cfaults.oom, victim)  # the kernel OOM-killed it as a whole
         result = await asyncio.wait_for(handle.result(), 120)
-        await ledger(store, run_id, client=client, **_ledger_where(docker, tmp_path))
+        await ledger(store, run_id, client=client, **_ledger_where(docker, store))
         rec = _victim(store, run_id)
     assert result.done and result.outcomes.get("failed", 0) == 0, result.outcomes
     assert rec["sandbox_replays"] >= 1 and rec["reward"] is None
@@ -146,7 +147,7 @@ async def test_sandbox_creation_failing_for_a_while_during_scale_up_delays_inste
             await asyncio.sleep(20.0)
             assert docker.list_containers(run_id) == []  # nothing could be created meanwhile
         result = await asyncio.wait_for(handle.result(), 180)
-        report = await ledger(store, run_id, client=client, **_ledger_where(docker, tmp_path))
+        report = await ledger(store, run_id, client=client, **_ledger_where(docker, store))
         rollouts, _ = export(store, run_id)
     assert result.done and result.outcomes.get("failed", 0) == 0, result.outcomes
     assert report.successes == 6
@@ -210,8 +211,6 @@ async def test_a_worker_sigstopped_then_sigconted(
         )  # fmt: skip
         pid = _spawn_worker(temporal_env, task_queue, tmp_path)
         try:
-            from store import RunStore
-
             store = RunStore(tmp_path)
             handle = await start_run(client, cfg, run_id)
             from tests.integration.test_faults import wait_for_model_turns
@@ -247,8 +246,6 @@ async def test_rollouts_chaos_runs_a_short_schedule_logs_each_fault_and_checks_t
     log = tmp_path / "chaos.jsonl"
     try:
         await start_run(client, cfg, run_id)
-        from store import RunStore
-
         await wait_for_first_command(RunStore(tmp_path), rollout_id(run_id, group_id(0), 0))
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "workers.cli", "chaos", run_id,
