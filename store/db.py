@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from errors import ConfigError
+from errors import ConfigError, StoreError
 
 Migration = tuple[int, str]
 
@@ -214,23 +214,45 @@ class PostgresDatabase(Database):
         super().__init__()
         self.url = url
         self.location = redact(url)
+        self._reached = False
 
     def _connect(self) -> Any:
+        """A new connection. The first one failing is a configuration error (a wrong URL, no server);
+        a later one (a server restarting under a running worker) is a retryable `StoreError`."""
         import psycopg
 
         try:
             conn = psycopg.connect(self.url, autocommit=True, connect_timeout=10)
         except psycopg.OperationalError as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise ConfigError(f"store {self.location}: cannot connect: {first}") from None
+            error = StoreError if self._reached else ConfigError
+            raise error(f"store {self.location}: cannot connect: {first}") from None
+        self._reached = True
         conn.row_factory = _row_factory
         return conn
 
     @contextmanager
+    def _lost(self) -> Iterator[None]:
+        """A connection lost mid-statement (server restarted, connection killed) is a retryable
+        `StoreError`; the thread reconnects on its next statement."""
+        import psycopg
+
+        try:
+            yield
+        except psycopg.OperationalError as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise StoreError(f"store {self.location}: {first}") from None
+
+    def execute(self, sql: str, args: Sequence[Any] = ()) -> Any:
+        with self._lost():
+            return super().execute(sql, args)
+
+    @contextmanager
     def tx(self) -> Iterator[Tx]:
-        conn = self._conn()
-        with conn.transaction():
-            yield Tx(conn, self.dialect)
+        with self._lost():
+            conn = self._conn()
+            with conn.transaction():
+                yield Tx(conn, self.dialect)
 
     def schema_version(self) -> int:
         conn = self._conn()

@@ -267,3 +267,29 @@ def test_the_store_url_of_a_config_stays_out_of_the_run_it_submits() -> None:
     assert cfg.store.url == "postgresql://u:secret@db/rollouts"
     assert "store" not in cfg.model_dump() and "secret" not in cfg.model_dump_json()
     assert config_hash(cfg) == config_hash(load_config(None, []))
+
+
+def test_a_lost_postgres_connection_is_a_retryable_store_error_and_the_next_call_reconnects(
+    postgres_server: str,
+) -> None:
+    import psycopg
+
+    from errors import StoreError
+    from tests.postgres import drop_database, new_database
+
+    url = new_database(postgres_server, "lost-connection")
+    try:
+        store = open_store(url)
+        store.register_run("run", "{}", "h")
+        with psycopg.connect(postgres_server, autocommit=True) as admin:
+            admin.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s",
+                (url.rsplit("/", 1)[1],),
+            )
+        with pytest.raises(StoreError, match="store postgresql://") as e:
+            store.get_run("run")
+        assert e.value.retryable
+        assert store.get_run("run")["config_hash"] == "h"  # reconnected
+        store.close()
+    finally:
+        drop_database(postgres_server, url)
