@@ -11,6 +11,7 @@ batching, finite KV blocks, preemption; see `simengine.timing`) instead of ``sch
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -132,9 +133,8 @@ class SimEngine:
         except asyncio.CancelledError:
             self.counters.finished["abort"] += 1
             raise
-        if self.steps is not None:  # the timing model counts a request's tokens when it ends
+        if self.steps is not None:  # the timing model's sampled tokens are counted step by step
             self.counters.prompt_tokens += len(prompt)
-            self.counters.generation_tokens += len(tokens)
         self.counters.finished[finish] += 1
         content = [_logprob(t, lp) for t, lp in zip(tokens, logprobs, strict=True)]
         choice = {
@@ -161,16 +161,17 @@ class SimEngine:
     def metrics_text(self) -> str:
         load: Load = self.scheduler
         prefix: PrefixCounts = self.prefix
-        preemptions, timing = 0, None
+        preemptions, timing, counters = 0, None, self.counters
         if self.steps is not None:
             steps = self.steps.scheduler
             load, prefix, preemptions = steps, steps.pool, steps.stats.preemptions
+            counters = dataclasses.replace(counters, generation_tokens=steps.stats.sampled_tokens)
             timing = TimingView(self.steps.busy_wall_s, steps.stats.busy_s, steps.stats.recomputed_tokens)
         view = EngineView(
             model=self.settings.model,
             scheduler=load,
             prefix=prefix,
-            counters=self.counters,
+            counters=counters,
             num_gpu_blocks=self.settings.num_gpu_blocks,
             block_size=self.settings.block_size,
             preemptions=preemptions,

