@@ -13,15 +13,22 @@ length (median ``--median-tokens``; 2% of rollouts generate ten times longer tur
 tool result. Policies, each on a fresh fleet for the same simulated budget:
 
 - adaptive: every 5 s it reads every engine's /metrics (`fetch_reading`), runs `AdmissionController.step`
-  (prime-rl defaults), admits what it allows and cancels what it names;
+  (the default ``probe`` preset), admits what it allows and cancels what it names;
+- prime-rl: the same loop with ``preset = "prime-rl"`` (the prime-rl orchestrator's rules and constants);
 - fixed: the same loop with ``min_inflight == max_inflight == KV capacity / max_model_len``;
 - sync: admit that many rollouts at once, wait for all of them to end, repeat.
 
 ``--fixed-cap`` replaces that cap (KV capacity / max_model_len) of fixed and sync by a hand-picked one.
+``--tail-fraction`` sets the share of ten-times-longer turns; ``--drift-from-tokens``/``--drift-to-tokens``
+make turn lengths drift during the run as a training policy's would: a turn is cut (and the rollout goes on)
+at a per-turn limit that grows linearly in simulated time from the first value to the second.
+``bench/admission_family.py`` runs a family of such workloads with a sweep of fixed caps (the oracle).
 
 Reported per policy: accepted (finished) rollouts per simulated second, engine busy fraction (simulated time
-with at least one running sequence / elapsed, mean over engines), preemptions, wasted tokens (KV recomputed
-after preemptions + tokens of cancelled rollouts), and adaptive's throughput ratios. Engines, tool waits and
+with at least one running sequence / elapsed, mean over engines), preemptions, storm polls (polls in which
+some engine preempted a storm's worth, `workflows.admission` rule P1's definition, read from the engines'
+own counters every poll interval for every policy), wasted tokens (KV recomputed after preemptions + tokens
+of cancelled rollouts), and adaptive's throughput ratios. Engines, tool waits and
 polls share one `PacedClock`: simulated time advances ``--time-scale`` times faster than the wall clock but
 stops while the process is starved of CPU, so the numbers barely depend on machine load (the wall time to
 reach them does, up to ``--max-wall-s`` per policy).
@@ -56,7 +63,7 @@ from simengine.clock import PacedClock
 from workflows.admission import AdmissionConfig, AdmissionController, Inflight
 
 MODEL = "tiny"
-POLICIES = ("adaptive", "fixed", "sync")
+POLICIES = ("adaptive", "prime-rl", "fixed", "sync")
 POLL_S = 5.0
 """Simulated seconds between /metrics polls: the reference's interval, which its poll-counted rules assume."""
 
@@ -118,6 +125,7 @@ class Driver:
     def __init__(
         self, args: argparse.Namespace, urls: list[str], workload: Workload, clock: PacedClock
     ) -> None:
+        """Turn limits drift from ``args.drift_from_tokens`` to ``args.drift_to_tokens`` when both are set."""
         self.args, self.urls, self.workload, self.clock = args, urls, workload, clock
         self.clients = [EngineClient(timeout_s=600) for _ in urls]
         self.live: dict[str, Live] = {}
@@ -131,6 +139,14 @@ class Driver:
 
     async def sleep_until(self, t: float) -> None:
         await self.clock.sleep_until(self._t0 + t)
+
+    def turn_limit(self) -> int | None:
+        """The drifting per-turn token limit now (None: no drift)."""
+        a = self.args
+        if a.drift_from_tokens is None or a.drift_to_tokens is None:
+            return None
+        f = min(1.0, self.now() / a.budget_s)
+        return max(1, round(a.drift_from_tokens + f * (a.drift_to_tokens - a.drift_from_tokens)))
 
     def admit(self, n: int) -> list[asyncio.Task[None]]:
         tasks = []
@@ -192,10 +208,12 @@ class Driver:
             room = a.max_model_len - len(context)
             if room < 1:
                 return True
-            gen = await client.generate(url, MODEL, context, sampling, room, f"{r.rid}/{t}")
+            limit = self.turn_limit()
+            ask = min(room, limit) if limit is not None else room
+            gen = await client.generate(url, MODEL, context, sampling, ask, f"{r.rid}/{t}")
             live.tokens += len(gen.token_ids)
             context += gen.token_ids
-            if gen.finish_reason == "length":
+            if gen.finish_reason == "length" and ask == room:
                 return True
             if t + 1 < len(r.turns):
                 await self.sleep_until(self.now() + wait_s)
@@ -214,7 +232,7 @@ def engine_settings(args: argparse.Namespace) -> SimSettings:
         random_length="heavy_tail",
         random_median_tokens=args.median_tokens,
         random_length_sigma=0.5,
-        random_tail_fraction=0.02,
+        random_tail_fraction=args.tail_fraction,
         random_tail_factor=10.0,
         random_tail_key="rollout",
         timing=TimingSettings(time_scale=args.time_scale),  # the 8B-on-H100 step costs
@@ -256,10 +274,26 @@ async def synchronous(driver: Driver, cap: int, budget: float, trace: list[Any])
         timer.cancel()
 
 
-async def sample_inflight(driver: Driver, samples: list[int]) -> None:
-    """Rollouts in flight every poll interval (the same sampling for every policy)."""
+async def sample_inflight(
+    driver: Driver, engines: list[SimEngine], samples: list[int], storms: list[float]
+) -> None:
+    """Rollouts in flight, and storm polls from the engines' own counters, every poll interval (the same
+    sampling for every policy; the storm test is `AdmissionConfig`'s, rule P1)."""
+    cfg = AdmissionConfig()
+    last: list[int | None] = [None] * len(engines)
     while True:
         samples.append(len(driver.live))
+        storming = False
+        for i, e in enumerate(engines):
+            if e.steps is None:
+                continue
+            sched = e.steps.scheduler
+            total = sched.stats.preemptions
+            new = total - last[i] if last[i] is not None else 0
+            last[i] = total
+            storming |= new >= cfg.storm_min_preemptions and new > cfg.storm_fraction * sched.running
+        if storming:
+            storms.append(driver.now())
         await driver.sleep_until(driver.now() + POLL_S)
 
 
@@ -267,6 +301,7 @@ async def run_policy(name: str, args: argparse.Namespace, workload: Workload) ->
     cap = fixed_cap(args)
     trace: list[Any] = []
     inflight: list[int] = []
+    storms: list[float] = []
     clock = PacedClock(args.time_scale)
     async with contextlib.AsyncExitStack() as stack:
         stack.push_async_callback(clock.aclose)
@@ -274,7 +309,7 @@ async def run_policy(name: str, args: argparse.Namespace, workload: Workload) ->
         urls = [await stack.enter_async_context(e.serve(port=0)) for e in engines]
         clock.start()
         driver = Driver(args, urls, workload, clock)
-        sampler = asyncio.create_task(sample_inflight(driver, inflight))
+        sampler = asyncio.create_task(sample_inflight(driver, engines, inflight, storms))
         wall0 = asyncio.get_running_loop().time()
         # A starved process reaches the simulated budget late; past --max-wall-s it stops where it got.
         with contextlib.suppress(TimeoutError):
@@ -282,7 +317,9 @@ async def run_policy(name: str, args: argparse.Namespace, workload: Workload) ->
                 if name == "sync":
                     await synchronous(driver, cap, args.budget_s, trace)
                 else:
-                    bounds = {"min_inflight": cap, "max_inflight": cap} if name == "fixed" else {}
+                    bounds: dict[str, Any] = {"min_inflight": cap, "max_inflight": cap}
+                    if name != "fixed":
+                        bounds = {"preset": "probe" if name == "adaptive" else "prime-rl"}
                     cfg = AdmissionConfig(max_model_len=args.max_model_len, **bounds)
                     await controlled(driver, cfg, args.group_size, args.budget_s, trace)
         sampler.cancel()
@@ -291,6 +328,7 @@ async def run_policy(name: str, args: argparse.Namespace, workload: Workload) ->
         fleet.update(
             clock_paused_s=clock.paused_s, sim_s=sim_s, wall_s=wall_s, trace=trace, inflight=inflight
         )
+        fleet["storm_polls"] = len(storms)
         await driver.stop()
     return summarize(name, driver.tally, fleet)
 
@@ -325,6 +363,7 @@ def summarize(name: str, tally: Tally, fleet: dict[str, Any]) -> dict[str, Any]:
         "accepted_per_wall_s": tally.accepted / wall_s,
         "busy_fraction": fleet["busy_fraction"],
         "preemptions": fleet["preemptions"],
+        "storm_polls": fleet["storm_polls"],
         "wasted_tokens": fleet["recomputed_tokens"] + tally.cancelled_tokens + fleet["aborted_tokens"],
         "wasted_recomputed": fleet["recomputed_tokens"],
         "wasted_cancelled": tally.cancelled_tokens + fleet["aborted_tokens"],
@@ -348,6 +387,7 @@ ROWS = (
     ("accepted / sim s", "accepted_per_sim_s", "{:.3f}"),
     ("engine busy fraction", "busy_fraction", "{:.2f}"),
     ("preemptions", "preemptions", "{:d}"),
+    ("storm polls", "storm_polls", "{:d}"),
     ("wasted tokens", "wasted_tokens", "{:d}"),
     ("  recomputed (preempt)", "wasted_recomputed", "{:d}"),
     ("  cancelled rollouts", "wasted_cancelled", "{:d}"),
@@ -413,6 +453,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-turns", type=int, default=10)
     p.add_argument("--median-tokens", type=int, default=150, help="median turn length")
     p.add_argument("--tool-median-s", type=float, default=2.0, help="median tool wait (simulated s)")
+    p.add_argument("--tail-fraction", type=float, default=0.02, help="share of 10x longer turns")
+    p.add_argument("--drift-from-tokens", type=int, default=None, help="per-turn limit at the start")
+    p.add_argument("--drift-to-tokens", type=int, default=None, help="per-turn limit at the budget's end")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None)
     return p

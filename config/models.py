@@ -129,9 +129,17 @@ class RunConfig(_Strict):
 
 
 class AdmissionConfig(BaseModel):
-    """Constants of the admission controller; defaults follow the prime-rl orchestrator's."""
+    """Constants of the admission controller (rules in workflows/admission.py).
+
+    ``preset`` picks the rule set: ``probe`` (the default) finds the cap by probing upward while throughput
+    rises and cuts only on a preemption storm; ``prime-rl`` keeps the prime-rl orchestrator's rules, whose
+    constants are the fields from ``grow_factor`` to ``repeat_cut`` (their defaults are prime-rl's).
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    preset: Literal["probe", "prime-rl"] = "probe"
+    """Rule set: ``probe`` (rules P1-P4) or ``prime-rl`` (rules 3-8); both share rules 1, 2 and 9."""
 
     min_inflight: int = Field(1, ge=1, le=100_000)
     """Smallest cap; equal to max_inflight gives fixed concurrency (no adaptation, no cancels)."""
@@ -173,6 +181,29 @@ class AdmissionConfig(BaseModel):
     """New admissions per window: at most max(group_size, ceil(this × cap))."""
     metrics_max_age_s: float = Field(15.0, gt=0.0, le=3600.0)
     """An engine whose newest reading is older than this is unhealthy."""
+    storm_fraction: float = Field(1.0, gt=0.0, le=10.0)
+    """A preemption storm: one poll in which some engine preempted more than this × its running requests
+    (and at least ``storm_min_preemptions``): its whole batch thrown back once within one interval. Fewer
+    cost little (bench/calibrate_simengine.py: vLLM's throughput holds up to several per running request)."""
+    storm_min_preemptions: int = Field(8, ge=1, le=100_000)
+    """Fewest preemptions on one engine in one poll that can make a storm (small batches are not storms)."""
+    probe_polls: int = Field(2, ge=1, le=10_000)
+    """Probe: polls a cap is held, binding, before its throughput is judged (one epoch)."""
+    probe_factor: float = Field(1.2, gt=1.0, le=4.0)
+    """Probe: growth of the cap per epoch once the fleet's mean KV usage reaches ``fast_below_usage``."""
+    fast_factor: float = Field(1.5, gt=1.0, le=4.0)
+    """Probe: growth per epoch while the mean KV usage over healthy engines is below ``fast_below_usage``."""
+    fast_below_usage: float = Field(0.5, gt=0.0, le=1.0)
+    """Probe: mean KV usage under which the cap grows by ``fast_factor`` instead of ``probe_factor``."""
+    min_gain: float = Field(0.03, ge=0.0, le=1.0)
+    """Probe: an epoch at a larger cap must beat the previous epoch's generated tokens/s by this fraction, or
+    the cap stays (a ceiling) until ``reprobe_polls`` have passed."""
+    drop_revert: float = Field(0.1, gt=0.0, le=1.0)
+    """Probe: an epoch this fraction slower than the previous one (at a smaller cap) reverts to that cap."""
+    reprobe_polls: int = Field(24, ge=1, le=100_000)
+    """Probe: polls after which a ceiling is lifted and probing resumes (the workload may have drifted)."""
+    probe_admit_window_fraction: float = Field(0.25, gt=0.0, le=1.0)
+    """Probe: new admissions per ``admit_window_s`` window, at most max(group_size, ceil(this × cap))."""
 
     @model_validator(mode="after")
     def _check(self) -> AdmissionConfig:

@@ -40,6 +40,8 @@ class EngineReading(BaseModel):
     """Cumulative preemptions (a counter; it only resets when the engine restarts)."""
     kv_capacity_tokens: int = Field(ge=1)
     """KV cache size in tokens."""
+    generation_tokens_total: float = Field(0.0, ge=0.0)
+    """Cumulative output tokens (``vllm:generation_tokens_total``; 0 when the engine does not export it)."""
 
 
 class AdmissionState(BaseModel):
@@ -59,6 +61,23 @@ class AdmissionState(BaseModel):
     admitted_since_change: int = 0
     window_start: float | None = None
     window_admitted: int = 0
+    # the probe preset's memory (workflows/admission.py, rules P1-P4)
+    tokens_total: dict[str, float] = Field(default_factory=dict)
+    """Each engine's generation-token counter at the previous poll."""
+    epoch_start_at: float | None = None
+    """When the current probe epoch began (None: none runs)."""
+    epoch_tokens: float = 0.0
+    epoch_polls: int = 0
+    prev_rate: float | None = None
+    """Generated tokens/s of the previous epoch, at ``prev_cap``."""
+    prev_cap: int | None = None
+    ceiling: int | None = None
+    """Cap the probe does not grow past, set at ``ceiling_at_poll``."""
+    ceiling_at_poll: int | None = None
+    storm: bool = False
+    """Whether the last poll saw a preemption storm."""
+    storm_polls: int = 0
+    """Polls that saw a preemption storm."""
 
 
 class Outcome(StrEnum):

@@ -11,6 +11,7 @@ rank):
 - ``vllm:num_requests_running``: summed;
 - ``vllm:num_requests_waiting_by_reason{reason="capacity"}``, else ``vllm:num_requests_waiting``: summed;
 - ``vllm:num_preemptions_total`` (counter): summed;
+- ``vllm:generation_tokens_total`` (counter, optional: 0 when absent): summed;
 - ``vllm:cache_config_info`` labels: ``kv_cache_size_tokens``, else ``num_gpu_blocks`` × ``block_size``,
   summed over ranks.
 
@@ -34,6 +35,7 @@ RUNNING = "vllm:num_requests_running"
 WAITING_BY_REASON = "vllm:num_requests_waiting_by_reason"
 WAITING = "vllm:num_requests_waiting"
 PREEMPTIONS = "vllm:num_preemptions_total"
+GENERATION_TOKENS = "vllm:generation_tokens_total"
 CACHE_INFO = "vllm:cache_config_info"
 
 
@@ -67,6 +69,7 @@ def parse_metrics(text: str, *, url: str, engine_id: str, at: float) -> EngineRe
             waiting_capacity=_count(capacity_waiting or need(WAITING), url),
             preemptions_total=sum(s.value for s in need(PREEMPTIONS)),
             kv_capacity_tokens=sum(_kv_tokens(s, url) for s in need(CACHE_INFO)),
+            generation_tokens_total=sum(s.value for s in samples.get(GENERATION_TOKENS, [])),
         )
     except ValidationError as e:
         err = e.errors()[0]

@@ -37,9 +37,36 @@ Rules, in the order a step applies them (every constant is an `AdmissionConfig` 
 9. Admission: admit := cap - inflight, but at most max(group size, ``admit_window_fraction`` × cap) new
    rollouts per ``admit_window_s`` window (a whole group always fits).
 
+Rules 3-8 are the ``prime-rl`` preset (the prime-rl orchestrator's rules and constants). The ``probe`` preset
+(the default) replaces them by P1-P4; it finds the concurrency a sweep of fixed caps finds only in hindsight,
+by measuring what a larger cap gains, and cuts only on a preemption storm:
+
+P1. Storm: a poll in which some healthy engine's preemptions since the previous poll reach
+    ``storm_min_preemptions`` and exceed ``storm_fraction`` × its running requests is a preemption storm.
+    Outside a drain it cuts cap := ``preemption_cut`` × inflight (``repeat_cut`` right after a drain, rule 5)
+    and makes the new cap a ceiling. While a storm is under way (this poll), nothing is admitted. Fewer
+    preemptions cut nothing: recompute with a warm prefix cache is cheap (bench/calibrate_simengine.py).
+P2. Epoch: each poll adds the healthy engines' generated tokens since the previous poll (a counter that went
+    backwards, a restart, adds nothing). An epoch is ``probe_polls`` consecutive polls in which the cap binds
+    (inflight + group size >= ``grow_when_inflight_fraction`` × cap: within one group of it, since finished
+    rollouts are replaced only at a poll), no drain runs and every reading is fresh; a poll that breaks
+    this, or any cap change, ends it, and the next binding poll starts one (after a growth, one poll
+    passes before the new cap is measured). Its rate is tokens / seconds since it began.
+P3. Judge: at an epoch's end, if the previous epoch ran at a smaller cap: a rate more than ``drop_revert``
+    below the previous one reverts the cap to that one, and, once the mean KV usage has reached
+    ``fast_below_usage`` (below it more rollouts cannot slow the engines down), a rate less than
+    ``min_gain`` above it keeps the cap; both make the cap a ceiling. A ceiling is lifted
+    ``reprobe_polls`` polls after it was set.
+P4. Probe: otherwise, when the epoch saw no storm and no engine waits for capacity now, the cap grows by
+    ``fast_factor`` while the mean KV usage over healthy engines is below ``fast_below_usage``, else by
+    ``probe_factor`` (at least +1), never past a ceiling. Mean, not worst: new rollouts go to the least
+    loaded replicas, and one full replica throttles itself by preempting, which P1 watches per engine.
+    Admission (rule 9) allows ``probe_admit_window_fraction`` × cap per window instead of
+    ``admit_window_fraction``; the probe never cancels a rollout.
+
 Cuts and trims never raise the cap and growth never lowers it; every cap is clamped to [min, max]. Fixed mode
-(``min_inflight == max_inflight``) skips rules 3-8: the cap is constant and nothing is cancelled, while health
-and the admission window still apply.
+(``min_inflight == max_inflight``) skips rules 3-8 and P1-P4: the cap is constant and nothing is cancelled,
+while health and the admission window still apply.
 """
 
 from __future__ import annotations
@@ -97,6 +124,8 @@ class Decision(BaseModel):
     """Engines with fresh metrics, sorted."""
     kv_usage: float | None = None
     """Worst healthy engine's KV usage; None without a healthy engine."""
+    storm: bool = False
+    """Whether this poll saw a preemption storm (rule P1; nothing is admitted then)."""
 
 
 class AdmissionController:
@@ -122,20 +151,26 @@ class AdmissionController:
         self._observe_admissions(now, inflight)
         n = len(inflight)
         cap_before = st.cap
+        st.storm = False
         cancel: list[Inflight] = []
         usage = max((r.kv_usage for r in healthy.values()), default=None)
         if healthy:
             if st.cap is None:
                 st.cap = self._initial_cap(healthy)
                 reasons.append(f"initial cap {st.cap}")
-            if not cfg.fixed:
-                cancel = self._adapt(healthy, n, inflight, reasons, all_fresh=len(healthy) == len(newest))
+            fresh = len(healthy) == len(newest)
+            if cfg.fixed:
+                pass
+            elif cfg.preset == "probe":
+                self._probe(now, healthy, n, reasons, all_fresh=fresh)
+            else:
+                cancel = self._adapt(healthy, n, inflight, reasons, all_fresh=fresh)
         else:
             reasons.append("no healthy engine")
         cap = st.cap if st.cap is not None else self._clamp(cfg.initial_cap or cfg.min_inflight)
         if st.cap != cap_before:
             st.admitted_since_change = 0
-        admit = self._admit(now, cap, n) if healthy else 0
+        admit = self._admit(now, cap, n) if healthy and not st.storm else 0
         st.polls += 1
         return Decision(
             cap=cap,
@@ -145,6 +180,7 @@ class AdmissionController:
             reasons=reasons,
             healthy=sorted(healthy),
             kv_usage=usage,
+            storm=st.storm,
         )
 
     def _adapt(
@@ -224,6 +260,116 @@ class AdmissionController:
             reasons.append(f"grow: cap {st.cap} -> {target}")
             st.cap = target
 
+    def _probe(
+        self, now: float, healthy: dict[str, EngineReading], n: int, reasons: list[str], *, all_fresh: bool
+    ) -> None:
+        """Rules P1-P4 (and the drain of rule 5)."""
+        cfg, st = self.config, self.state
+        assert st.cap is not None
+        if st.draining and n <= st.cap:
+            st.draining, st.drained_at_poll = False, st.polls
+            reasons.append("drained")
+        lifted = st.ceiling_at_poll is not None and st.polls - st.ceiling_at_poll >= cfg.reprobe_polls
+        if st.ceiling is not None and lifted:
+            reasons.append(f"ceiling {st.ceiling} lifted")
+            st.ceiling = st.ceiling_at_poll = None
+        stormed = self._storm(healthy, reasons)
+        produced = self._produced(healthy)
+        if stormed:
+            st.storm_polls += 1
+            if st.draining:
+                reasons.append("preemption storm during drain: no cut")
+            else:
+                factor, what = cfg.preemption_cut, "preemption storm"
+                if (
+                    st.drained_at_poll is not None
+                    and st.polls - st.drained_at_poll <= cfg.repeat_window_polls
+                ):
+                    factor, what = cfg.repeat_cut, "repeat preemption storm"
+                target = min(st.cap, self._clamp(math.floor(factor * n)))
+                reasons.append(f"{what}: cap {st.cap} -> {target}")
+                self._set_ceiling(target)
+                st.cap, st.draining = target, n > target
+                if not st.draining:
+                    st.drained_at_poll = st.polls
+            self._end_epoch(forget=True)
+            return
+        binds = n + self.group_size >= cfg.grow_when_inflight_fraction * st.cap
+        if not (binds and all_fresh and not st.draining):
+            self._end_epoch(forget=False)
+            return
+        if st.epoch_start_at is None:
+            st.epoch_start_at, st.epoch_tokens, st.epoch_polls = now, 0.0, 0
+            return
+        st.epoch_tokens += produced
+        st.epoch_polls += 1
+        if st.epoch_polls < cfg.probe_polls or now <= st.epoch_start_at:
+            return
+        rate = st.epoch_tokens / (now - st.epoch_start_at)
+        cap, prev_rate, prev_cap = st.cap, st.prev_rate, st.prev_cap
+        st.prev_rate, st.prev_cap = rate, cap
+        st.epoch_start_at, st.epoch_tokens, st.epoch_polls = now, 0.0, 0
+        mean_usage = sum(r.kv_usage for r in healthy.values()) / len(healthy)
+        if prev_rate is not None and prev_cap is not None and prev_cap < cap:
+            if rate < prev_rate * (1 - cfg.drop_revert):
+                reasons.append(f"probe lost ({rate:.0f} < {prev_rate:.0f} tok/s): cap {cap} -> {prev_cap}")
+                st.cap = self._clamp(prev_cap)
+                self._set_ceiling(st.cap)
+                self._end_epoch(forget=True)
+                return
+            if rate < prev_rate * (1 + cfg.min_gain) and mean_usage >= cfg.fast_below_usage:
+                if st.ceiling != cap:
+                    reasons.append(f"probe flat ({rate:.0f} vs {prev_rate:.0f} tok/s): ceiling {cap}")
+                    self._set_ceiling(cap)
+                return
+        waits = any(r.waiting_capacity > 0 for r in healthy.values())
+        if waits or cap >= cfg.max_inflight or (st.ceiling is not None and cap >= st.ceiling):
+            return
+        factor = cfg.fast_factor if mean_usage < cfg.fast_below_usage else cfg.probe_factor
+        target = self._clamp(max(cap + 1, math.floor(cap * factor)))
+        if st.ceiling is not None:
+            target = min(target, st.ceiling)
+        if target > cap:
+            reasons.append(f"probe at {rate:.0f} tok/s, mean usage {mean_usage:.2f}: cap {cap} -> {target}")
+            st.cap = target
+            self._end_epoch(forget=False)  # the next epoch starts at the next binding poll
+
+    def _storm(self, healthy: dict[str, EngineReading], reasons: list[str]) -> bool:
+        """Rule P1's test; updates the preemption baselines (a first value or a reset only sets one)."""
+        cfg, st = self.config, self.state
+        storming = []
+        for e, r in sorted(healthy.items()):
+            last = st.preemptions.get(e)
+            new = r.preemptions_total - last if last is not None and r.preemptions_total >= last else 0.0
+            st.preemptions[e] = r.preemptions_total
+            if new >= cfg.storm_min_preemptions and new > cfg.storm_fraction * r.running:
+                storming.append(f"{e} ({new:.0f} preempted, {r.running} running)")
+        st.storm = bool(storming)
+        if storming:
+            reasons.append(f"preemption storm on {', '.join(storming)}")
+        return st.storm
+
+    def _produced(self, healthy: dict[str, EngineReading]) -> float:
+        """Generated tokens since the previous poll over the healthy engines (P2)."""
+        st, total = self.state, 0.0
+        for e, r in sorted(healthy.items()):
+            last = st.tokens_total.get(e)
+            if last is not None and r.generation_tokens_total >= last:
+                total += r.generation_tokens_total - last
+            st.tokens_total[e] = r.generation_tokens_total
+        return total
+
+    def _end_epoch(self, *, forget: bool) -> None:
+        """Abandon the running epoch; ``forget`` also drops the previous epoch's rate (the cap was cut)."""
+        st = self.state
+        st.epoch_start_at, st.epoch_tokens, st.epoch_polls = None, 0.0, 0
+        if forget:
+            st.prev_rate = st.prev_cap = None
+
+    def _set_ceiling(self, cap: int) -> None:
+        st = self.state
+        st.ceiling, st.ceiling_at_poll = cap, st.polls
+
     def _observe_admissions(self, now: float, inflight: Sequence[Inflight]) -> None:
         """Count rollouts admitted since the last step (toward growth turnover and the rate window)."""
         st = self.state
@@ -243,7 +389,8 @@ class AdmissionController:
             return room
         if st.window_start is None or now - st.window_start >= cfg.admit_window_s:
             st.window_start, st.window_admitted = now, 0
-        per_window = max(self.group_size, math.ceil(cfg.admit_window_fraction * cap))
+        fraction = cfg.probe_admit_window_fraction if cfg.preset == "probe" else cfg.admit_window_fraction
+        per_window = max(self.group_size, math.ceil(fraction * cap))
         return max(0, min(room, per_window - st.window_admitted))
 
     def _initial_cap(self, healthy: dict[str, EngineReading]) -> int:

@@ -124,6 +124,10 @@ FINAL_DECISION_PATCH = "final-dispatch-decision"
 """Runs started from 0.2.0 on step the controller once more after the last group and log it (histories of
 0.2.0 replay the old path)."""
 
+PROBE_ADMISSION_PATCH = "probe-admission"
+"""Runs started after 0.2.0 run the admission preset their config names (default ``probe``); histories of
+0.2.0, whose configs predate the preset, replay with ``prime-rl``, the only rules they knew."""
+
 RUN_CANCEL_PATCH = "run-cancel"
 """A cancelled run cancels its groups and waits for them (runs of 0.2.0 just ended, abandoning them)."""
 
@@ -339,6 +343,8 @@ class RunWorkflow:
         the last groups run)."""
         st, cfg = self._state, self._cfg
         ds, adm = st.dispatch, cfg.admission
+        if adm.preset != "prime-rl" and not workflow.patched(PROBE_ADMISSION_PATCH):
+            adm = adm.model_copy(update={"preset": "prime-rl"})
         ctl = AdmissionController(adm, ds.admission, group_size=cfg.run.group_size)
         size, started = cfg.run.group_size, 0
         while st.next_group < cfg.run.num_groups or st.slots:

@@ -18,8 +18,15 @@ from workflows.admission import (
 
 
 def cfg(**overrides) -> AdmissionConfig:
-    """Defaults with pacing and turnover off, so each test sees only the rule it is about."""
-    base = {"max_inflight": 1000, "initial_cap": 100, "admit_window_s": 0.0, "grow_turnover": 0.0}
+    """The prime-rl preset (rules 3-8; the probe preset's rules are in test_admission_probe.py), with pacing
+    and turnover off, so each test sees only the rule it is about."""
+    base = {
+        "preset": "prime-rl",
+        "max_inflight": 1000,
+        "initial_cap": 100,
+        "admit_window_s": 0.0,
+        "grow_turnover": 0.0,
+    }
     return AdmissionConfig(**(base | overrides))
 
 
