@@ -4,9 +4,9 @@ flight, and a worker with the current code finishes every one of them: the ledge
 record exists exactly once.
 
 The previous release is materialized with ``git archive`` into the test's temporary directory (removed
-with it) and run from the same virtual environment with ``PYTHONPATH`` pointing at it (``python -P``: the
-current directory is not put first on the path). The CI runs on a clone with full history, so the commit
-is there.
+once its worker has stopped) and run from the same virtual environment with ``PYTHONPATH`` pointing at
+it (``python -P``: the current directory is not put first on the path). The CI runs on a clone with full
+history, so the commit is there.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Awaitable, Callable
@@ -93,6 +94,7 @@ async def test_a_worker_of_the_previous_release_stopped_mid_run_is_succeeded_by_
             at_stop = await _wait_for_records(store, run_id, 4)
         finally:
             procs.stop_pid(old_worker, timeout=5)  # SIGTERM, then SIGKILL after 5 s
+            shutil.rmtree(old)  # the previous release is not needed once its worker is gone
         assert 4 <= at_stop < GROUPS * SIZE, "the stop must land while rollouts are in flight"
         async with worker(client, task_queue, home) as store:
             result = await asyncio.wait_for(client.get_workflow_handle(run_id).result(), 150)
