@@ -57,7 +57,8 @@ P3. Judge: at an epoch's end, if the previous epoch ran at a smaller cap: a rate
     ``fast_below_usage`` (below it more rollouts cannot slow the engines down), a rate less than
     ``min_gain`` above it keeps the cap; both make the cap a ceiling. A ceiling is lifted
     ``reprobe_polls`` polls after it was set.
-P4. Probe: otherwise, when the epoch saw no storm and no engine waits for capacity now, the cap grows by
+P4. Probe: otherwise, unless the capacity queue persists (``queue_polls`` consecutive polls queued as in rule
+    4: at a full cache some requests always wait, which alone says nothing), the cap grows by
     ``fast_factor`` while the mean KV usage over healthy engines is below ``fast_below_usage``, else by
     ``probe_factor`` (at least +1), never past a ceiling. Mean, not worst: new rollouts go to the least
     loaded replicas, and one full replica throttles itself by preempting, which P1 watches per engine.
@@ -275,6 +276,8 @@ class AdmissionController:
             st.ceiling = st.ceiling_at_poll = None
         stormed = self._storm(healthy, reasons)
         produced = self._produced(healthy)
+        queued = any(r.waiting_capacity > cfg.queue_ratio * r.running for r in healthy.values())
+        st.queue_streak = st.queue_streak + 1 if queued else 0
         if stormed:
             st.storm_polls += 1
             if st.draining:
@@ -322,8 +325,8 @@ class AdmissionController:
                     reasons.append(f"probe flat ({rate:.0f} vs {prev_rate:.0f} tok/s): ceiling {cap}")
                     self._set_ceiling(cap)
                 return
-        waits = any(r.waiting_capacity > 0 for r in healthy.values())
-        if waits or cap >= cfg.max_inflight or (st.ceiling is not None and cap >= st.ceiling):
+        persistent_queue = st.queue_streak >= cfg.queue_polls
+        if persistent_queue or cap >= cfg.max_inflight or (st.ceiling is not None and cap >= st.ceiling):
             return
         factor = cfg.fast_factor if mean_usage < cfg.fast_below_usage else cfg.probe_factor
         target = self._clamp(max(cap + 1, math.floor(cap * factor)))

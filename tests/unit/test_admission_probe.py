@@ -129,9 +129,13 @@ def test_preemptions_short_of_a_storm_cut_nothing():
     assert not d.storm and d.cap == 15  # the epoch completes and the cap grows
 
 
-def test_requests_waiting_for_capacity_stop_growth():
-    tr = Trace(AdmissionController(cfg()))
-    assert tr.epoch(waiting=1).cap == 10
+def test_a_persistent_capacity_queue_stops_growth_and_a_passing_one_does_not():
+    tr = Trace(AdmissionController(cfg(queue_polls=2)))
+    assert tr.epoch(waiting=1, running=10).cap == 15  # 1 <= 0.5 × 10: not a queued poll
+    tr = Trace(AdmissionController(cfg(queue_polls=2)))
+    assert tr.epoch(waiting=6, running=10).cap == 10  # queued for 3 polls >= queue_polls
+    tr = Trace(AdmissionController(cfg(queue_polls=5)))
+    assert tr.epoch(waiting=6, running=10).cap == 15  # queued, but not yet for queue_polls
 
 
 def test_a_cap_that_does_not_bind_measures_nothing():
