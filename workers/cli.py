@@ -410,11 +410,18 @@ def worker(
     metrics_host: Annotated[
         str, typer.Option(help="Address the metrics bind (0.0.0.0 in a container scraped over a network).")
     ] = "127.0.0.1",
+    store: Annotated[
+        str | None,
+        typer.Option(
+            help="Run store URL (postgresql://..., sqlite:///dir, a directory); default $ROLLOUTS_STORE."
+        ),
+    ] = None,
 ) -> None:
     """Start an additional worker (runs until Ctrl-C or SIGTERM)."""
     from workers.worker import main as worker_main
 
     argv = ["--address", address, "--task-queue", task_queue] + (["--unsandboxed"] if unsandboxed else [])
+    argv += ["--store", store] if store else []
     if metrics_port is not None:
         argv += ["--metrics-port", str(metrics_port), "--metrics-host", metrics_host]
     worker_main(argv)
