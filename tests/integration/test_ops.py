@@ -112,6 +112,7 @@ async def test_stuck_lists_exactly_the_rollouts_of_a_frozen_engine_and_the_web_u
                 "task_file": never_tasks(tmp_path),
             },
             rollout={"max_turns": 24, "max_total_tokens": 4096},
+            engine={"stall_timeout_s": 0},  # unwatched: the stall watchdog would fail them over in 10 s
         )
         async with worker(client, task_queue, tmp_path) as store:
             handle = await start_run(client, cfg, run_id)
