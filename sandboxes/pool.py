@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -60,6 +60,14 @@ class SandboxPoolConfig(BaseModel):
     """Seconds from asking for a slot to its being ready (node boot, image pull)."""
     tasks_per_minute: float = Field(600.0, gt=0.0, le=1_000_000.0)
     """Admission rate of sandboxed rollouts while the pool scales up (token bucket, burst one group)."""
+    placement: Literal["local", "hosts"] = "local"
+    """``local``: every worker starts sandboxes on its own Docker daemon, the slots counted here (the
+    initial size scaling up to the maximum). ``hosts``: sandboxes run on registered sandbox hosts
+    (``rollouts worker --sandbox-host``, sandboxes/hosts.py), the capacity their live slots (to max_size)."""
+    host_timeout_s: float = Field(15.0, gt=0.0, le=3600.0)
+    """``hosts``: a host whose last heartbeat is older is gone: nothing new is placed on it, and its rollouts
+    move to another host when they next reach their sandbox (sandbox activities on its queue wait at most
+    this long to start)."""
 
     @model_validator(mode="after")
     def _check(self) -> SandboxPoolConfig:

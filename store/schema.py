@@ -71,11 +71,21 @@ CREATE TABLE IF NOT EXISTS pool_holders (key TEXT PRIMARY KEY, at REAL NOT NULL)
 CREATE TABLE IF NOT EXISTS pool_waiters (key TEXT PRIMARY KEY, at REAL NOT NULL);
 """,
     ),
+    (
+        4,
+        """
+CREATE TABLE IF NOT EXISTS sandbox_hosts (
+    name TEXT PRIMARY KEY, task_queue TEXT NOT NULL, docker_host TEXT NOT NULL, slots INTEGER NOT NULL,
+    state TEXT NOT NULL, started_at REAL NOT NULL, heartbeat_at REAL NOT NULL);
+ALTER TABLE pool_holders ADD COLUMN host TEXT;
+""",
+    ),
 ]
 """(version, DDL) in order. 1: the manual-actions log of ``rollouts cancel/retry/terminate``. 2: token
 arrays packed in the segment row (``tokens`` int32, ``logprobs`` float32, little-endian; ``versions`` the
 policy version of each token, run-length encoded JSON); rows written before it keep ``tokens`` NULL and
 name their JSON file under the store root in ``blob``, and are read from there. 3: the sandbox pool's
-state (sandboxes/pool.py), shared by every worker of the store instead of one file per host."""
+state (sandboxes/pool.py), shared by every worker of the store instead of one file per host. 4: sandbox
+hosts (sandboxes/hosts.py) and the host each pool slot is held on."""
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]
