@@ -22,7 +22,9 @@ Invariants:
   interval causes no probe at all (the fast path costs one task and a timed wait);
 - the probe only reads: what a call returns is exactly what the engine returned, never re-requested;
 - an engine without these counters (or without ``/metrics``: any answer below 500 counts) is judged only
-  on whether it answers.
+  on whether it answers;
+- a worker that did not run for a while (SIGSTOPped, its event loop blocked) blames nothing on the engine:
+  the silence it then sees is its own, and each outstanding call is judged afresh from its wake-up.
 
 The stall timeout of the calls made in a task is `stall_timeout` (a context variable the model-call
 activities set from the run's ``engine.stall_timeout_s``), else the client's default (None: unwatched, so
@@ -50,6 +52,9 @@ DEFAULT_STALL_TIMEOUT_S = 10.0
 PROBE_FRACTION = 0.25
 """Probe interval as a fraction of the stall timeout."""
 MIN_PROBE_S = 0.1
+LATE_S = 0.5
+"""A watcher woken this much later than two probe intervals was not running (its process frozen or its
+event loop starved): the silence it sees is its own, so it judges the engine afresh from then on."""
 COUNTERS = ("vllm:generation_tokens_total", "vllm:prompt_tokens_total")
 
 stall_timeout: ContextVar[float | None] = ContextVar("engine_stall_timeout_s", default=None)
@@ -103,6 +108,7 @@ class Watchdog:
         if e.probe is None or e.probe.done():
             e.probe = asyncio.create_task(self._probe(base_url, e, stall_s))
         task = asyncio.ensure_future(aw)
+        woke = start
         try:
             while True:
                 done, _ = await asyncio.wait({task}, timeout=interval)
@@ -111,6 +117,10 @@ class Watchdog:
                     if model_call:
                         e.changed_at = self._clock()  # a model call that completed is progress
                     return result
+                now = self._clock()
+                if now - woke > 2 * interval + LATE_S:
+                    start = now  # this process did not run meanwhile (frozen, starved): judge afresh
+                woke = now
                 reason = self._stalled(e, start, stall_s, model_call)
                 if reason is not None:
                     raise EngineStalled(f"engine {base_url} stalled: {reason}; call abandoned")

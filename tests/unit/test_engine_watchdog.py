@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -164,6 +165,22 @@ async def test_a_request_queued_behind_others_that_progress_is_not_stalled(
         gens = await asyncio.gather(*(_gen(client, url, f"r/g/0/{i}/1") for i in range(3)))
     assert [len(g.token_ids) for g in gens] == [33, 33, 33]
     assert max(g.model_s for g in gens) > STALL_S + 0.3
+
+
+async def test_a_worker_that_did_not_run_for_a_while_blames_nothing_on_the_engine(
+    serve: Callable[..., Awaitable[Served]],
+) -> None:
+    """The event loop blocked for longer than the stall timeout mid-call (as a SIGSTOPped worker; the
+    simulated engine shares the loop, so it pauses too and then goes on): no probe could run, and the call
+    ends with its reply instead of failing as a stall."""
+    _, url, client, probes = await serve(random_min_tokens=64, random_max_tokens=64, decode_ms_per_token=20)
+    with watching(STALL_S):
+        call = asyncio.ensure_future(_gen(client, url))
+        await asyncio.sleep(STALL_S / 2)
+        time.sleep(2 * STALL_S)  # the point: nothing of this process runs
+        gen = await call
+    assert len(gen.token_ids) == 65
+    assert probes.count("/metrics") >= 1
 
 
 async def test_a_call_that_ends_within_one_probe_interval_probes_nothing(
