@@ -2,9 +2,10 @@
 
 The engine gets 20 blocks of 32 tokens (``--num-gpu-blocks-override``): a few multi-turn math rollouts
 fill it. Started all at once, the same rollouts overflow it and vLLM preempts (recomputes) requests; under
-the adaptive controller (starting at KV capacity / max length) the cap grows only while there is headroom,
+the prime-rl preset (starting at KV capacity / max length) the cap grows only while there is headroom,
 is trimmed when a poll sees usage over 80 % and cut on the first preemptions, and the run completes with a
-few preemptions, never a storm.
+few preemptions, never a storm. The probe preset (the default) admits more than KV capacity / max length
+(most rollouts never reach the full length) without a preemption storm (rule P1) in its dispatch log.
 """
 
 from __future__ import annotations
@@ -64,7 +65,9 @@ async def test_the_controller_trims_before_a_small_kv_cache_fills_and_avoids_a_p
         before = preemptions(small_kv.url)
         flood = await run_to_end(client, run_config(small_kv.url, task_queue), "flood")
         flooded = preemptions(small_kv.url) - before
-        adaptive_cfg = run_config(small_kv.url, task_queue, enabled=True, grow_turnover=0.5)
+        adaptive_cfg = run_config(
+            small_kv.url, task_queue, enabled=True, preset="prime-rl", grow_turnover=0.5
+        )
         before = preemptions(small_kv.url)
         adaptive = await run_to_end(client, adaptive_cfg, "adaptive")
         adapted = preemptions(small_kv.url) - before
@@ -84,3 +87,26 @@ async def test_the_controller_trims_before_a_small_kv_cache_fills_and_avoids_a_p
     # usage peaks between polls), else a cut on the first preemptions; either way no storm follows.
     assert trims or adapted == 0, "preemptions, and the controller never trimmed or cut"
     assert adapted <= max(2, flooded // 3), f"preemption storm: {adapted} vs {flooded} without admission"
+
+
+@pytest.mark.timeout(300)
+async def test_the_probe_admits_past_the_kv_cap_without_a_preemption_storm(
+    client: Client, small_kv: Engine, task_queue: str, tmp_path: Path
+) -> None:
+    kv_cap = BLOCKS * BLOCK // ROLLOUT_MAX  # 3: what every rollout at its full length would need
+    cfg = run_config(small_kv.url, task_queue, enabled=True, preset="probe", max_inflight=32)
+    async with worker(client, task_queue, tmp_path) as store:
+        before = preemptions(small_kv.url)
+        result = await run_to_end(client, cfg, "probe")
+        preempted = preemptions(small_kv.url) - before
+        log = store.dispatch_log("probe")
+    assert result.done
+    rollouts, _ = export(store, "probe")
+    assert len({r["rollout_id"] for r in rollouts}) == len(rollouts) == 32  # every rollout ended once
+    assert all(r["outcome"] in ("completed", "truncated") for r in rollouts)  # the probe cancels nothing
+    caps, inflight = [e["cap"] for e in log], [e["inflight"] for e in log]
+    storms = [e for e in log if any("preemption storm" in why for why in e["reasons"])]
+    print(f"\nprobe: caps {sorted(set(caps))}, most in flight {max(inflight)}, {preempted:.0f} preemptions")
+    assert log[0]["cap"] == kv_cap
+    assert max(caps) > kv_cap and max(inflight) > kv_cap, "the probe never went past the KV cap"
+    assert storms == [], f"preemption storm: {storms[0]['reasons']}"

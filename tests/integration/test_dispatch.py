@@ -83,6 +83,7 @@ async def test_a_full_kv_cache_cancels_the_youngest_rollouts_for_admission(
             sampling={"max_tokens": 64},
             admission={
                 **FAST_POLL,
+                "preset": "prime-rl",  # hard trims cancel; the probe preset never cancels
                 "initial_cap": 16,
                 "max_model_len": 640,
                 "redispatch_cancelled": redispatch,
