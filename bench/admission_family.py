@@ -13,7 +13,7 @@ prime-rl, KV cap, sync; adaptive's preemptions, storm polls (rule P1's definitio
 counters) and wasted tokens, beside the oracle's. Targets (issue 12): adaptive >= 0.9 × oracle, >= 1.3 × KV
 cap, no storm poll.
 
-    python -m bench.admission_family --out bench/results/admission_family.json
+    python bench/admission_family.py --out bench/results/admission_family.json
 
 ``--workloads`` runs a subset (two processes can share the family); ``--merge A.json B.json --out C.json``
 joins their results and prints the table.
@@ -27,7 +27,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from bench.admission_fleet import Workload, _parser, fixed_cap, run_policy
+from admission_fleet import Workload, _parser, fixed_cap, run_policy  # bench/ is on sys.path as a script
 
 FAMILY: dict[str, dict[str, Any]] = {
     "default": {},

@@ -289,7 +289,8 @@ async def sample_inflight(
                 continue
             sched = e.steps.scheduler
             total = sched.stats.preemptions
-            new = total - last[i] if last[i] is not None else 0
+            prev = last[i]
+            new = total - prev if prev is not None else 0
             last[i] = total
             storming |= new >= cfg.storm_min_preemptions and new > cfg.storm_fraction * sched.running
         if storming:

@@ -46,7 +46,7 @@ import random
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -219,7 +219,7 @@ def fit_timing(real: dict[str, Any], args: argparse.Namespace) -> dict[str, floa
 
 
 @contextlib.asynccontextmanager
-async def real_engine(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+async def real_engine(args: argparse.Namespace) -> AsyncIterator[str]:
     from config.models import StackConfig
     from workers import procs
 

@@ -78,7 +78,7 @@ class TimingSettings(BaseModel):
     """Added per prompt token computed beyond one per sequence; prefix-cached blocks cost nothing."""
     preemption_steps: float = Field(default=19.0, ge=0.0, le=10_000.0)
     """Added per preempted sequence, in units of ``step_base_ms``, beyond the recompute's prefill. 19: fitted
-    on vLLM-CPU (bench/results/calibrate_simengine.json: 19.4); on a GPU the same multiple is an assumption."""
+    on vLLM-CPU (bench/results/calibrate_simengine.json: 19.4); on a GPU the same multiple is assumed."""
     max_num_batched_tokens: int = Field(default=8192, ge=1)
     """Tokens computed per step at most (vLLM's chunked-prefill budget); longer prompts take several steps."""
     time_scale: float = Field(default=1.0, gt=0.0, le=1000.0)
