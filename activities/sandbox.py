@@ -22,12 +22,13 @@ from temporalio.common import RetryPolicy
 
 from activities.calls import Options, options
 from activities.heartbeat import heartbeating
-from contracts.types import SandboxCreated, SandboxStepInput
+from contracts.sandbox import SandboxCreated, SandboxPlaceInput, SandboxPlacement, SandboxStepInput
 from envs import registry
 from envs.base import SandboxPlan, TurnContext
 from errors import EnvironmentFailure, RolloutError, SandboxGone, SandboxPathError, names
 from sandboxes import AsyncSandboxBackend, SandboxHandle
 from sandboxes.base import BoundSandbox
+from sandboxes.hosts import SandboxHosts
 from sandboxes.pool import SandboxPool
 from store import RunStore
 
@@ -49,7 +50,8 @@ class SandboxActivities:
         self.store = store
         self._make_backend = backend
         self._backend: AsyncSandboxBackend | None = None
-        self.pool = pool or SandboxPool(store)
+        self.pool = pool if isinstance(pool, SandboxHosts) else SandboxHosts(pool.db if pool else store)
+        """The pool's slots, on the worker's count (``placement = "local"``) or on registered hosts."""
 
     @property
     def backend(self) -> AsyncSandboxBackend:
@@ -72,6 +74,25 @@ class SandboxActivities:
         task = env.validate_task(row, where=f"run {inp.run_id} task {inp.task_id}")
         return task, env.sandbox(task, inp.spec)
 
+    @options(Options(timedelta(seconds=30), SANDBOX_RETRY))
+    @activity.defn
+    async def sandbox_place(self, inp: SandboxPlaceInput) -> SandboxPlacement:
+        """Hold a slot on a live sandbox host for the rollout (idempotent; ``placement = "hosts"``); any
+        worker of the store runs it. None free raises a non-retryable ``SandboxSlotPending`` with the
+        seconds to wait in its details: the workflow backs off durably, as for the local pool."""
+        try:
+            host = await asyncio.to_thread(self.pool.place, inp.rollout_id, inp.pool, frozenset(inp.avoid))
+        except RolloutError as e:
+            raise e.to_application_error() from e
+        return SandboxPlacement(host=host.name, task_queue=host.task_queue)
+
+    @options(Options(timedelta(seconds=30), SANDBOX_RETRY))
+    @activity.defn
+    async def sandbox_release(self, rollout_id: str) -> None:
+        """Give back a rollout's slot without its host (a host that is gone cannot destroy the container;
+        its reaper removes it when the host comes back). Absent is fine."""
+        await asyncio.to_thread(self.pool.release, rollout_id)
+
     @options(Options(timedelta(minutes=5), SANDBOX_RETRY, heartbeat=timedelta(seconds=30)))
     @activity.defn
     async def sandbox_create(self, inp: SandboxStepInput) -> SandboxCreated:
@@ -86,7 +107,7 @@ class SandboxActivities:
             _, plan = await self._plan(inp)
             if plan is None:
                 return SandboxCreated(created=False)
-            if inp.pool is not None:
+            if inp.pool is not None and inp.pool.placement == "local":  # "hosts": sandbox_place held it
                 await asyncio.to_thread(self.pool.acquire, inp.rollout_id, inp.pool)
             handle = await heartbeating(self.backend.create(inp.rollout_id, inp.run_id, plan.spec))
             known = await asyncio.to_thread(self.store.get_sandbox, inp.rollout_id)
@@ -156,3 +177,7 @@ class SandboxActivities:
 
     def all(self) -> list:
         return [self.sandbox_create, self.sandbox_destroy, self.sandbox_recover]
+
+    def placement(self) -> list:
+        """The activities any worker of the store runs for sandbox hosts (the run's own queue)."""
+        return [self.sandbox_place, self.sandbox_release]

@@ -9,17 +9,20 @@ carries across continue-as-new), never one object that is both.
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from config.models import Config
+from contracts.sandbox import SandboxCreated, SandboxPlaceInput, SandboxPlacement, SandboxStepInput
 from sandboxes.base import SandboxSpec
 from sandboxes.pool import PoolStatus, SandboxPoolConfig
 
 
 class _Data(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+__all__ = ["SandboxCreated", "SandboxPlaceInput", "SandboxPlacement", "SandboxStepInput"]  # re-exported
 
 
 class EngineReading(BaseModel):
@@ -214,6 +217,11 @@ class RolloutState(_Data):
     """A sandbox was created for this rollout (and must be destroyed at its end)."""
     sandbox_host: str | None = None
     """The Docker daemon running the rollout's sandbox (``SandboxCreated.host``)."""
+    sandbox_queue: str | None = None
+    """``placement = "hosts"``: the task queue of the sandbox host the rollout is placed on (its sandbox
+    activities and sandboxed env steps run there); None: the run's own queue."""
+    sandbox_avoid: list[str] = Field(default_factory=list)
+    """Sandbox hosts this rollout could not reach; placement never picks them again."""
     sandbox_replays: int = 0
     """Sandboxes lost and replaced by replaying the recorded actions."""
     sandbox_slot_waits: int = 0
@@ -575,21 +583,6 @@ class StoredOutcome(_Data):
     """Whether this call wrote the record (False: it existed already)."""
 
 
-class SandboxCreated(_Data):
-    """What ``sandbox_create`` did: whether the task got a sandbox, and where it runs."""
-
-    created: bool
-    """False when the environment gives this task no sandbox."""
-    host: str | None = None
-    """The Docker daemon running it (its name as ``docker info`` reports it); None if unknown."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _from_bool(cls, value: Any) -> Any:
-        """Histories written before the host was reported carry a bare bool."""
-        return {"created": value} if isinstance(value, bool) else value
-
-
 class TerminatedGroupInput(_Data):
     """A group terminated by hand (``rollouts terminate GROUP``): the members to account for."""
 
@@ -615,22 +608,6 @@ class TerminatedGroup(_Data):
 class FinalizeGroupInput(_Data):
     record: GroupResult
     advantages: dict[str, float | None]
-
-
-class SandboxStepInput(_Data):
-    """One sandbox operation of a rollout (create, recover): its sandbox is keyed by the rollout id."""
-
-    run_id: str
-    rollout_id: str
-    task_id: str
-    env: str
-    turn: int
-    engine_url: str
-    model: str
-    spec: SandboxSpec
-    """The run's default spec; the environment derives the task's own from it."""
-    pool: SandboxPoolConfig | None = None
-    """Hold a slot of this pool first (create only); None = no pool gating."""
 
 
 RunInput.model_rebuild()

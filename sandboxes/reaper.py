@@ -52,11 +52,20 @@ async def reap_orphans(
 
 
 async def reap_forever(
-    client: Client, backend: AsyncSandboxBackend, every_s: float = 60.0, pool: SandboxPool | None = None
+    client: Client,
+    backend: AsyncSandboxBackend,
+    every_s: float = 60.0,
+    pool: SandboxPool | None = None,
+    first_s: float | None = None,
 ) -> None:
-    """Run the reaper periodically (a worker's background task); errors are logged, never fatal."""
+    """Run the reaper periodically (a worker's background task); errors are logged, never fatal.
+
+    The first pass comes ``first_s`` after the start (default ``every_s``): a sandbox host that rejoins
+    reaps at once what its rollouts left while it was gone."""
+    wait = every_s if first_s is None else first_s
     while True:
-        await asyncio.sleep(every_s)
+        await asyncio.sleep(wait)
+        wait = every_s
         try:
             removed = await reap_orphans(client, backend, pool=pool)
         except Exception as e:  # a daemon hiccup must not take the worker down

@@ -416,6 +416,13 @@ def worker(
             help="Run store URL (postgresql://..., sqlite:///dir, a directory); default $ROLLOUTS_STORE."
         ),
     ] = None,
+    sandbox_host: Annotated[
+        str | None, typer.Option(help="Be a sandbox host of this name (sandbox_pool.placement = 'hosts').")
+    ] = None,
+    docker_host: Annotated[
+        str | None, typer.Option(help="The sandbox host's Docker daemon: unix:///..., tcp://... or ssh://...")
+    ] = None,
+    sandbox_slots: Annotated[int, typer.Option(help="Sandboxes the host runs at once.")] = 8,
 ) -> None:
     """Start an additional worker (runs until Ctrl-C or SIGTERM)."""
     from workers.worker import main as worker_main
@@ -424,6 +431,10 @@ def worker(
     argv += ["--store", store] if store else []
     if metrics_port is not None:
         argv += ["--metrics-port", str(metrics_port), "--metrics-host", metrics_host]
+    if sandbox_host is not None:
+        argv += ["--sandbox-host", sandbox_host, "--sandbox-slots", str(sandbox_slots)]
+    if docker_host is not None:
+        argv += ["--docker-host", docker_host]
     worker_main(argv)
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import os
 import signal
 from collections.abc import Callable
 from pathlib import Path
@@ -26,9 +28,11 @@ from contracts.client import connect
 from engines.client import EngineClient
 from metrics.serve import ActivitiesInFlight, serve_metrics, temporal_runtime
 from sandboxes import AsyncSandboxBackend, DockerBackend, SandboxError
+from sandboxes.hosts import SandboxHosts
 from sandboxes.pool import SandboxPool
 from sandboxes.reaper import reap_forever
 from store import RunStore, open_store
+from workers.sandbox_host import SandboxHostSpec, build_host_worker, docker_at, registered
 from workflows.group import GroupWorkflow
 from workflows.rollout import RolloutWorkflow
 from workflows.run import RunWorkflow
@@ -55,7 +59,7 @@ def build_worker(
     workflow task, at the price of the sandbox's guard against non-deterministic calls (the replay check
     of history still applies). The workflows here import nothing non-deterministic; the default keeps it.
     """
-    pool = SandboxPool(store)  # the pool state lives in the store, shared by its workers on any host
+    pool = SandboxHosts(store)  # the pool's state lives in the store, shared by its workers on any host
     sandbox_acts = SandboxActivities(store, sandboxes, pool)
     env_acts = EnvironmentActivities(store, engine, sandbox_acts)
     rollout_acts = RolloutActivities(store, engine, env_acts)
@@ -65,7 +69,11 @@ def build_worker(
         client,
         task_queue=task_queue,
         workflows=WORKFLOWS,
-        activities=rollout_acts.all() + env_acts.all() + sandbox_acts.all() + dispatch_acts.all(),
+        activities=rollout_acts.all()
+        + env_acts.all()
+        + sandbox_acts.all()
+        + sandbox_acts.placement()
+        + dispatch_acts.all(),
         max_concurrent_activities=256,
         max_concurrent_workflow_tasks=64,
         interceptors=[ActivitiesInFlight()],
@@ -83,9 +91,13 @@ async def serve(
     metrics_port: int | None = None,
     sdk_metrics_port: int | None = None,
     metrics_host: str = "127.0.0.1",
+    sandbox_host: SandboxHostSpec | None = None,
 ) -> None:
     """Run a worker until SIGTERM/SIGINT; serve metrics on ``metrics_host`` at the ports given (None: not
-    served). Bind ``0.0.0.0`` only where a scraper on another host (a compose network) must reach them."""
+    served). Bind ``0.0.0.0`` only where a scraper on another host (a compose network) must reach them.
+
+    With ``sandbox_host`` the worker is also a sandbox host (workers/sandbox_host.py): registered in the
+    store with its capacity, polling its own queue, its sandboxes on its own Docker daemon."""
     client = await connect(address, namespace, runtime=temporal_runtime(sdk_metrics_port, metrics_host))
     store = open_store(store_url, home=home)
     engine = EngineClient()
@@ -93,12 +105,23 @@ async def serve(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    reaper = _start_reaper(client, SandboxPool(store))
+    sandboxes = docker_sandboxes if sandbox_host is None else docker_at(sandbox_host.docker_host)
+    first = None if sandbox_host is None else 0.0
+    reaper = _start_reaper(client, SandboxPool(store), sandboxes, first_s=first)
     try:
         with serve_metrics(metrics_port, metrics_host) as port:
-            async with build_worker(client, task_queue, store, engine, sandboxed=sandboxed):
+            async with contextlib.AsyncExitStack() as stack:
+                await stack.enter_async_context(
+                    build_worker(client, task_queue, store, engine, sandboxes, sandboxed=sandboxed)
+                )
+                if sandbox_host is not None:
+                    await stack.enter_async_context(
+                        build_host_worker(client, task_queue, store, engine, sandbox_host)
+                    )
+                    await stack.enter_async_context(registered(store, task_queue, sandbox_host))
                 served = f", metrics on :{port}" if port is not None else ""
-                print(f"worker polling {task_queue!r} on {address}{served}", flush=True)
+                host = f", sandbox host {sandbox_host.name}" if sandbox_host is not None else ""
+                print(f"worker polling {task_queue!r} on {address}{served}{host}", flush=True)
                 await stop.wait()
     finally:
         if reaper is not None:
@@ -106,13 +129,19 @@ async def serve(
         await engine.aclose()
 
 
-def _start_reaper(client: Client, pool: SandboxPool) -> asyncio.Task | None:
-    """Reap orphaned sandboxes in the background where a Docker daemon answers."""
+def _start_reaper(
+    client: Client,
+    pool: SandboxPool,
+    sandboxes: Callable[[], AsyncSandboxBackend] = docker_sandboxes,
+    first_s: float | None = None,
+) -> asyncio.Task | None:
+    """Reap orphaned sandboxes in the background where a Docker daemon answers (a sandbox host reaps at
+    once: what its rollouts left while it was gone)."""
     try:
-        backend = docker_sandboxes()
+        backend = sandboxes()
     except SandboxError:
         return None
-    return asyncio.create_task(reap_forever(client, backend, pool=pool))
+    return asyncio.create_task(reap_forever(client, backend, pool=pool, first_s=first_s))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -149,7 +178,23 @@ def main(argv: list[str] | None = None) -> None:
         help="address the metrics ports bind (default 127.0.0.1; 0.0.0.0 in a container scraped over a "
         "network)",
     )
+    parser.add_argument("--sandbox-host", default=None, help="be a sandbox host of this name (--docker-host)")
+    parser.add_argument(
+        "--docker-host",
+        default=None,
+        help="the sandbox host's Docker daemon: unix:///path, tcp://host:port or ssh://user@host "
+        "(default: $DOCKER_HOST, else the local socket)",
+    )
+    parser.add_argument("--sandbox-slots", type=int, default=8, help="sandboxes the host runs at once")
     args = parser.parse_args(argv)
+    if args.sandbox_host is not None and args.sandbox_slots < 1:
+        parser.error("--sandbox-slots must be at least 1")
+    host = None
+    if args.sandbox_host is not None:
+        docker_host = args.docker_host or os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
+        host = SandboxHostSpec(args.sandbox_host, docker_host, args.sandbox_slots)
+    elif args.docker_host is not None:
+        parser.error("--docker-host needs --sandbox-host NAME")
     sdk_port = args.sdk_metrics_port
     if sdk_port is None and args.metrics_port:  # 0 (a free port) has no neighbour to name
         sdk_port = args.metrics_port + 1
@@ -163,6 +208,7 @@ def main(argv: list[str] | None = None) -> None:
             metrics_port=args.metrics_port,
             sdk_metrics_port=sdk_port,
             metrics_host=args.metrics_host,
+            sandbox_host=host,
         )
     )
 

@@ -23,12 +23,24 @@ async def call(
     retry: RetryPolicy | None = None,
     start_to_close: timedelta | None = None,
     summary: str | None = None,
+    task_queue: str | None = None,
+    schedule_to_start: timedelta | None = None,
 ) -> Any:
-    """Run the activity method ``fn`` (``Class.method``) with its declared options; returns its result."""
+    """Run the activity method ``fn`` (``Class.method``) with its declared options; returns its result.
+
+    ``task_queue`` sends it to a queue other than the workflow's (a sandbox host's), where
+    ``schedule_to_start`` bounds the wait for a worker to pick it up (a host that is gone answers with a
+    non-retried ScheduleToStart timeout instead of a wait without end). Regular activities only.
+    """
     opts = options_of(fn)
     kw = opts.kwargs(retry=retry, start_to_close=start_to_close)
     if summary is not None:
         kw["summary"] = summary
+    if task_queue is not None:
+        assert not opts.local, f"{fn.__qualname__}: a local activity runs on the workflow's worker"
+        kw["task_queue"] = task_queue
+        if schedule_to_start is not None:
+            kw["schedule_to_start_timeout"] = schedule_to_start
     if opts.local:
         return await workflow.execute_local_activity_method(fn, args=list(args), **kw)
     return await workflow.execute_activity_method(fn, args=list(args), **kw)

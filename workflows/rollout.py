@@ -390,11 +390,12 @@ class RolloutWorkflow:
     async def _env_step(self, inp: RolloutInput, last: bool, score_only: bool = False) -> EnvStepResult:
         self._enter(Phase.ENV, index=not inp.env.inline_steps)
         step = self._step_input(inp, last, score_only)
-        run = lambda: call(EnvironmentActivities.env_step, step)  # noqa: E731
         if self._sandbox is None:
-            result = await run()
+            result = await call(EnvironmentActivities.env_step, step)
         else:
-            result = await self._sandbox.recovering(self._engine, self._s.turn, run)
+            sandbox = self._sandbox
+            run = lambda: sandbox.on_host(EnvironmentActivities.env_step, step)  # noqa: E731
+            result = await sandbox.recovering(self._engine, self._s.turn, run)
         self._stop_if_cancelled()
         return result
 

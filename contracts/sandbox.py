@@ -1,0 +1,65 @@
+"""The data of a rollout's sandbox crossing Temporal: where it is placed, what creating it did, one operation.
+
+Invariant: as in ``contracts.types``, only keys, counts and small scalars; nothing heavier than pydantic,
+the config models and the sandbox spec is imported.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from sandboxes.base import SandboxSpec
+from sandboxes.pool import SandboxPoolConfig
+
+
+class _Data(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SandboxPlaceInput(_Data):
+    """Ask for a sandbox host for a rollout (``placement = "hosts"``)."""
+
+    rollout_id: str
+    pool: SandboxPoolConfig
+    avoid: list[str] = Field(default_factory=list)
+    """Hosts the rollout could not reach (their queue had no poller within ``host_timeout_s``)."""
+
+
+class SandboxPlacement(_Data):
+    """The host that runs a rollout's sandbox, and the task queue of its sandbox activities."""
+
+    host: str
+    task_queue: str
+
+
+class SandboxCreated(_Data):
+    """What ``sandbox_create`` did: whether the task got a sandbox, and where it runs."""
+
+    created: bool
+    """False when the environment gives this task no sandbox."""
+    host: str | None = None
+    """The Docker daemon running it (its name as ``docker info`` reports it); None if unknown."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_bool(cls, value: Any) -> Any:
+        """Histories written before the host was reported carry a bare bool."""
+        return {"created": value} if isinstance(value, bool) else value
+
+
+class SandboxStepInput(_Data):
+    """One sandbox operation of a rollout (create, recover): its sandbox is keyed by the rollout id."""
+
+    run_id: str
+    rollout_id: str
+    task_id: str
+    env: str
+    turn: int
+    engine_url: str
+    model: str
+    spec: SandboxSpec
+    """The run's default spec; the environment derives the task's own from it."""
+    pool: SandboxPoolConfig | None = None
+    """Hold a slot of this pool first (create only); None = no pool gating."""
