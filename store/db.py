@@ -222,7 +222,8 @@ class PostgresDatabase(Database):
         import psycopg
 
         try:
-            conn = psycopg.connect(self.url, autocommit=True, connect_timeout=10)
+            # text comes back as str whatever the database's encoding (a SQL_ASCII one hands back bytes)
+            conn = psycopg.connect(self.url, autocommit=True, connect_timeout=10, client_encoding="utf8")
         except psycopg.OperationalError as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             error = StoreError if self._reached else ConfigError
