@@ -34,16 +34,8 @@ if [[ $FORCE -eq 0 ]] && docker image inspect "$TAG" >/dev/null 2>&1; then
     exit 0
 fi
 
-find_mirror() {
-    # deb822 "URIs:" lines first, then one-line "deb URL suite" entries; skip the security archive.
-    local files=(/etc/apt/sources.list /etc/apt/sources.list.d/*.sources /etc/apt/sources.list.d/*.list)
-    local uri
-    uri=$(grep -hs '^URIs:' "${files[@]}" | awk '{print $2}' | grep -v security | grep -i debian | head -n1 || true)
-    if [[ -z "$uri" ]]; then
-        uri=$(grep -hs '^deb ' "${files[@]}" | awk '{print $2}' | grep -v security | grep -i debian | head -n1 || true)
-    fi
-    echo "${uri:-http://deb.debian.org/debian}"
-}
+# shellcheck source=/dev/null
+source "$(dirname "$0")/debian_mirror.sh"
 [[ -n "$MIRROR" ]] || MIRROR=$(find_mirror)
 
 start=$(date +%s)

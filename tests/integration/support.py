@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import io
 import json
-from collections.abc import AsyncIterator, Iterable
+import time
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -128,3 +129,13 @@ async def wait_for_first_command(store: RunStore, rid: str) -> None:
             return
         await asyncio.sleep(0.1)
     raise AssertionError(f"rollout {rid} never started its first command")
+
+
+async def until(check: Callable[[], bool], timeout_s: float, what: str, every_s: float = 0.5) -> None:
+    """Poll ``check`` (run in a thread: it may block on Docker or the store) until it holds."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if await asyncio.to_thread(check):
+            return
+        await asyncio.sleep(every_s)
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")

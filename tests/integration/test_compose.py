@@ -17,7 +17,7 @@ import subprocess
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,6 +27,7 @@ from config.paths import REPO_ROOT
 from contracts.client import connect
 from faults.ledger import check_run
 from store import open_store
+from tests.integration.support import until
 
 COMPOSE = shutil.which("docker-compose")
 LOCAL = REPO_ROOT / "docker-compose.local.yml"
@@ -155,7 +156,7 @@ async def test_a_math_run_through_two_worker_containers_survives_one_killed(
     assert submit.returncode == 0, submit.stdout[-2000:] + submit.stderr[-2000:]
     store = open_store(f"postgresql://postgres@127.0.0.1:{env['ROLLOUTS_STORE_PORT']}/rollouts")
     client = await connect(f"127.0.0.1:{env['ROLLOUTS_TEMPORAL_PORT']}")
-    await _until(lambda: len(store.rollouts(run_id)) >= 6, 180, "6 records before the kill")
+    await until(lambda: len(store.rollouts(run_id)) >= 6, 180, "6 records before the kill")
     killed = subprocess.run(
         ["docker", "kill", _container(project, "worker-a")], capture_output=True, text=True, check=False
     )
@@ -183,12 +184,3 @@ async def test_a_math_run_through_two_worker_containers_survives_one_killed(
         for svc in ("worker-a", "worker-b")
     }  # fmt: skip
     assert running == {"worker-a": "false", "worker-b": "true"}
-
-
-async def _until(check: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if await asyncio.to_thread(check):
-            return
-        await asyncio.sleep(1.0)
-    raise AssertionError(f"timed out waiting for {what}")

@@ -34,7 +34,7 @@ from sandboxes import DockerBackend
 from sandboxes.base import DEFAULT_IMAGE
 from simengine import Mode, ModeRule, SimEngine, SimSettings
 from store import RunStore, open_store
-from tests.integration.support import CODING_TASKS, coding_config, export, start_run
+from tests.integration.support import CODING_TASKS, coding_config, export, start_run, until
 from tests.postgres import drop_database, new_database
 from workers import procs
 
@@ -155,7 +155,7 @@ async def test_a_host_killed_with_its_daemon_mid_run_loses_nothing_and_leaves_no
     again = 0
     try:
         handle = await start_run(client, cfg, run_id)
-        await _until(lambda: containers(local, run_id) >= 1 and containers(remote, run_id) >= 1, 120, "both")
+        await until(lambda: containers(local, run_id) >= 1 and containers(remote, run_id) >= 1, 120, "both")
         await asyncio.sleep(1.0)  # the sleepers' commands are running on both daemons
         os.killpg(two, signal.SIGKILL)
         second_daemon.stop()
@@ -173,7 +173,7 @@ async def test_a_host_killed_with_its_daemon_mid_run_loses_nothing_and_leaves_no
         second_daemon.start()
         assert containers(remote, run_id) >= 1
         again = spawn_host(client, task_queue, tmp_path / "h2b", pg_store, "h2", second_daemon.url, 3)
-        await _until(lambda: containers(remote, run_id) == 0, 90, "the rejoined host to reap")
+        await until(lambda: containers(remote, run_id) == 0, 90, "the rejoined host to reap")
     finally:
         for pid in (one, two, again):
             if pid:
@@ -199,7 +199,7 @@ async def test_capacity_that_joins_mid_run_is_admitted_and_no_rollout_waits_in_v
         two = 0
         try:
             handle = await start_run(client, cfg, run_id)
-            await _until(lambda: len(store.rollouts(run_id)) >= 2, 120, "the first records")
+            await until(lambda: len(store.rollouts(run_id)) >= 2, 120, "the first records")
             two = spawn_host(client, task_queue, tmp_path / "h2", pg_store, "h2", second_daemon.url, 4)
             await asyncio.wait_for(handle.result(), timeout=300)
         finally:
@@ -220,12 +220,3 @@ async def test_capacity_that_joins_mid_run_is_admitted_and_no_rollout_waits_in_v
     report = await check_run(store, run_id, client=client)
     assert report.ok, "\n".join(report.lines())
     assert containers(DockerBackend(), run_id) == 0 and containers(second_daemon.backend(), run_id) == 0
-
-
-async def _until(check, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if await asyncio.to_thread(check):
-            return
-        await asyncio.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
