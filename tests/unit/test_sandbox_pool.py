@@ -69,7 +69,7 @@ def test_workers_hammering_hold_and_release_never_over_admit(store_url: str) -> 
     lock = threading.Lock()
     peak = [0]
     problems: list[str] = []
-    admitted = [0]
+    admitted, refused = [0], [0]
 
     def work(w: int) -> None:
         pool, rng = SandboxPool(open_store(store_url)), random.Random(w)
@@ -85,6 +85,8 @@ def test_workers_hammering_hold_and_release_never_over_admit(store_url: str) -> 
             try:
                 pool.acquire(key, cfg)
             except SandboxSlotPending:
+                with lock:
+                    refused[0] += 1
                 if rng.random() < 0.5:
                     pool.release(key)  # gave up waiting
                 continue
@@ -107,4 +109,5 @@ def test_workers_hammering_hold_and_release_never_over_admit(store_url: str) -> 
     assert problems == []
     final = SandboxPool(open_store(store_url)).status(cfg)
     assert final.in_use == len(holding) <= final.ready <= cfg.max_size
-    assert peak[0] == cfg.max_size and admitted[0] > 50  # the pool was contended and filled
+    # the pool filled, turned requests away and kept handing slots out (counts vary with thread timing)
+    assert peak[0] == cfg.max_size and refused[0] > 0 and admitted[0] > cfg.max_size
