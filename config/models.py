@@ -115,6 +115,11 @@ class RunConfig(_Strict):
     """Rollouts per group (GRPO's G)."""
     max_inflight_groups: int = Field(8, ge=1, le=1000)
     """Fixed cap on groups in flight at once."""
+    overprovision: int = Field(0, ge=0, le=1000)
+    """Over-provisioning: extra groups the dispatcher keeps in flight beyond what a training step needs
+    (added to max_inflight_groups and, when set, to admission.max_queued_groups). The trainer feed takes
+    the first complete groups; late ones stay waiting for the next batch (judged by policy version like any
+    other), so batches are not skewed toward short rollouts. 0 = no extra groups."""
     groups_per_run_segment: int = Field(500, ge=1, le=100_000)
     """Groups the run workflow starts before it continues-as-new (bounds its history)."""
     advantage_eps: float = Field(1e-6, gt=0, le=1)

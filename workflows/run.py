@@ -9,6 +9,10 @@ Two modes (``admission.enabled``):
   runs also stay within the pool's limit and, while the pool scales up, a tasks-per-minute token bucket.
   Each decision is written to the store's dispatch log by the next poll (idempotent on its sequence number).
 
+In both modes ``run.overprovision`` is added to the group bounds (``run.max_inflight_groups``, and
+``admission.max_queued_groups`` when set); the feed keeps late groups for its next batch (trainer/feed.py).
+At 0 (every 0.2.0 config) the commands are those of 0.2.0, so replay needs no patch.
+
 In both modes a group's replica is chosen here (``engine.affinity = "group"``): consistent hashing of its
 task id with bounded load over the healthy replicas (workflows/dispatch.py).
 
@@ -313,7 +317,7 @@ class RunWorkflow:
         its probe. The breaker's state changes with group_done signals and its probe time with the clock,
         so each wait ends on whichever comes first and the loop looks again."""
         st, run = self._state, self._cfg.run
-        free = lambda: len(st.slots) < run.max_inflight_groups  # noqa: E731
+        free = lambda: len(st.slots) < run.max_inflight_groups + run.overprovision  # noqa: E731
         closed = lambda: st.breaker.open_since is None  # noqa: E731
         while True:
             b = st.breaker
@@ -346,7 +350,7 @@ class RunWorkflow:
         if adm.preset != "prime-rl" and not workflow.patched(PROBE_ADMISSION_PATCH):
             adm = adm.model_copy(update={"preset": "prime-rl"})
         ctl = AdmissionController(adm, ds.admission, group_size=cfg.run.group_size)
-        size, started = cfg.run.group_size, 0
+        size, started, over = cfg.run.group_size, 0, cfg.run.overprovision
         while st.next_group < cfg.run.num_groups or st.slots:
             poll = await self._poll(inp, template)
             now = workflow.now().timestamp()
@@ -362,8 +366,9 @@ class RunWorkflow:
                 await group.signal(GroupWorkflow.shed, k)
             room = admission_room(
                 d.admit, now, len(inflight), len(st.slots), poll.pool, ds.bucket,
-                cfg.sandbox_pool.tasks_per_minute, size, cfg.run.max_inflight_groups,
-                adm.max_queued_groups, poll.unconsumed_groups,
+                cfg.sandbox_pool.tasks_per_minute, size, cfg.run.max_inflight_groups + over,
+                None if adm.max_queued_groups is None else adm.max_queued_groups + over,
+                poll.unconsumed_groups,
             )  # fmt: skip
             ds.bucket = room.bucket
             healthy = [u for u in cfg.engine.urls if u in d.healthy]
