@@ -12,8 +12,11 @@ Invariants:
   (rows of the store's ``policies`` table, in order) separate the oldest version that sampled a token of
   the group from the current one. Lag > max_lag, or a version never published, discards the group with its
   reason. Groups sampled by a version newer than the current one stay waiting.
-- Fresh groups beyond ``n_groups`` stay waiting for the next batch (oldest group id first), so groups
-  that finish late are not dropped and batches are not skewed toward short rollouts.
+- A batch is made of the first complete groups: the feed never waits for a particular group. Fresh
+  groups beyond ``n_groups`` stay waiting for the next batch (oldest group id first, so a group that
+  finished late is taken before younger ones): lateness alone never drops or discards a group, only its
+  versions can (lag > max_lag). This is what makes over-provisioning (``run.overprovision``: extra groups
+  in flight) keep batches unskewed toward short rollouts; :meth:`TrainerFeed.length_mix` shows it.
 - Metrics: :meth:`TrainerFeed.take` counts the groups whose marks it won (``metrics.record_feed``), so
   concurrent feeds never count a group twice.
 """
@@ -21,6 +24,7 @@ Invariants:
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -279,6 +283,34 @@ class TrainerFeed:
             "by_length": {k: _pair(v) for k, v in sorted(by_length.items(), key=lambda kv: int(kv[0][2:]))},
             "mean_length": {k: (sum(v) / len(v) if v else None) for k, v in sorted(lengths.items())},
         }
+
+    def length_mix(self) -> dict[str, dict[str, float | int | None]]:
+        """Sampled tokens per rollout of generated, consumed, discarded and waiting records.
+
+        Returns:
+            For each of the four: ``groups``, ``rollouts``, and ``mean``, ``p50``, ``p90``, ``p99`` (nearest
+            rank) of the rollouts' sampled tokens (None when there are none). Consumed groups shorter than
+            generated ones mean the batches were skewed toward short rollouts.
+        """
+        marks = self.store.feed_marks(self.run_id)
+        tokens = self.store.sampled_tokens(self.run_id)
+        lengths: dict[str, list[int]] = {k: [] for k in ("generated", "consumed", "discarded", "waiting")}
+        groups: dict[str, set[str]] = {k: set() for k in lengths}
+        for r in self.store.rollouts(self.run_id):
+            mark = marks.get(r["group_id"])
+            for kind in ("generated", mark["state"] if mark else "waiting"):
+                lengths[kind].append(tokens.get(r["rollout_id"], 0))
+                groups[kind].add(r["group_id"])
+        return {k: {"groups": len(groups[k]), "rollouts": len(v), **_summary(v)} for k, v in lengths.items()}
+
+
+def _summary(values: list[int]) -> dict[str, float | int | None]:
+    """Mean and nearest-rank p50/p90/p99 of ``values`` (None each when empty)."""
+    v = sorted(values)
+    out: dict[str, float | int | None] = {"mean": sum(v) / len(v) if v else None}
+    for q in (50, 90, 99):
+        out[f"p{q}"] = v[max(0, math.ceil(q / 100 * len(v)) - 1)] if v else None
+    return out
 
 
 def _pair(c: Counter[str]) -> dict[str, int]:
