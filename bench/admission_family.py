@@ -16,7 +16,8 @@ cap, no storm poll.
     python bench/admission_family.py --out bench/results/admission_family.json
 
 ``--workloads`` runs a subset (two processes can share the family); ``--merge A.json B.json --out C.json``
-joins their results and prints the table.
+joins their results and prints the table, later files' runs replacing earlier ones of the same name (so
+``--policies adaptive --no-sweep`` reruns only the controller against the same oracle).
 """
 
 from __future__ import annotations
@@ -55,10 +56,10 @@ async def run_workload(name: str, common: argparse.Namespace) -> dict[str, Any]:
     kv_cap = fixed_cap(args)
     caps = sorted({max(1, round(kv_cap * m)) for m in common.sweep} - {kv_cap})
     runs: dict[str, dict[str, Any]] = {}
-    for policy in ("adaptive", "prime-rl", "fixed", "sync"):
+    for policy in common.policies:
         runs[policy] = await run_policy(policy, args, workload)
         print(f"{name}: {policy} {runs[policy]['accepted_per_sim_s']:.3f}/s", flush=True)
-    for cap in caps:
+    for cap in caps if common.sweep_caps else []:
         args.fixed_cap = cap
         runs[f"fixed@{cap}"] = await run_policy("fixed", args, workload)
         print(f"{name}: fixed@{cap} {runs[f'fixed@{cap}']['accepted_per_sim_s']:.3f}/s", flush=True)
@@ -131,6 +132,8 @@ async def run_all(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workloads", nargs="+", choices=list(FAMILY), default=list(FAMILY))
+    p.add_argument("--policies", nargs="+", default=["adaptive", "prime-rl", "fixed", "sync"])
+    p.add_argument("--no-sweep", dest="sweep_caps", action="store_false", help="run no fixed-cap sweep")
     p.add_argument("--sweep", type=float, nargs="+", default=[4, 8, 14, 22], help="multiples of the KV cap")
     p.add_argument("--budget-s", type=float, default=480.0, help="simulated seconds per policy")
     p.add_argument("--max-wall-s", type=float, default=75.0, help="wall seconds per policy at most")
@@ -143,10 +146,15 @@ def main(argv: list[str] | None = None) -> int:
         parts = [json.loads(f.read_text()) for f in args.merge]
         report = {"config": parts[0]["config"], "workloads": {}}
         for part in parts:
-            report["workloads"].update(part["workloads"])
+            for name, w in part["workloads"].items():
+                if name in report["workloads"]:
+                    report["workloads"][name]["runs"].update(w["runs"])
+                else:
+                    report["workloads"][name] = w
     else:
         report = asyncio.run(run_all(args))
-    report["summary"] = [summary(n, w) for n, w in report["workloads"].items()]
+    complete = {"adaptive", "prime-rl", "fixed", "sync"}
+    report["summary"] = [summary(n, w) for n, w in report["workloads"].items() if complete <= set(w["runs"])]
     print(table(report["summary"]))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -69,8 +69,8 @@ def test_the_cap_grows_fast_while_the_fleet_s_kv_usage_is_low():
     assert tr.poll().cap == 10  # initial cap; the epoch starts
     assert tr.poll().cap == 10  # one poll of two
     d = tr.poll()
-    assert d.cap == 15 and any("cap 10 -> 15" in r for r in d.reasons)
-    assert d.admit == 5  # the new room at once
+    assert d.cap == 20 and any("cap 10 -> 20" in r for r in d.reasons)
+    assert d.admit == 10  # the new room at once
 
 
 def test_near_full_kv_the_probe_grows_by_the_smaller_factor():
@@ -82,19 +82,27 @@ def test_a_flat_rate_at_high_usage_sets_a_ceiling_that_lifts_after_reprobe_polls
     tr = Trace(AdmissionController(cfg(reprobe_polls=6)))
     assert tr.epoch(rate=100.0, usage=0.7).cap == 12
     tr.poll(rate=100.0, usage=0.7)  # the epoch at 12 starts
-    d = tr.epoch(rate=101.0, usage=0.7)  # +1 % < min_gain
+    d = tr.epoch(rate=95.0, usage=0.7)  # fell, but by less than drop_revert
     assert d.cap == 12 and any("probe flat" in r and "ceiling 12" in r for r in d.reasons)
     for _ in range(4):
-        assert tr.poll(rate=101.0, usage=0.7).cap == 12  # held at the ceiling
-    caps = [tr.poll(rate=101.0, usage=0.7).cap for _ in range(4)]
+        assert tr.poll(rate=95.0, usage=0.7).cap == 12  # held at the ceiling
+    caps = [tr.poll(rate=95.0, usage=0.7).cap for _ in range(4)]
     assert caps[-1] == 14  # lifted: 12 × 1.2
 
 
 def test_at_low_usage_a_flat_rate_does_not_stop_the_probe():
     tr = Trace(AdmissionController(cfg()))
-    assert tr.epoch(rate=100.0).cap == 15
+    assert tr.epoch(rate=100.0).cap == 20
     tr.poll(rate=100.0)
-    assert tr.epoch(rate=100.0).cap == 22  # 15 × 1.5: usage 0.3 < fast_below_usage
+    assert tr.epoch(rate=95.0).cap == 40  # 20 × 2: usage 0.3 < fast_below_usage
+
+
+def test_min_gain_asks_for_a_gain_before_growing_again():
+    tr = Trace(AdmissionController(cfg(min_gain=0.03)))
+    assert tr.epoch(rate=100.0, usage=0.7).cap == 12
+    tr.poll(rate=100.0, usage=0.7)
+    d = tr.epoch(rate=101.0, usage=0.7)  # +1 % < min_gain
+    assert d.cap == 12 and tr.ctl.state.ceiling == 12
 
 
 def test_a_rate_drop_after_growth_reverts_to_the_previous_cap():
@@ -126,16 +134,16 @@ def test_preemptions_short_of_a_storm_cut_nothing():
     d = tr.poll(new_preemptions=7, running=4)  # 7 > 1.0 × 4 running but < storm_min_preemptions 8
     assert not d.storm and d.cap == 10
     d = tr.poll(new_preemptions=9, running=10)  # 9 >= 8 but not > 10 running
-    assert not d.storm and d.cap == 15  # the epoch completes and the cap grows
+    assert not d.storm and d.cap == 20  # the epoch completes and the cap grows
 
 
 def test_a_persistent_capacity_queue_stops_growth_and_a_passing_one_does_not():
     tr = Trace(AdmissionController(cfg(queue_polls=2)))
-    assert tr.epoch(waiting=1, running=10).cap == 15  # 1 <= 0.5 × 10: not a queued poll
+    assert tr.epoch(waiting=1, running=10).cap == 20  # 1 <= 0.5 × 10: not a queued poll
     tr = Trace(AdmissionController(cfg(queue_polls=2)))
     assert tr.epoch(waiting=6, running=10).cap == 10  # queued for 3 polls >= queue_polls
     tr = Trace(AdmissionController(cfg(queue_polls=5)))
-    assert tr.epoch(waiting=6, running=10).cap == 15  # queued, but not yet for queue_polls
+    assert tr.epoch(waiting=6, running=10).cap == 20  # queued, but not yet for queue_polls
 
 
 def test_a_cap_that_does_not_bind_measures_nothing():
