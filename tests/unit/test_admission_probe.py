@@ -231,3 +231,20 @@ def test_probe_cap_stays_in_bounds_and_nothing_is_admitted_during_a_storm(bounds
             inflight.append(Inflight(rollout_id=f"x{serial:05d}", admitted_at=now))
             serial += 1
         inflight = inflight[finish:]
+
+
+def test_readings_carry_the_generation_token_counter_summed_and_zero_when_absent():
+    from pathlib import Path
+
+    from engines.metrics import parse_metrics
+
+    sample = (Path(__file__).parent / "data" / "vllm_metrics_sample.txt").read_text()
+    assert parse_metrics(sample, url="u", engine_id="e", at=0.0).generation_tokens_total == 0.0
+    counter = (
+        "# HELP vllm:generation_tokens_total Number of generation tokens processed.\n"
+        "# TYPE vllm:generation_tokens_total counter\n"
+        'vllm:generation_tokens_total{engine="0",model_name="m"} 1200.0\n'
+        'vllm:generation_tokens_total{engine="1",model_name="m"} 34.0\n'
+    )
+    got = parse_metrics(sample + counter, url="u", engine_id="e", at=0.0)
+    assert got.generation_tokens_total == 1234.0
