@@ -23,7 +23,16 @@ Admission policies (each admits whole groups, never more rollouts than the fleet
 - ``fixed-Q``: only while waiting + in-flight groups < Q (Q = multiples of B, ``--fixed``);
 - ``adaptive``: only while waiting + in-flight groups < what the trainer will consume within the lag window:
   the rest of the current step's batch plus ``max_lag × B`` (a group admitted now is sampled by the current
-  version, which stays fresh for that many more groups), capped by what the run has left to consume.
+  version, which stays fresh for that many more groups), capped by what the run has left to consume;
+- ``sync``: only while waiting + in-flight groups < the rest of the current step's batch (nothing generates
+  while the trainer trains; the trainer waits for the slowest group of its batch).
+
+Over-provisioning (``--overprovision K``, as ``run.overprovision``): a limit plus K groups. The feed takes
+the first complete groups and keeps the late ones for the next batch (``sync +K``, ``fixed-B +K``); ``sync
++K drop`` does what over-provisioning usually does: once a batch is full the groups still generating are
+aborted (members are written only once the whole group is in, so an aborted group is no record; its tokens
+are ``aborted_tokens``). The length mix (mean, p90 sampled tokens per rollout) of the consumed groups
+against every admitted group's shows the skew.
 
 Invariant (checked for every policy): the books balance in records and sampled tokens, generated = consumed
 + discarded + waiting (`Ledger.check`), and the feed's books equal this file's own tally of every take.
@@ -44,13 +53,16 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from simengine.settings import TimingSettings
 from simengine.timing import Seq, StepScheduler
 from store.runstore import RunStore, Segment, model_segment
-from trainer.feed import Count, TrainerFeed
+from trainer.feed import Count, TrainerFeed, length_summary
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling, run as a script or imported
+from stale_queue_report import Result, asdict_count, mix_table, summary, table
 
 RUN = "stale-queue"
 
@@ -101,6 +113,17 @@ class Trainer:
     max_lag: int = 1
 
 
+@dataclass(frozen=True)
+class Plan:
+    """One run of the workbench: the policy, its limit (``fixed``), the groups over-provisioned on top
+    (``extra``) and whether the groups still generating when a batch fills are aborted (``drop``)."""
+
+    policy: str
+    limit: int | None = None
+    extra: int = 0
+    drop: bool = False
+
+
 # -- the simulation ---------------------------------------------------------------------------------------
 @dataclass
 class _Engine:
@@ -118,40 +141,15 @@ class _Group:
     done: int = 0
 
 
-@dataclass
-class Result:
-    policy: str
-    max_lag: int
-    limit: str
-    generated: dict[str, int]
-    consumed: dict[str, int]
-    discarded: dict[str, int]
-    waiting: dict[str, int]
-    balanced: bool
-    tokens_reaching_update: float
-    in_flight_tokens: int
-    groups_admitted: int
-    trainer_steps: int
-    sim_s: float
-    trainer_idle_s: float
-    trainer_idle_fraction: float
-    mean_consumed_lag: float
-    preemptions: int
-    discard_reasons: dict[str, int] = field(default_factory=dict)
-    wall_s: float = 0.0
-
-
 class Sim:
     """One policy on a fresh fleet, trainer and store."""
 
-    def __init__(
-        self, policy: str, limit: int | None, workload: Workload, fleet: Fleet, trainer: Trainer, root: Path
-    ) -> None:
-        self.policy, self.limit = policy, limit
+    def __init__(self, plan: Plan, workload: Workload, fleet: Fleet, trainer: Trainer, root: Path) -> None:
+        self.policy, self.limit, self.extra, self.drop = plan.policy, plan.limit, plan.extra, plan.drop
         self.w, self.fleet, self.tr = workload, fleet, trainer
         self.store = RunStore(root)
-        cfg = {"policy": policy, "limit": limit, "workload": asdict(workload), "fleet": asdict(fleet),
-               "trainer": asdict(trainer)}  # fmt: skip
+        cfg = {**asdict(plan), "workload": asdict(self.w), "fleet": asdict(self.fleet),
+               "trainer": asdict(self.tr)}  # fmt: skip
         self.store.register_run(RUN, json.dumps(cfg), "bench")
         self.feed = TrainerFeed(self.store, RUN)
         timing = TimingSettings()
@@ -164,7 +162,6 @@ class Sim:
         self._publish()
         self.inflight: dict[str, _Group] = {}
         self.waiting: set[str] = set()  # complete groups not yet consumed or discarded
-        self.partial: dict[str, int] = {}  # group -> members recorded, while incomplete
         self.completions: list[tuple[float, int, str, int]] = []
         self._tie = 0
         self.next_group = 0
@@ -177,6 +174,9 @@ class Sim:
         self.tally = {"consumed": Count(), "discarded": Count()}
         self.lags: list[int] = []
         self.reasons: dict[str, int] = {}
+        self.admitted_lengths: list[int] = []  # every member of every admitted group, finished or not
+        self.aborted: list[str] = []
+        self.aborted_tokens = 0
 
     # -- versions and admission ---------------------------------------------------------------------------
     @property
@@ -189,14 +189,15 @@ class Sim:
         self.store.finish_policy(v, [f"sim://{i}" for i in range(self.fleet.replicas)])
 
     def _budget(self) -> float:
-        """Most groups waiting + in flight this policy allows now."""
+        """Most groups waiting + in flight this policy allows now (its limit plus the over-provisioning)."""
         if self.policy == "baseline":
             return math.inf
         if self.policy == "fixed":
             assert self.limit is not None
-            return self.limit
+            return self.limit + self.extra
         left = self.tr.steps * self.tr.batch_groups - self.consumed_groups
-        return min(self.need + self.tr.max_lag * self.tr.batch_groups, left)
+        window = 0 if self.policy == "sync" else self.tr.max_lag * self.tr.batch_groups
+        return min(self.need + window, left) + self.extra
 
     def _admit(self) -> None:
         slots = self.fleet.replicas * self.fleet.max_num_seqs
@@ -212,6 +213,7 @@ class Sim:
         self.next_group += 1
         gid = f"g{i:06d}"
         prompt, lengths = self.w.group(i)
+        self.admitted_lengths += lengths
         replica = min(range(len(self.engines)), key=lambda r: self._load(r))
         eng = self.engines[replica]
         seqs = []
@@ -229,8 +231,21 @@ class Sim:
 
     # -- records ------------------------------------------------------------------------------------------
     def _record(self, gid: str, m: int) -> None:
-        """Write member ``m`` of ``gid`` as the pipeline does; the group record once all are in."""
+        """Write member ``m`` of ``gid`` as the pipeline does (with ``drop``: once all are in, since an
+        aborted group is no record); the group record once all are in."""
+        if gid not in self.inflight:
+            return  # its group was aborted after this member finished
         g = self.inflight[gid]
+        g.done += 1
+        if not self.drop:
+            self._write_member(g, m)
+        elif g.done == len(g.seqs):
+            for k in range(len(g.seqs)):
+                self._write_member(g, k)
+        if g.done == len(g.seqs):
+            self._write_group(g)
+
+    def _write_member(self, g: _Group, m: int) -> None:
         seq = g.seqs[m]
         rid = seq.request_id
         out = seq.tokens[seq.prompt_len :]
@@ -246,24 +261,25 @@ class Sim:
                                             policy_versions=versions))  # fmt: skip
         reward = float(random.Random(f"{self.w.seed}:reward:{rid}").random() < 0.5)
         self.store.put_rollout({
-            "rollout_id": rid, "run_id": RUN, "group_id": gid, "task_id": g.task_id, "sample_index": m,
+            "rollout_id": rid, "run_id": RUN, "group_id": g.gid, "task_id": g.task_id, "sample_index": m,
             "env": "math", "outcome": "completed", "reason": None, "reward": reward, "scorable": 1,
             "advantage": None, "prompt_length": len(prompt), "num_tokens": len(seq.tokens),
             "sampling_json": "{}", "extra_json": "{}",
         })  # fmt: skip
-        g.done += 1
-        if g.done == len(g.seqs):
-            rewards = [float(random.Random(f"{self.w.seed}:reward:{s.request_id}").random() < 0.5)
-                       for s in g.seqs]  # fmt: skip
-            mean = sum(rewards) / len(rewards)
-            std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
-            self.store.put_group(RUN, gid, g.task_id, {
-                "run_id": RUN, "group_id": gid, "task_id": g.task_id, "size": len(g.seqs),
-                "scorable": len(g.seqs), "failed": 0, "reward_mean": mean, "reward_std": std,
-                "zero_variance": std == 0.0, "outcomes": {"completed": len(g.seqs)},
-            })  # fmt: skip
-            del self.inflight[gid]
-            self.waiting.add(gid)
+
+    def _write_group(self, g: _Group) -> None:
+        gid = g.gid
+        rewards = [float(random.Random(f"{self.w.seed}:reward:{s.request_id}").random() < 0.5)
+                   for s in g.seqs]  # fmt: skip
+        mean = sum(rewards) / len(rewards)
+        std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
+        self.store.put_group(RUN, gid, g.task_id, {
+            "run_id": RUN, "group_id": gid, "task_id": g.task_id, "size": len(g.seqs),
+            "scorable": len(g.seqs), "failed": 0, "reward_mean": mean, "reward_std": std,
+            "zero_variance": std == 0.0, "outcomes": {"completed": len(g.seqs)},
+        })  # fmt: skip
+        del self.inflight[gid]
+        self.waiting.add(gid)
 
     # -- the trainer --------------------------------------------------------------------------------------
     def _take(self) -> None:
@@ -284,6 +300,17 @@ class Sim:
         if self.need == 0:
             self.idle_s += self.now - self.gather_since
             self.train_end = self.now + self.tr.step_s
+            if self.drop:
+                self._abort_late()
+
+    def _abort_late(self) -> None:
+        """``drop``: the batch is full, so every group still generating is aborted (no record)."""
+        for gid, g in sorted(self.inflight.items()):
+            for seq in g.seqs:
+                self.engines[g.replica].sched.abort(seq)  # a finished one is in no queue: a no-op
+            self.aborted_tokens += sum(seq.generated for seq in g.seqs)
+            self.aborted.append(gid)
+        self.inflight.clear()
 
     def _finish_step(self) -> None:
         assert self.train_end is not None
@@ -345,10 +372,13 @@ class Sim:
         in_flight = sum(s.generated for g in self.inflight.values() for s in g.seqs
                         if s.generated < s.output_len)  # fmt: skip
         gen = ledger.generated
-        label = {"baseline": "none", "adaptive": f"need + {self.tr.max_lag}×B"}.get(
+        label = {"baseline": "none", "adaptive": f"need + {self.tr.max_lag}×B", "sync": "need"}.get(
             self.policy, str(self.limit)
         )
         name = f"fixed-{self.limit}" if self.policy == "fixed" else self.policy
+        if self.extra:
+            name, label = f"{name} +{self.extra}{' drop' if self.drop else ''}", f"{label} + {self.extra}"
+        sampled = gen.tokens + self.aborted_tokens
         return Result(
             policy=name,
             max_lag=self.tr.max_lag,
@@ -358,8 +388,10 @@ class Sim:
             discarded=asdict_count(ledger.discarded),
             waiting=asdict_count(ledger.waiting),
             balanced=ledger.balanced,
-            tokens_reaching_update=ledger.consumed.tokens / gen.tokens if gen.tokens else 0.0,
+            tokens_reaching_update=ledger.consumed.tokens / sampled if sampled else 0.0,
             in_flight_tokens=in_flight,
+            in_flight_groups=len(self.inflight),
+            groups_complete=len(self.store.groups(RUN)),
             groups_admitted=self.next_group,
             trainer_steps=self.steps_done,
             sim_s=self.now,
@@ -368,62 +400,48 @@ class Sim:
             mean_consumed_lag=sum(self.lags) / len(self.lags) if self.lags else 0.0,
             preemptions=sum(e.sched.stats.preemptions for e in self.engines),
             discard_reasons=dict(sorted(self.reasons.items())),
+            overprovision=self.extra,
+            drop_late=self.drop,
+            aborted_groups=len(self.aborted),
+            aborted_tokens=self.aborted_tokens,
+            admitted_mix=length_summary(self.admitted_lengths),
+            consumed_mix=self.feed.length_mix()["consumed"],
             wall_s=wall_s,
         )
 
 
-def asdict_count(c: Count) -> dict[str, int]:
-    return {"records": c.records, "tokens": c.tokens}
-
-
-def run_policy(
-    policy: str, limit: int | None, workload: Workload, fleet: Fleet, trainer: Trainer, root: Path
-) -> Result:
-    """One policy on a fresh store under ``root``; returns its books and metrics."""
+def run_policy(plan: Plan, workload: Workload, fleet: Fleet, trainer: Trainer, root: Path) -> Result:
+    """One plan on a fresh store under ``root``; returns its books and metrics."""
     t0 = time.monotonic()
-    sim = Sim(policy, limit, workload, fleet, trainer, root)
+    sim = Sim(plan, workload, fleet, trainer, root)
     sim.run()
     return sim.result(time.monotonic() - t0)
 
 
 def run_all(
-    workload: Workload, fleet: Fleet, trainer: Trainer, fixed: list[int], work_dir: Path
+    workload: Workload,
+    fleet: Fleet,
+    trainer: Trainer,
+    fixed: list[int],
+    work_dir: Path,
+    overprovision: tuple[int, ...] = (),
 ) -> list[Result]:
-    """Baseline, every fixed limit (multiples of B) and adaptive, each on its own store under ``work_dir``."""
-    plans: list[tuple[str, int | None]] = [("baseline", None)]
-    plans += [("fixed", f * trainer.batch_groups) for f in fixed]
-    plans.append(("adaptive", None))
+    """Baseline, every fixed limit (multiples of B) and adaptive, each on its own store under ``work_dir``;
+    with ``overprovision``: sync, and for each K sync +K, sync +K drop and fixed-B +K."""
+    b = trainer.batch_groups
+    plans = [Plan("baseline"), *(Plan("fixed", f * b) for f in fixed), Plan("adaptive")]
+    plans += [Plan("sync")] if overprovision else []
+    for k in overprovision:
+        plans += [Plan("sync", None, k), Plan("sync", None, k, drop=True), Plan("fixed", b, k)]
     out = []
-    for policy, limit in plans:
-        root = work_dir / f"{policy}-{limit or 0}-lag{trainer.max_lag}"
-        out.append(run_policy(policy, limit, workload, fleet, trainer, root))
+    for p in plans:
+        over = f"-x{p.extra}{'d' if p.drop else ''}" if p.extra else ""
+        root = work_dir / f"{p.policy}-{p.limit or 0}{over}-lag{trainer.max_lag}"
+        out.append(run_policy(p, workload, fleet, trainer, root))
     return out
 
 
 # -- report -----------------------------------------------------------------------------------------------
-def table(results: list[Result]) -> str:
-    head = (
-        "| policy | max lag | queue limit (groups) | generated rec / tok | consumed rec / tok | "
-        "discarded rec / tok | waiting rec / tok | tokens reaching update | trainer idle | balanced |"
-    )
-    rows = [head, "|" + "---|" * 10]
-    for r in results:
-        cells = [
-            r.policy,
-            str(r.max_lag),
-            r.limit,
-            *(
-                f"{c['records']:,} / {c['tokens']:,}"
-                for c in (r.generated, r.consumed, r.discarded, r.waiting)
-            ),
-            f"**{r.tokens_reaching_update:.1%}**",
-            f"{r.trainer_idle_fraction:.0%}",
-            "yes" if r.balanced else "NO",
-        ]
-        rows.append("| " + " | ".join(cells) + " |")
-    return "\n".join(rows)
-
-
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, help="results JSON")
@@ -432,6 +450,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-groups", type=int, default=Trainer.batch_groups)
     p.add_argument("--step-s", type=float, default=Trainer.step_s)
     p.add_argument("--fixed", type=int, nargs="*", default=[1, 2, 4], help="fixed limits, multiples of B")
+    p.add_argument(
+        "--overprovision", type=int, nargs="*", default=[4], help="extra groups (K) of the sync/fixed-B runs"
+    )
     p.add_argument("--group-size", type=int, default=Workload.group_size)
     p.add_argument("--median-tokens", type=int, default=Workload.median_tokens)
     p.add_argument("--tail-fraction", type=float, default=Workload.tail_fraction)
@@ -446,13 +467,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    workload = Workload(
-        group_size=args.group_size,
-        median_tokens=args.median_tokens,
-        tail_fraction=args.tail_fraction,
-        tail_factor=args.tail_factor,
-        seed=args.seed,
-    )
+    workload = Workload(group_size=args.group_size, median_tokens=args.median_tokens,
+                        tail_fraction=args.tail_fraction, tail_factor=args.tail_factor,
+                        seed=args.seed)  # fmt: skip
     fleet = Fleet(replicas=args.replicas, kv_blocks=args.kv_blocks, max_num_seqs=args.max_num_seqs)
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="stale-queue-"))
     results: list[Result] = []
@@ -461,17 +478,11 @@ def main(argv: list[str] | None = None) -> int:
             trainer = Trainer(
                 batch_groups=args.batch_groups, step_s=args.step_s, steps=args.steps, max_lag=lag
             )
-            results += run_all(workload, fleet, trainer, args.fixed, work)
+            results += run_all(workload, fleet, trainer, args.fixed, work, tuple(args.overprovision))
     finally:
         if args.work_dir is None:
             shutil.rmtree(work, ignore_errors=True)
-    print(table(results))
-    for lag in args.max_lag:
-        by = {r.policy: r for r in results if r.max_lag == lag}
-        ad, base = by["adaptive"].tokens_reaching_update, by["baseline"].tokens_reaching_update
-        print(
-            f"max lag {lag}: {ad:.1%} of generated tokens reach an update (adaptive) vs {base:.1%} (baseline)"
-        )
+    print("\n\n".join([table(results), mix_table(results), *summary(results)]))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         payload = {

@@ -301,10 +301,12 @@ class TrainerFeed:
             for kind in ("generated", mark["state"] if mark else "waiting"):
                 lengths[kind].append(tokens.get(r["rollout_id"], 0))
                 groups[kind].add(r["group_id"])
-        return {k: {"groups": len(groups[k]), "rollouts": len(v), **_summary(v)} for k, v in lengths.items()}
+        return {
+            k: {"groups": len(groups[k]), "rollouts": len(v), **length_summary(v)} for k, v in lengths.items()
+        }
 
 
-def _summary(values: list[int]) -> dict[str, float | int | None]:
+def length_summary(values: list[int]) -> dict[str, float | int | None]:
     """Mean and nearest-rank p50/p90/p99 of ``values`` (None each when empty)."""
     v = sorted(values)
     out: dict[str, float | int | None] = {"mean": sum(v) / len(v) if v else None}

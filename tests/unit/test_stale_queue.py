@@ -1,7 +1,9 @@
-"""The stale-queue workbench on a tiny configuration: the books balance for every policy, and adaptive
+"""The stale-queue workbench on tiny configurations: the books balance for every policy, and adaptive
 admission gets a larger fraction of its generated tokens into an update than the unbounded baseline.
 
-Virtual time only (simengine's step model, a real RunStore and TrainerFeed); nothing here is timed.
+With over-provisioning, late groups are kept (none dropped for lateness, batches not skewed short), where
+aborting them skews the consumed length mix short. Virtual time only (simengine's step model, a real
+RunStore and TrainerFeed); nothing here is timed.
 """
 
 from __future__ import annotations
@@ -39,3 +41,29 @@ def test_books_balance_and_adaptive_admission_beats_the_unbounded_queue(tmp_path
     assert ledger.balanced and ledger.consumed.tokens == adaptive.consumed["tokens"]
     versions = [p["version"] for p in store.policies()]
     assert versions == [f"v{k}" for k in range(TRAINER.steps + 1)]  # published in order, one per step
+
+
+TAILED = Workload(
+    group_size=4, median_tokens=48, task_tokens=(32, 64), system_tokens=32, seed=3, tail_fraction=0.1
+)
+SMALL = Fleet(replicas=2, kv_blocks=1024, block_size=16, max_num_seqs=16)
+STEPS = Trainer(batch_groups=4, step_s=2.0, steps=8, max_lag=1)
+
+
+def test_over_provisioning_keeps_late_groups_and_does_not_skew_batches_short(tmp_path: Path) -> None:
+    results = {r.policy: r for r in run_all(TAILED, SMALL, STEPS, [], tmp_path, overprovision=(2,))}
+    assert set(results) == {"baseline", "adaptive", "sync", "sync +2", "sync +2 drop", "fixed-4 +2"}
+    for r in results.values():
+        assert r.balanced and r.trainer_steps == STEPS.steps, r.policy
+        # every admitted group is a record (complete), still generating, or (drop only) aborted
+        assert r.groups_admitted == r.groups_complete + r.in_flight_groups + r.aborted_groups, r.policy
+        assert all(why.startswith("stale:") for why in r.discard_reasons), r.policy  # never for lateness
+    sync, keep, drop = results["sync"], results["sync +2"], results["sync +2 drop"]
+    assert keep.aborted_groups == 0 and drop.aborted_groups > 0
+    # the extra groups spare the trainer the wait for each batch's slowest group
+    assert keep.trainer_idle_fraction < sync.trainer_idle_fraction
+    # aborting the late groups skews the batches toward short rollouts; keeping them does not
+    ratio = {k: r.consumed_mix["mean"] / r.admitted_mix["mean"] for k, r in results.items()}
+    assert ratio["sync"] == 1.0  # everything admitted was consumed
+    assert ratio["sync +2 drop"] < 0.9 < ratio["sync +2"]
+    assert keep.consumed_mix["p90"] > drop.consumed_mix["p90"]
