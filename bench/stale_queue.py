@@ -482,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if args.work_dir is None:
             shutil.rmtree(work, ignore_errors=True)
-    print("\n\n".join([table(results), mix_table(results), *summary(results)]))
+    print(f"{table(results)}\n\n{mix_table(results)}\n\n" + "\n".join(summary(results)))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         payload = {
