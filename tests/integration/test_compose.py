@@ -20,6 +20,7 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
 
@@ -184,3 +185,12 @@ async def test_a_math_run_through_two_worker_containers_survives_one_killed(
         for svc in ("worker-a", "worker-b")
     }  # fmt: skip
     assert running == {"worker-a": "false", "worker-b": "true"}
+    # the stack's Prometheus scraped the workers' records (worker-b's at least: worker-a's died with it)
+    prom = f"http://127.0.0.1:{env['ROLLOUTS_PROMETHEUS_PORT']}/api/v1/query"
+
+    def scraped() -> bool:
+        q = 'sum(rollouts_records_total{env="math"})'
+        reply = httpx.get(prom, params={"query": q}, timeout=5).json()["data"]["result"]
+        return bool(reply) and float(reply[0]["value"][1]) > 0
+
+    await until(scraped, 60, "Prometheus to scrape the workers' rollouts_records_total")
