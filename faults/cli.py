@@ -69,7 +69,7 @@ def chaos_command(
         raise _fail(str(e)) from None
     missing = [r for r in run_ids if store.get_run(r) is None]
     if missing:
-        raise _fail(f"run {missing[0]}: not in the store at {store.root}")
+        raise _fail(f"run {missing[0]}: not in the store at {store.location}")
     try:
         plan = schedule(seed, chosen, duration, _interval(every, "--every"), _interval(fault_s, "--fault-s"),
                         instant=INSTANT)  # fmt: skip
