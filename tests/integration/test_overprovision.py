@@ -1,7 +1,7 @@
 """run.overprovision through RunWorkflow on the simulated engine (real Temporal dev server): the dispatcher
 keeps that many groups beyond the trainer queue limit, the feed takes the first complete groups and the
 extra one waits for the next batch, taken there before younger groups; every member ends exactly once
-and the books balance."""
+and the books balance. In fixed-cap mode the extra groups run in flight on top of max_inflight_groups."""
 
 from __future__ import annotations
 
@@ -14,7 +14,10 @@ from temporalio.client import Client
 from simengine import SimEngine, SimSettings
 from tests.integration.support import export, make_config, start_run, worker
 from trainer.feed import TrainerFeed
+from workflows.run import RunWorkflow
 
+# Random-policy turns of 24-48 tokens at 40 ms a token: a group runs for a second or two.
+SLOW = {"policy": "random", "random_min_tokens": 24, "random_max_tokens": 48, "decode_ms_per_token": 40}
 FAST_POLL = {"enabled": True, "poll_interval_s": 0.3, "admit_window_s": 0.0, "metrics_max_age_s": 10.0}
 
 
@@ -53,3 +56,27 @@ async def test_an_over_provisioned_group_waits_for_the_next_batch_and_is_taken_f
     ids = [r["rollout_id"] for r in rollouts]
     assert len(ids) == len(set(ids)) == 12 and len(groups) == 6  # every member ended exactly once
     assert ledger.waiting.records == 0 and ledger.discarded.records == 0 and ledger.consumed.records == 12
+
+
+@pytest.mark.timeout(300)
+async def test_fixed_cap_mode_keeps_the_extra_groups_in_flight(
+    client: Client, task_queue: str, tmp_path: Path
+) -> None:
+    async with SimEngine(SimSettings(**SLOW)).serve(port=0) as url:
+        cfg = make_config(
+            [url],
+            task_queue,
+            run={"num_groups": 8, "group_size": 2, "max_inflight_groups": 2, "overprovision": 2},
+            sampling={"max_tokens": 64},
+        )
+        async with worker(client, task_queue, tmp_path) as store:
+            handle = await start_run(client, cfg, "fixed-over")
+            seen: set[int] = set()
+            while not (p := await handle.query(RunWorkflow.progress)).done:
+                seen.add(p.groups_inflight)
+                await asyncio.sleep(0.05)
+            await handle.result()
+            rollouts, groups = export(store, "fixed-over")
+    assert max(seen) == 4  # max_inflight_groups + overprovision, never more
+    ids = [r["rollout_id"] for r in rollouts]
+    assert len(ids) == len(set(ids)) == 16 and len(groups) == 8
