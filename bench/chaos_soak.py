@@ -53,6 +53,7 @@ from store import RunStore
 from workers import stack
 from workers.procs import free_port
 from workflows.run import RunWorkflow
+from workflows.search_attributes import reason_key
 
 CODING_TASKS = REPO_ROOT / "envs" / "data" / "coding.jsonl"
 MATH_TASKS = REPO_ROOT / "envs" / "data" / "addition.jsonl"
@@ -127,6 +128,9 @@ def _summary(reports: list[LedgerReport], store: RunStore, run_ids: list[str]) -
         "successes": sum(1 for r in rows if r["outcome"] == "completed" and r["reward"] is not None),
         "infra_failures": sum(1 for r in rows if (r["reason"] or "").startswith("infra")),
         "outcomes": dict(Counter(r["outcome"] for r in rows)),
+        "infra_reasons": dict(
+            Counter(reason_key(r["reason"]) for r in rows if (r["reason"] or "").startswith("infra"))
+        ),
         "lost": sum(n for k, n in rules.items() if k in LOST),
         "duplicated": sum(n for k, n in rules.items() if k in DUPLICATED),
         "leaked": sum(n for k, n in rules.items() if k in LEAKED),
