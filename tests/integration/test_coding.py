@@ -10,6 +10,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from temporalio.client import Client
@@ -17,6 +18,7 @@ from temporalio.client import Client
 from config.paths import REPO_ROOT
 from contracts.types import group_id, rollout_id
 from sandboxes import DockerBackend
+from sandboxes.pool import SandboxPool
 from simengine import Mode, ModeRule, SimEngine, SimSettings
 from tests.conftest import Engine
 from tests.integration.support import (
@@ -39,9 +41,15 @@ MODES = {
 }
 
 
+LEDGERED = ("sleep-killed", "sleep-terminate")
+"""Runs whose test ends with the ledger check (faults.ledger)."""
+
+
 @pytest.fixture(scope="module")
 async def sim() -> AsyncIterator[str]:
-    rules = [ModeRule(on="request", prefix=f"{p}-", mode=m) for p, m in MODES.items()]
+    # the second member of the fault tests' one group solves its task: the ledger wants a success
+    solved = [ModeRule(on="request", prefix=f"{r}/{group_id(0)}/1", mode=Mode.REFERENCE) for r in LEDGERED]
+    rules = solved + [ModeRule(on="request", prefix=f"{p}-", mode=m) for p, m in MODES.items()]
     settings = SimSettings(tasks=CODING_TASKS, mode_rules=rules, max_model_len=4096)
     async with SimEngine(settings).serve(port=0) as url:
         yield url
@@ -136,19 +144,20 @@ async def test_context_length_truncates(
 
 @pytest.mark.timeout(600)
 async def test_container_killed_mid_command_is_recovered_by_replay(
-    client: Client, docker: DockerBackend, sim: str, task_queue: str, tmp_path: Path
+    client: Client, docker: DockerBackend, sim: str, task_queue: str, tmp_path: Path, ledger: Any
 ) -> None:
     run_id = "sleep-killed"
-    cfg = coding_config(sim, task_queue, groups=1, size=1, rollout={"max_turns": 2})
+    cfg = coding_config(sim, task_queue, groups=1, size=2, rollout={"max_turns": 2})
     rid = rollout_id(run_id, group_id(0), 0)
     async with worker(client, task_queue, tmp_path) as store:
         handle = await start_run(client, cfg, run_id)
         await wait_for_first_command(store, rid)
         await asyncio.sleep(1.0)  # the first `sleep 30` is running in the sandbox
-        (info,) = docker.list_containers(run_id)
-        docker.client.containers.get(info.container_id).kill()
+        infos = docker.list_containers(run_id)
+        docker.client.containers.get(next(i for i in infos if i.key == rid).container_id).kill()
         await handle.result()
-    (rec,), _ = export(store, run_id)
+        await ledger(store, run_id, client=client, backend=docker, pool=SandboxPool(store))
+    rec = next(r for r in export(store, run_id)[0] if r["rollout_id"] == rid)
     assert rec["sandbox_replays"] >= 1
     assert rec["outcome"] in ("truncated", "failed")
     if rec["outcome"] == "failed":
@@ -206,26 +215,27 @@ async def test_cancelled_rollout_is_recorded_and_its_sandbox_destroyed(
 
 @pytest.mark.timeout(600)
 async def test_terminated_rollout_gets_a_failed_record_and_the_reaper_removes_its_sandbox(
-    client: Client, docker: DockerBackend, sim: str, task_queue: str, tmp_path: Path
+    client: Client, docker: DockerBackend, sim: str, task_queue: str, tmp_path: Path, ledger: Any
 ) -> None:
     from sandboxes import AsyncSandboxBackend
-    from sandboxes.pool import SandboxPool
     from sandboxes.reaper import reap_orphans
 
     run_id = "sleep-terminate"
     rid = rollout_id(run_id, group_id(0), 0)
-    cfg = coding_config(sim, task_queue, groups=1, size=1)
+    cfg = coding_config(sim, task_queue, groups=1, size=2)
     async with worker(client, task_queue, tmp_path) as store:
         handle = await start_run(client, cfg, run_id)
         await wait_for_first_command(store, rid)
         await client.get_workflow_handle(rid).terminate(reason="test")
         await handle.result()
-        assert len(docker.list_containers(run_id)) == 1  # terminated code cannot clean up after itself
+        # terminated code cannot clean up after itself
+        assert [i.key for i in docker.list_containers(run_id)] == [rid]
         pool = SandboxPool(store)
         assert rid in pool.holders()  # nor give back its pool slot
         removed = await reap_orphans(client, AsyncSandboxBackend(docker), run_id, min_age_s=0, pool=pool)
         assert rid not in pool.holders()
-    (rec,), _ = export(store, run_id)
+        await ledger(store, run_id, client=client, backend=docker, pool=pool)
+    rec = next(r for r in export(store, run_id)[0] if r["rollout_id"] == rid)
     assert rec["outcome"] == "failed" and rec["reason"].startswith("infra: child workflow")
     assert len(removed) == 1
     assert_no_containers(docker, run_id)

@@ -7,6 +7,7 @@ import os
 import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from temporalio.client import Client
@@ -14,6 +15,7 @@ from temporalio.testing import WorkflowEnvironment
 
 from contracts.types import group_id, rollout_id
 from sandboxes import DockerBackend
+from sandboxes.pool import SandboxPool
 from simengine import Mode, ModeRule, SimEngine, SimSettings
 from store.runstore import RunStore
 from tests.integration.support import (
@@ -32,7 +34,9 @@ from workers import procs
 
 @pytest.fixture(scope="module")
 async def long_sim() -> AsyncIterator[str]:
-    rules = [ModeRule(on="request", prefix="sleep-", mode=Mode.SLEEP)]
+    # the SIGKILL test's second member solves its task (the ledger wants a success), the rest sleep or loop
+    solved = ModeRule(on="request", prefix=f"sleep-sigkill/{group_id(0)}/1", mode=Mode.REFERENCE)
+    rules = [solved, ModeRule(on="request", prefix="sleep-", mode=Mode.SLEEP)]
     settings = SimSettings(tasks=CODING_TASKS, mode=Mode.LOOP, mode_rules=rules, max_model_len=32768)
     async with SimEngine(settings).serve(port=0) as url:
         yield url
@@ -46,11 +50,12 @@ async def test_worker_sigkill_during_a_sandbox_command(
     long_sim: str,
     task_queue: str,
     tmp_path: Path,
+    ledger: Any,
 ) -> None:
     run_id = "sleep-sigkill"
     rid = rollout_id(run_id, group_id(0), 0)
     cfg = coding_config(
-        long_sim, task_queue, groups=1, size=1, rollout={"max_turns": 2}, sandbox={"command_timeout_s": 8}
+        long_sim, task_queue, groups=1, size=2, rollout={"max_turns": 4}, sandbox={"command_timeout_s": 8}
     )
     store = RunStore(tmp_path)
     first = spawn_worker(temporal_env, task_queue, tmp_path, "worker-1")
@@ -60,15 +65,17 @@ async def test_worker_sigkill_during_a_sandbox_command(
         await wait_for_first_command(store, rid)
         await asyncio.sleep(1.0)  # the first `sleep 30` is running in the sandbox
         os.killpg(first, signal.SIGKILL)
-        assert len(docker.list_containers(run_id)) == 1
+        assert rid in [i.key for i in docker.list_containers(run_id)]
         second = spawn_worker(temporal_env, task_queue, tmp_path, "worker-2")
         await asyncio.wait_for(handle.result(), timeout=300)
     finally:
         procs.stop_pid(first)
         if second is not None:
             procs.stop_pid(second)
-    (rec,), (group,) = export(store, run_id)
-    assert rec["rollout_id"] == rid and group["size"] == 1
+    await ledger(store, run_id, client=client, backend=docker, pool=SandboxPool(store))
+    rollouts, (group,) = export(store, run_id)
+    rec = next(r for r in rollouts if r["rollout_id"] == rid)
+    assert group["size"] == 2 and len(rollouts) == 2
     assert (rec["outcome"], rec["reason"]) == ("truncated", "command_timeout")
     assert_no_containers(docker, run_id)
 

@@ -7,6 +7,7 @@ import json
 import os
 import signal
 from pathlib import Path
+from typing import Any
 
 import pytest
 from temporalio.client import Client
@@ -26,7 +27,12 @@ def spawn_worker(env: WorkflowEnvironment, task_queue: str, home: Path, name: st
 
 @pytest.mark.timeout(600)
 async def test_sigkill_worker_mid_run_loses_and_duplicates_nothing(
-    temporal_env: WorkflowEnvironment, client: Client, engine: Engine, task_queue: str, tmp_path: Path
+    temporal_env: WorkflowEnvironment,
+    client: Client,
+    engine: Engine,
+    task_queue: str,
+    tmp_path: Path,
+    ledger: Any,
 ) -> None:
     groups, size = 24, 4
     cfg = make_config(
@@ -56,6 +62,7 @@ async def test_sigkill_worker_mid_run_loses_and_duplicates_nothing(
     assert sorted(r["rollout_id"] for r in rollouts) == sorted(expected)  # each exactly once
     assert len(group_records) == groups
     assert all(r["outcome"] == "completed" for r in rollouts)
+    await ledger(store, "sigkill", client=client)
 
 
 def _history_bytes(events) -> int:

@@ -64,7 +64,7 @@ mkdir -p "$APP" "$SRC"
 # Built from the tracked files only (a copy: setuptools writes build/ beside the sources).
 git ls-files -z | xargs -0 tar -c | tar -x -C "$SRC"
 echo "pip install --target $APP/site (the project, environments/swe)"
-"$PY" -m pip install -q --no-compile --target "$APP/site" "$SRC" "$SRC/environments/swe"
+"$PY" -m pip install -q --no-compile --no-warn-conflicts --target "$APP/site" "$SRC" "$SRC/environments/swe"
 cp -r config/examples "$APP/examples"
 cp -r config/compose "$APP/compose"
 mkdir -p "$APP/models" && cp -r models/tiny-policy "$APP/models/"
