@@ -99,6 +99,7 @@ def oom(container: Any, timeout_s: float = 30.0) -> bool:
     if not state.get("Running") or state.get("Paused"):
         raise ContainerFaultError(f"container {container.name} is not running")
     _set_oom_first(int(state["Pid"]))
+    started = int(time.time()) - 1
     try:
         container.client.api.exec_start(
             container.client.api.exec_create(container.id, ["/bin/sh", "-c", HOG], user="65534:65534"),
@@ -110,10 +111,10 @@ def oom(container: Any, timeout_s: float = 30.0) -> bool:
     while time.monotonic() < deadline:
         try:
             container.reload()
-        except docker.errors.NotFound:
-            return False  # removed meanwhile (its rollout ended): the fault still fired
+        except docker.errors.NotFound:  # removed meanwhile (the pipeline replaced it): ask the daemon's log
+            return _oom_event(container, started)
         if not container.attrs["State"].get("Running"):
-            return bool(container.attrs["State"].get("OOMKilled"))
+            return bool(container.attrs["State"].get("OOMKilled")) or _oom_event(container, started)
         time.sleep(0.1)
     raise ContainerFaultError(f"container {container.name}: running {timeout_s:.0f} s after the memory hog")
 
@@ -153,3 +154,11 @@ def held_images(dc: docker.DockerClient | None = None) -> list[str]:
     ``docker tag HOLD IMAGE``; the hold tag names the image with ':' and '/' replaced)."""
     dc = dc or client()
     return [t for img in dc.images.list(name=HOLD_REPO) for t in img.tags]
+
+
+def _oom_event(container: Any, since: int) -> bool:
+    """Whether the daemon logged an ``oom`` event for the container since ``since`` (epoch seconds): the
+    kernel's OOM kill as Docker saw it, still known once the container is gone."""
+    only = {"container": container.id, "event": "oom"}
+    events = container.client.api.events(since=since, until=int(time.time()) + 1, filters=only, decode=True)
+    return any(True for _ in events)
