@@ -123,7 +123,9 @@ async def test_prometheus_scrapes_a_running_worker_and_reads_the_run_back(
                     assert (
                         _scalar(api, 'rollouts_inflight{phase="generate", activity="generate_turn"}') == 0.0
                     )
-                    assert _scalar(api, 'up{job="temporal-sdk"}') == 1.0
+                    # the SDK's endpoint is scraped as the worker's is (waited for, as the totals are above:
+                    # an instant query can land before Prometheus's first scrape of that target)
+                    assert await _until(api, 'up{job="temporal-sdk"}', 1.0) == 1.0
                     sdk = _query(api, 'count({job="temporal-sdk", __name__=~"temporal_.+"})')
                     assert sdk and float(sdk[0]["value"][1]) > 0, "no temporal_* series from the SDK"
     finally:
