@@ -100,7 +100,7 @@ async def test_a_cancelled_coding_run_destroys_its_sandboxes(
     """A coding rollout cancelled while its sandbox runs a long command (`sleep 30`)."""
     rules = [ModeRule(on="request", prefix="sleep-", mode=Mode.SLEEP)]
     sim = SimSettings(tasks=CODING_TASKS, mode=Mode.LOOP, mode_rules=rules, max_model_len=32768)
-    run_id = "sleep-cancel"
+    run_id = "sleep-run-cancel"  # unique on the session server: the ledger lists workflows by run id
     rid = rollout_id(run_id, group_id(0), 0)
     async with SimEngine(sim).serve(port=0) as url:
         cfg = coding_config(url, task_queue, groups=3, size=1, rollout={"max_turns": 2})
