@@ -12,9 +12,11 @@ while a fault is set, injects it:
 - ``http_5xx``: requests are answered ``503 Service Unavailable`` by the proxy itself (a 5xx burst).
 
 Invariants: setting or clearing a fault takes effect for connections accepted from then on (``reset``,
-``hang``, ``http_5xx``) and for bytes forwarded from then on (``delay``, ``truncate``); clearing a fault
-also releases hung connections (they are closed, as an engine restart would). Every change is logged
-with its time (``events``), so a suite can line faults up with what the pipeline recorded.
+``hang``, ``http_5xx``) and for bytes forwarded from then on (``delay``, ``truncate``). Setting ``reset``,
+``hang`` or ``http_5xx`` also drops the connections open through the proxy (reset), as an engine restart or
+a load balancer flip would: a client's kept-alive connection cannot carry its requests past the fault.
+Clearing a fault releases hung connections (they are closed, as an engine restart would). Every change is
+logged with its time (``events``), so a suite can line faults up with what the pipeline recorded.
 """
 
 from __future__ import annotations
@@ -72,6 +74,8 @@ class FaultProxy:
     events: list[ProxyEvent] = field(default_factory=list)
     _server: asyncio.Server | None = None
     _hung: set[asyncio.StreamWriter] = field(default_factory=set)
+    _open: set[asyncio.StreamWriter] = field(default_factory=set)
+    """Client connections being forwarded to the upstream now."""
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)
 
     @property
@@ -105,6 +109,10 @@ class FaultProxy:
         self.events.append(ProxyEvent(time.time(), self.setting))
         if self.setting.fault != Fault.HANG:
             self._release_hung()
+        if self.setting.fault in (Fault.RESET, Fault.HANG, Fault.HTTP_5XX):
+            for w in list(self._open):
+                w.transport.abort()
+            self._open.clear()
 
     def clear(self) -> None:
         self.set(Fault.NONE)
@@ -147,11 +155,13 @@ class FaultProxy:
             await writer.drain()
             return
         up_reader, up_writer = await asyncio.open_connection(*self.upstream)
+        self._open.add(writer)
         try:
             await asyncio.gather(
                 self._pump(reader, up_writer, upstream=False), self._pump(up_reader, writer, upstream=True)
             )
         finally:
+            self._open.discard(writer)
             up_writer.close()
         if self.setting.fault == Fault.SLOW_CLOSE:
             await asyncio.sleep(self.setting.delay_ms / 1000.0)

@@ -77,6 +77,32 @@ async def test_clearing_a_hang_releases_the_hung_connections(proxy: FaultProxy) 
         await asyncio.wait_for(pending, 3)
 
 
+async def test_a_failure_fault_drops_the_connections_open_through_the_proxy() -> None:
+    """A kept-alive (here: mid-request) connection does not carry a client past a 5xx burst: it is dropped
+    when the fault is set, so the client reconnects and meets the fault."""
+
+    async def slow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _answer_after(reader, writer, 3.0)
+
+    server = await asyncio.start_server(slow, "127.0.0.1", 0)
+    async with FaultProxy(("127.0.0.1", server.sockets[0].getsockname()[1])) as p:
+        pending = asyncio.ensure_future(_get(p, timeout=10))
+        await asyncio.sleep(0.3)  # the request is with the upstream, on a connection through the proxy
+        p.set(Fault.DELAY, delay_ms=1)  # not a failure: the open connection stays
+        await asyncio.sleep(0.2)
+        assert not pending.done()
+        p.set(Fault.HTTP_5XX)
+        with pytest.raises((httpx.RemoteProtocolError, httpx.ReadError)):
+            await asyncio.wait_for(pending, 1.0)  # long before the upstream's answer
+        assert (await _get(p)).status_code == 503
+    server.close()
+
+
+async def _answer_after(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay_s: float) -> None:
+    await asyncio.sleep(delay_s)
+    await _answer(reader, writer)
+
+
 def test_schedules_are_a_function_of_their_seed() -> None:
     kinds = ["worker_kill", "engine_stop", "proxy_reset"]
     a = schedule(7, kinds, 600, instant=frozenset({"worker_kill"}))
