@@ -13,6 +13,17 @@ from enum import StrEnum
 from pydantic import BaseModel, ConfigDict, Field
 
 from config.models import Config
+from contracts.dispatch import (
+    AdmissionState,
+    DispatchLog,
+    DispatchState,
+    EngineReading,
+    FleetPoll,
+    GroupCounts,
+    GroupSlot,
+    PollFleetInput,
+    TokenBucket,
+)
 from contracts.sandbox import SandboxCreated, SandboxPlaceInput, SandboxPlacement, SandboxStepInput
 from sandboxes.base import SandboxSpec
 from sandboxes.pool import PoolStatus, SandboxPoolConfig
@@ -22,65 +33,22 @@ class _Data(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-__all__ = ["SandboxCreated", "SandboxPlaceInput", "SandboxPlacement", "SandboxStepInput"]  # re-exported
-
-
-class EngineReading(BaseModel):
-    """One engine's load at one poll, from its /metrics."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    engine_id: str = Field(min_length=1)
-    at: float
-    """When the reading was taken (seconds, same clock as `AdmissionController.step`'s ``now``)."""
-    kv_usage: float = Field(ge=0.0, le=1.0)
-    """Fraction of the KV cache in use."""
-    running: int = Field(ge=0)
-    """Requests in the running batch."""
-    waiting_capacity: int = Field(ge=0)
-    """Requests waiting for KV capacity."""
-    preemptions_total: float = Field(ge=0.0)
-    """Cumulative preemptions (a counter; it only resets when the engine restarts)."""
-    kv_capacity_tokens: int = Field(ge=1)
-    """KV cache size in tokens."""
-    generation_tokens_total: float = Field(0.0, ge=0.0)
-    """Cumulative output tokens (``vllm:generation_tokens_total``; 0 when the engine does not export it)."""
-
-
-class AdmissionState(BaseModel):
-    """Everything the controller remembers; small, so a workflow carries it across continue-as-new."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    cap: int | None = None
-    polls: int = 0
-    last_step_at: float | None = None
-    ties_at_last_step: int = 0
-    """Rollouts seen at the last step with admitted_at == last_step_at (already counted as admitted)."""
-    preemptions: dict[str, float] = Field(default_factory=dict)
-    queue_streak: int = 0
-    draining: bool = False
-    drained_at_poll: int | None = None
-    admitted_since_change: int = 0
-    window_start: float | None = None
-    window_admitted: int = 0
-    # the probe preset's memory (workflows/admission.py, rules P1-P4)
-    tokens_total: dict[str, float] = Field(default_factory=dict)
-    """Each engine's generation-token counter at the previous poll."""
-    epoch_start_at: float | None = None
-    """When the current probe epoch began (None: none runs)."""
-    epoch_tokens: float = 0.0
-    epoch_polls: int = 0
-    prev_rate: float | None = None
-    """Generated tokens/s of the previous epoch, at ``prev_cap``."""
-    prev_cap: int | None = None
-    ceiling: int | None = None
-    """Cap the probe does not grow past, set at ``ceiling_at_poll``."""
-    ceiling_at_poll: int | None = None
-    storm: bool = False
-    """Whether the last poll saw a preemption storm."""
-    storm_polls: int = 0
-    """Polls that saw a preemption storm."""
+__all__ = [  # re-exported: defined by concern in contracts/dispatch.py and contracts/sandbox.py
+    "AdmissionState",
+    "DispatchLog",
+    "DispatchState",
+    "EngineReading",
+    "FleetPoll",
+    "GroupCounts",
+    "GroupSlot",
+    "PollFleetInput",
+    "PoolStatus",
+    "SandboxCreated",
+    "SandboxPlaceInput",
+    "SandboxPlacement",
+    "SandboxStepInput",
+    "TokenBucket",
+]
 
 
 class Outcome(StrEnum):
@@ -364,79 +332,6 @@ class RunState(_Data):
     breaker: BreakerState = Field(default_factory=lambda: BreakerState())
     """The circuit breaker (workflows/breaker.py)."""
     """The adaptive dispatcher's carry (unused with a fixed cap)."""
-
-
-class DispatchState(_Data):
-    """The adaptive dispatcher's memory: controller state, last readings, token bucket, decision log."""
-
-    admission: AdmissionState | None = None
-    readings: dict[str, EngineReading] = Field(default_factory=dict)
-    bucket: TokenBucket | None = None
-    polls: int = 0
-    last_log: DispatchLog | None = None
-
-
-class GroupSlot(_Data):
-    """The dispatcher's view of one group in flight."""
-
-    admitted_at: float
-    engine: str
-    size: int
-    told: int = 0
-    """Members the dispatcher told to cancel for admission so far."""
-
-
-class TokenBucket(_Data):
-    """Token-bucket state: ``tokens`` available at time ``at``."""
-
-    tokens: float
-    at: float
-
-
-class GroupCounts(_Data):
-    """Members of an in-flight group with a record, from the run store."""
-
-    finished: int = 0
-    admission_cancelled: int = 0
-
-
-class DispatchLog(_Data):
-    """One dispatcher decision, written to the run store (``rollouts status`` and tests read it)."""
-
-    run_id: str
-    seq: int
-    at: float
-    cap: int
-    inflight: int
-    admitted: int
-    cancelled: int
-    kv_usage: float | None
-    healthy: list[str]
-    pool: PoolStatus | None = None
-    reasons: list[str] = Field(default_factory=list)
-
-
-class PollFleetInput(_Data):
-    run_id: str
-    engine_urls: list[str]
-    groups: list[str]
-    pool: SandboxPoolConfig | None = None
-    """The run's sandbox pool; None for runs without sandboxes."""
-    log: DispatchLog | None = None
-    """The previous decision, to be written to the store (idempotent on its seq)."""
-    count_unconsumed: bool = False
-    """Also count the run's complete groups the trainer feed has not taken (admission.max_queued_groups)."""
-
-
-class FleetPoll(_Data):
-    """What one poll saw: fresh engine readings, per-group record counts, the sandbox pool."""
-
-    at: float
-    readings: list[EngineReading]
-    errors: list[str] = Field(default_factory=list)
-    counts: dict[str, GroupCounts] = Field(default_factory=dict)
-    pool: PoolStatus | None = None
-    unconsumed_groups: int = 0
 
 
 class RunProgress(_Data):
