@@ -263,14 +263,9 @@ def _ops(work: Callable[[], Coroutine[Any, Any, None]]) -> None:
         error = str(e)  # raised below, so no traceback keeps the client alive into interpreter shutdown
     except KeyboardInterrupt:  # `top` ends on Ctrl-C
         pass
-    if error is not None:  # one line, exit 2; leave at once: the Temporal runtime's threads can outlive
-        import os  # interpreter shutdown after a failed command and abort it (SIGABRT instead of 2)
-        import sys
-
+    if error is not None:  # one line, exit 2 (main() leaves without finalizing: workers.procs.exit_now)
         typer.echo(f"error: {error}", err=True)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(2)
+        raise typer.Exit(2)
 
 
 @app.command()
@@ -478,7 +473,9 @@ _mount_chaos()
 
 
 def main() -> None:
-    app(prog_name="rollouts")
+    from workers.procs import run_main
+
+    run_main(lambda: app(prog_name="rollouts"))
 
 
 if __name__ == "__main__":

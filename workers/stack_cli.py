@@ -151,4 +151,6 @@ def search_attributes(
 
 
 if __name__ == "__main__":
-    stack_app()
+    from workers.procs import run_main
+
+    run_main(stack_app)

@@ -214,4 +214,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from workers.procs import run_main
+
+    run_main(main)
