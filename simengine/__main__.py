@@ -53,7 +53,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--random-length", default="uniform", choices=["uniform", "heavy_tail"])
     p.add_argument("--random-median-tokens", type=int, default=64)
-    p.add_argument("--random-tail-key", default="request", choices=["request", "rollout"])
+    p.add_argument("--random-tail-key", default="request", choices=["request", "rollout", "task"])
+    p.add_argument("--random-task-sigma", type=float, default=0.0, help="per-task length scale spread")
     timing = p.add_argument_group("timing model (see simengine/timing.py for the GPU mapping)")
     timing.add_argument("--timing", action="store_true", help="continuous batching, KV blocks, preemption")
     timing.add_argument("--step-base-ms", type=float, default=7.0)
@@ -114,6 +115,7 @@ def _settings(args: argparse.Namespace) -> tuple[SimSettings, FaultUpdate]:
         "random_length": args.random_length,
         "random_median_tokens": args.random_median_tokens,
         "random_tail_key": args.random_tail_key,
+        "random_task_sigma": args.random_task_sigma,
     }
     if args.timing:
         fields["timing"] = {

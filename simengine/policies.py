@@ -175,13 +175,17 @@ class RandomPolicy:
 def heavy_tail_length(request_id: str, settings: SimSettings) -> int:
     """Turn length (before the end token) drawn from the request id: log-normal around the median, and
     ``random_tail_factor`` times that for a ``random_tail_fraction`` of requests (or of rollouts, keyed on the
-    request id up to its last "/", when ``random_tail_key`` is "rollout")."""
+    request id up to its last "/", when ``random_tail_key`` is "rollout"; or of tasks, keyed on the request
+    id less its last two parts, when it is "task"); times the task's length scale when
+    ``random_task_sigma`` > 0."""
     s = settings
-    key = request_id
-    if s.random_tail_key == "rollout":
-        key = request_id.rpartition("/")[0] or request_id
+    rollout = request_id.rpartition("/")[0] or request_id
+    task = rollout.rpartition("/")[0] or rollout
+    key = {"request": request_id, "rollout": rollout, "task": task}[s.random_tail_key]
     tail = _unit(f"tail:{key}") < s.random_tail_fraction
     jitter = random.Random(_unit(f"length:{request_id}")).lognormvariate(0.0, s.random_length_sigma)
+    if s.random_task_sigma > 0:
+        jitter *= random.Random(_unit(f"task-scale:{task}")).lognormvariate(0.0, s.random_task_sigma)
     return max(1, round(s.random_median_tokens * jitter * (s.random_tail_factor if tail else 1.0)))
 
 

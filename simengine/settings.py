@@ -144,9 +144,16 @@ class SimSettings(BaseModel):
     """Share of heavy-tailed draws that are ``random_tail_factor`` times longer."""
     random_tail_factor: float = Field(default=10.0, ge=1.0, le=1000.0)
     """Length multiplier of the tail."""
-    random_tail_key: Literal["request", "rollout"] = "request"
+    random_tail_key: Literal["request", "rollout", "task"] = "request"
     """What the tail is drawn for: each request id, or each rollout (the request id up to its last "/",
-    so every turn ``<rollout>/<turn>`` of a tail rollout is long)."""
+    so every turn ``<rollout>/<turn>`` of a tail rollout is long), or each task (the request id less its
+    last two parts, ``<task>/<member>/<turn>``: every turn of every rollout of a tail task is long)."""
+    random_task_sigma: float = Field(default=0.0, ge=0.0, le=3.0)
+    """Log-normal spread of a per-task length scale: every heavy-tailed turn of every rollout of one task
+    (the request id less its last two parts, ``<task>/<member>/<turn>``) is multiplied by one factor
+    exp(N(0, sigma)) drawn from the task key, so siblings' lengths correlate as real RL tasks' do (a hard
+    task is long in every sibling). The factor's median is 1 (its mean exp(sigma^2 / 2)). 0, the default:
+    no task scale, lengths independent across rollouts."""
     timing: TimingSettings | None = None
     """The step-loop timing model (continuous batching, finite KV blocks, preemption); None keeps the
     simple pacing of ``prefill_ms`` and ``decode_ms_per_token``."""
