@@ -40,13 +40,20 @@ class Generation:
     queue_s: float
 
 
+KEEPALIVE = httpx.Limits(max_connections=None, max_keepalive_connections=1024, keepalive_expiry=4.0)
+"""Connections to the engines: as many kept open as calls were in flight (httpx keeps 20 by default, so a
+worker with more model calls in flight than that closed and reopened a connection for most of them:
+measured 613 connects for 512 calls at 32 in flight); idle ones are dropped after 4 s, before vLLM's
+server closes them at 5 s (uvicorn's keep-alive timeout), so a call never lands on a closing one."""
+
+
 class EngineClient:
     """Async HTTP client for a fleet of engine replicas; one per worker process."""
 
     def __init__(self, timeout_s: float = 120.0, stall_timeout_s: float | None = None) -> None:
         """``stall_timeout_s``: of calls made where ``engines.watchdog.stall_timeout`` is unset (None:
         those calls are not watched)."""
-        self._http = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0))
+        self._http = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0), limits=KEEPALIVE)
         self._max_len: dict[str, int] = {}
         self.watchdog = Watchdog(stall_timeout_s)
 

@@ -40,6 +40,33 @@ from workflows.run import RunWorkflow
 WORKFLOWS = [RunWorkflow, GroupWorkflow, RolloutWorkflow]
 
 
+def cache_workflow_bytecode() -> int:
+    """Write the bytecode of the workflow modules where Python looks for it; returns how many were written.
+
+    The SDK's sandbox imports a workflow's module afresh for every workflow run it creates, through the
+    normal import system: with no bytecode cache (``PYTHONDONTWRITEBYTECODE``, a read-only install) it
+    compiles the source every time. Measured: 6.7 ms per RolloutWorkflow instance, 2.3 ms with the cache.
+    A cache that is present and fresh is left alone; one that cannot be written is skipped.
+    """
+    import importlib.util
+    import py_compile
+
+    written = 0
+    for module in {w.__module__ for w in WORKFLOWS}:
+        spec = importlib.util.find_spec(module)
+        src = spec.origin if spec is not None else None
+        if src is None or not src.endswith(".py"):
+            continue
+        pyc = importlib.util.cache_from_source(src)
+        with contextlib.suppress(OSError):
+            if os.stat(pyc).st_mtime >= os.stat(src).st_mtime:
+                continue
+        with contextlib.suppress(OSError, py_compile.PyCompileError):
+            py_compile.compile(src, cfile=pyc, doraise=True)
+            written += 1
+    return written
+
+
 def docker_sandboxes() -> AsyncSandboxBackend:
     """The default sandbox backend: the local Docker daemon."""
     return AsyncSandboxBackend(DockerBackend())
@@ -65,6 +92,8 @@ def build_worker(
     rollout_acts = RolloutActivities(store, engine, env_acts)
     dispatch_acts = DispatchActivities(store, pool)
     runner: dict[str, Any] = {} if sandboxed else {"workflow_runner": UnsandboxedWorkflowRunner()}
+    if sandboxed:
+        cache_workflow_bytecode()
     return Worker(
         client,
         task_queue=task_queue,
