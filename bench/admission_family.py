@@ -15,6 +15,20 @@ cap, no storm poll.
 
     python bench/admission_family.py --out bench/results/admission_family.json
 
+``--length-aware`` instead compares, per workload, adaptive with and without length-aware groups
+(`workflows.length_aware`, Seer-style waves; the same controller, seed and budget), with task-correlated
+lengths on (``--task-sigma``, a per-task log-normal length scale), in two modes: continuous admission (the
+family's usual driver) and synchronous steps of ``--step-groups`` groups (Seer's setting). Variants
+(``--la-variants``): ``la`` (one probe per group, siblings released when a member finished, predicted by
+the max finished length) and ``la-progress`` (released already after a first-wave member's first turn).
+Reported: accepted rollouts per simulated second, p50/p99 group completion (admission to last member's
+end), mean step time, and their ratios with / without:
+
+    python bench/admission_family.py --length-aware --workloads default --out /tmp/la_default.json
+
+(bench/results/length_aware.json joins one such run per workload, by ``--merge``, with supplements: its
+``commands`` list every command behind it.)
+
 ``--workloads`` runs a subset (two processes can share the family); ``--merge A.json B.json --out C.json``
 joins their results and prints the table, later files' runs replacing earlier ones of the same name (so
 ``--policies adaptive --no-sweep`` reruns only the controller against the same oracle).
@@ -70,6 +84,108 @@ async def run_workload(name: str, common: argparse.Namespace) -> dict[str, Any]:
     return {"flags": FAMILY[name], "kv_cap": kv_cap, "sweep": [kv_cap, *caps], "runs": runs}
 
 
+LA_VARIANTS: dict[str, dict[str, Any]] = {
+    "la": {"length_aware": True},
+    "la-progress": {"length_aware": True, "la_release": "progress"},
+}
+"""Length-aware variant -> its `bench/admission_fleet.py` flags (argparse destinations)."""
+
+
+async def run_length_aware(name: str, common: argparse.Namespace) -> dict[str, Any]:
+    """Adaptive without and with each length-aware variant, continuous and in steps, one workload."""
+    args = workload_args(name, common)
+    args.task_sigma = common.task_sigma
+    workload = Workload(args)
+    runs: dict[str, dict[str, Any]] = {}
+    for mode in common.modes:
+        args.step_groups = common.step_groups if mode == "stepped" else None
+        for variant in ["off", *common.la_variants]:
+            flags = LA_VARIANTS.get(variant, {})
+            for key, value in flags.items():
+                setattr(args, key, value)
+            r = await run_policy("adaptive", args, workload)
+            for key in flags:
+                setattr(args, key, getattr(_parser().parse_args([]), key))
+            r.pop("trace", None)
+            runs[f"{mode}/{variant}"] = r
+            g = r["groups"]
+            print(
+                f"{name}: {mode}/{variant} {r['accepted_per_sim_s']:.3f}/s, groups p50 {g['p50_s']:.0f} s "
+                f"p99 {g['p99_s']:.0f} s, steps {g['steps']} ({r['sim_s']:.0f} sim s, {r['wall_s']:.0f} s)",
+                flush=True,
+            )
+    flags = FAMILY[name] | {"task_sigma": common.task_sigma}
+    return {"flags": flags, "step_groups": common.step_groups, "runs": runs}
+
+
+def la_summary(name: str, w: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per (mode, variant) with its off run: rates, group completion, step time, ratios."""
+    rows = []
+    for key, r in w["runs"].items():
+        mode, variant = key.split("/")
+        off = w["runs"].get(f"{mode}/off")
+        if variant == "off" or off is None:
+            continue
+        g, g0 = r["groups"], off["groups"]
+
+        def ratio(a: float | None, b: float | None) -> float | None:
+            return a / b if a is not None and b else None
+
+        rows.append(
+            {
+                "workload": name,
+                "mode": mode,
+                "variant": variant,
+                "sibling_log_length_corr": g0["sibling_log_length_corr"],
+                "rate_off": off["accepted_per_sim_s"],
+                "rate_on": r["accepted_per_sim_s"],
+                "rate_ratio": ratio(r["accepted_per_sim_s"], off["accepted_per_sim_s"]),
+                "p50_off": g0["p50_s"],
+                "p50_on": g["p50_s"],
+                "p50_ratio": ratio(g["p50_s"], g0["p50_s"]),
+                "p99_off": g0["p99_s"],
+                "p99_on": g["p99_s"],
+                "p99_ratio": ratio(g["p99_s"], g0["p99_s"]),
+                "step_off": g0["step_mean_s"],
+                "step_on": g["step_mean_s"],
+                "step_ratio": ratio(g["step_mean_s"], g0["step_mean_s"]),
+                "steps_off_on": f"{g0['steps']}/{g['steps']}",
+                "cohort_off_on": f"{g0['cohort']}/{g['cohort']}",
+                "censored_off_on": f"{g0['cohort_censored']}/{g['cohort_censored']}",
+                "preemptions_off_on": f"{off['preemptions']}/{r['preemptions']}",
+                "not_started_off_on": f"{g0['not_started_members']}/{g['not_started_members']}",
+                "books_balance": all(_balanced(x["tally"]) for x in (off, r)),
+                "sim_s_min": min(off["sim_s"], r["sim_s"]),
+            }
+        )
+    return rows
+
+
+def _balanced(t: dict[str, Any]) -> bool:
+    """The driver's invariant: every admitted rollout ended exactly once (or was unfinished at the end)."""
+    return bool(t["admitted"] == t["accepted"] + t["cancelled"] + t["failed"] + t["unfinished"])
+
+
+def la_table(rows: list[dict[str, Any]]) -> str:
+    def f(v: float | None, fmt: str) -> str:
+        return "-" if v is None else format(v, fmt)
+
+    head = (
+        "| workload | mode | variant | sibling corr | rollouts/s off → on (×) | group p50 s off → on (×) "
+        "| group p99 s off → on (×) | step s off → on (×) |"
+    )
+    lines = [head, "|" + "---|" * 8]
+    for s in rows:
+        lines.append(
+            f"| {s['workload']} | {s['mode']} | {s['variant']} | {f(s['sibling_log_length_corr'], '.2f')} "
+            f"| {s['rate_off']:.3f} → {s['rate_on']:.3f} ({f(s['rate_ratio'], '.2f')}) "
+            f"| {s['p50_off']:.0f} → {s['p50_on']:.0f} ({f(s['p50_ratio'], '.2f')}) "
+            f"| {s['p99_off']:.0f} → {s['p99_on']:.0f} ({f(s['p99_ratio'], '.2f')}) "
+            f"| {f(s['step_off'], '.0f')} → {f(s['step_on'], '.0f')} ({f(s['step_ratio'], '.2f')}) |"
+        )
+    return "\n".join(lines)
+
+
 def summary(name: str, w: dict[str, Any]) -> dict[str, Any]:
     runs = w["runs"]
     rate = {k: r["accepted_per_sim_s"] for k, r in runs.items()}
@@ -122,7 +238,8 @@ def table(rows: list[dict[str, Any]]) -> str:
 async def run_all(args: argparse.Namespace) -> dict[str, Any]:
     workloads = {}
     for name in args.workloads:
-        workloads[name] = await run_workload(name, args)
+        run = run_length_aware if args.length_aware else run_workload
+        workloads[name] = await run(name, args)
     return {
         "config": {k: v for k, v in vars(args).items() if k not in ("out", "merge")},
         "workloads": workloads,
@@ -139,6 +256,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-wall-s", type=float, default=75.0, help="wall seconds per policy at most")
     p.add_argument("--time-scale", type=float, default=25.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--length-aware", action="store_true", help="compare adaptive with / without length-aware")
+    p.add_argument(
+        "--task-sigma", type=float, default=0.5, help="per-task length scale (with --length-aware)"
+    )
+    p.add_argument("--modes", nargs="+", choices=["continuous", "stepped"], default=["continuous", "stepped"])
+    p.add_argument("--step-groups", type=int, default=24, help="groups per synchronous step (stepped mode)")
+    p.add_argument("--la-variants", nargs="+", choices=list(LA_VARIANTS), default=list(LA_VARIANTS))
     p.add_argument("--merge", type=Path, nargs="+", default=None, help="join these result files instead")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
@@ -153,9 +277,15 @@ def main(argv: list[str] | None = None) -> int:
                     report["workloads"][name] = w
     else:
         report = asyncio.run(run_all(args))
-    complete = {"adaptive", "prime-rl", "fixed", "sync"}
-    report["summary"] = [summary(n, w) for n, w in report["workloads"].items() if complete <= set(w["runs"])]
-    print(table(report["summary"]))
+    if report["config"].get("length_aware"):
+        report["summary"] = [row for n, w in report["workloads"].items() for row in la_summary(n, w)]
+        print(la_table(report["summary"]))
+    else:
+        complete = {"adaptive", "prime-rl", "fixed", "sync"}
+        report["summary"] = [
+            summary(n, w) for n, w in report["workloads"].items() if complete <= set(w["runs"])
+        ]
+        print(table(report["summary"]))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=1))

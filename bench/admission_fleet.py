@@ -24,6 +24,20 @@ make turn lengths drift during the run as a training policy's would: a turn is c
 at a per-turn limit that grows linearly in simulated time from the first value to the second.
 ``bench/admission_family.py`` runs a family of such workloads with a sweep of fixed caps (the oracle).
 
+Length-aware groups (``--length-aware``, Seer-style; the policy is `workflows.length_aware`): the controlled
+policies (adaptive, prime-rl, fixed) route the controller's admit count through `LengthAwareScheduler`:
+a new group starts ``--probe`` members, its other members wait until one of its members finished (or its
+first wave all failed), then start longest predicted first (``--la-predictor``: max or mean of the
+finished siblings' lengths), before new groups' probes; ``--la-release progress`` releases them already
+after a first-wave member's first turn (its tokens so far as the prediction); ``--la-long-factor`` sends
+members predicted that many times the mean finished length to the replica holding the fewest context
+tokens. Without the flag rollouts are admitted one at a time in group order, as before; sync always is.
+``--step-groups N`` makes the controlled policies synchronous RL steps (Seer's setting): N groups are
+offered, admitted under the controller's cap, and the next N only once all N are complete (checked at each
+poll); it reports each step's time. Sibling lengths correlate only with ``--task-sigma`` > 0 (a per-task
+log-normal length scale, simengine's ``random_task_sigma``; ``--tail-key task`` draws the 10x tail
+per task instead of per rollout).
+
 Reported per policy: accepted (finished) rollouts per simulated second, engine busy fraction (simulated time
 with at least one running sequence / elapsed, mean over engines), preemptions, storm polls (polls in which
 some engine preempted a storm's worth, `workflows.admission` rule P1's definition, read from the engines'
@@ -33,8 +47,16 @@ polls share one `PacedClock`: simulated time advances ``--time-scale`` times fas
 stops while the process is starved of CPU, so the numbers barely depend on machine load (the wall time to
 reach them does, up to ``--max-wall-s`` per policy).
 
+Also per policy, groups: each group's admission time (its first member's start) and completion time (its
+last member's end); p50/p90/p99 of completion - admission over the groups admitted in the first half of
+the budget (a group of that cohort still unfinished at the end counts at its elapsed time, a lower bound,
+and is reported as censored); and the measured sibling length correlation (Pearson, log tokens of every
+ordered pair of accepted siblings of a complete group).
+
 Invariant: every admitted rollout ends exactly once: accepted, cancelled, failed, or unfinished when the
-budget runs out (unfinished ones are neither accepted nor wasted).
+budget runs out (unfinished ones are neither accepted nor wasted); per group, its started members are its
+ended plus its unfinished ones, and with ``--length-aware`` the members it never started are the
+scheduler's held ones.
 
     python bench/admission_fleet.py --out bench/results/admission_fleet.json
 """
@@ -61,11 +83,15 @@ from engines.metrics import fetch_reading
 from simengine import PolicyName, SimEngine, SimSettings, TimingSettings
 from simengine.clock import PacedClock
 from workflows.admission import AdmissionConfig, AdmissionController, Inflight
+from workflows.length_aware import GroupOffer, LengthAwareConfig, LengthAwareScheduler, Outcome
 
 MODEL = "tiny"
 POLICIES = ("adaptive", "prime-rl", "fixed", "sync")
 POLL_S = 5.0
 """Simulated seconds between /metrics polls: the reference's interval, which its poll-counted rules assume."""
+COHORT_FRACTION = 0.5
+"""Group completion times are taken over the groups admitted in this first share of the simulated time,
+so that most of them can complete before the budget ends."""
 
 
 @dataclass(frozen=True)
@@ -103,8 +129,21 @@ class Live:
     rollout: Rollout
     replica: int
     admitted_at: float
+    group: int
+    member: int
     tokens: int = 0
     task: asyncio.Task[None] | None = None
+
+
+@dataclass
+class GroupBook:
+    """One group's members in the driver: started, ended (accepted, cancelled or failed), when."""
+
+    admitted_at: float
+    started: int = 0
+    ended: int = 0
+    last_end: float = 0.0
+    accepted_tokens: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -130,7 +169,15 @@ class Driver:
         self.clients = [EngineClient(timeout_s=600) for _ in urls]
         self.live: dict[str, Live] = {}
         self.tally = Tally()
+        self.groups: dict[int, GroupBook] = {}
+        la = length_aware_config(args)
+        self.sched = LengthAwareScheduler(la) if la.enabled else None
         self._next = 0
+        self._next_group = 0
+        self._step = (0, args.step_groups or 1 << 40, 0.0)
+        """Synchronous steps (``--step-groups``): the groups [first, end) of the step running, its start."""
+        self.steps: list[float] = []
+        """Each completed step's time: its last group's completion - its start."""
         self._t0 = clock.now()
 
     def now(self) -> float:
@@ -148,18 +195,62 @@ class Driver:
         f = min(1.0, self.now() / a.budget_s)
         return max(1, round(a.drift_from_tokens + f * (a.drift_to_tokens - a.drift_from_tokens)))
 
+    def next_step(self) -> None:
+        """With ``--step-groups``: once every group of the step is complete, the next step's groups open."""
+        first, end, began = self._step
+        if not self.args.step_groups:
+            return
+        books = [self.groups.get(g) for g in range(first, end)]
+        if all(b is not None and b.ended == self.args.group_size for b in books):
+            self.steps.append(max(b.last_end for b in books if b is not None) - began)
+            self._step = (end, end + self.args.step_groups, self.now())
+
     def admit(self, n: int) -> list[asyncio.Task[None]]:
+        """Start the next ``n`` rollouts in order (a group's members may span two calls), within the step."""
         tasks = []
+        n = min(n, self._step[1] * self.args.group_size - self._next)
         for _ in range(n):
-            rollout = self.workload.rollout(self._next)
+            g, m = divmod(self._next, self.args.group_size)
             self._next += 1
-            load = Counter(x.replica for x in self.live.values())
-            live = Live(rollout, min(range(len(self.urls)), key=load.__getitem__), self.now())
-            live.task = asyncio.create_task(self._run(live))
-            self.live[rollout.rid] = live
-            self.tally.admitted += 1
-            tasks.append(live.task)
+            tasks.append(self._start(g, m))
         return tasks
+
+    def admit_length_aware(self, n: int) -> None:
+        """Start what `LengthAwareScheduler.plan` picks for ``n`` (at most ``n`` new groups are offered)."""
+        assert self.sched is not None
+        size = self.args.group_size
+        last = min(self._next_group + n, self._step[1])
+        offered = [GroupOffer(group_id=f"g{g:05d}", size=size) for g in range(self._next_group, last)]
+        load: dict[str, float] | None = None
+        if self.sched.config.long_factor is not None:
+            load = {f"e{i}": 0.0 for i in range(len(self.urls))}
+            for x in self.live.values():
+                load[f"e{x.replica}"] += len(x.rollout.prompt) + x.tokens
+        plan = self.sched.plan(n, offered, load)
+        self._next_group += len(plan.admitted)
+        for s in plan.starts:
+            self._start(int(s.group_id[1:]), s.member, int(s.replica[1:]) if s.replica else None)
+
+    def _start(self, g: int, m: int, replica: int | None = None) -> asyncio.Task[None]:
+        rollout = self.workload.rollout(g * self.args.group_size + m)
+        if replica is None:
+            load = Counter(x.replica for x in self.live.values())
+            replica = min(range(len(self.urls)), key=load.__getitem__)
+        live = Live(rollout, replica, self.now(), g, m)
+        live.task = asyncio.create_task(self._run(live))
+        self.live[rollout.rid] = live
+        self.tally.admitted += 1
+        self.groups.setdefault(g, GroupBook(self.now())).started += 1
+        return live.task
+
+    def _ended(self, live: Live, outcome: Outcome) -> None:
+        book = self.groups[live.group]
+        book.ended += 1
+        book.last_end = self.now()
+        if outcome == "finished":
+            book.accepted_tokens.append(live.tokens)
+        if self.sched is not None:
+            self.sched.end(f"g{live.group:05d}", live.member, outcome, live.tokens)
 
     def cancel(self, rid: str) -> None:
         live = self.live.pop(rid, None)
@@ -167,6 +258,7 @@ class Driver:
             live.task.cancel()
             self.tally.cancelled += 1
             self.tally.cancelled_tokens += live.tokens
+            self._ended(live, "cancelled")
 
     def inflight(self) -> list[Inflight]:
         return [
@@ -191,10 +283,12 @@ class Driver:
             if self.live.pop(live.rollout.rid, None) is not None:
                 self.tally.failed += 1
                 self.tally.errors.append(f"{type(e).__name__}: {e}"[:200])
+                self._ended(live, "failed")
             return
         if self.live.pop(live.rollout.rid, None) is not None:
             self.tally.accepted += 1
             self.tally.truncated += truncated
+            self._ended(live, "finished")
 
     async def _turns(self, live: Live) -> bool:
         """Play the rollout; True when it was cut at the context length."""
@@ -212,6 +306,8 @@ class Driver:
             ask = min(room, limit) if limit is not None else room
             gen = await client.generate(url, MODEL, context, sampling, ask, f"{r.rid}/{t}")
             live.tokens += len(gen.token_ids)
+            if self.sched is not None:
+                self.sched.progress(f"g{live.group:05d}", live.member, live.tokens)
             context += gen.token_ids
             if gen.finish_reason == "length" and ask == room:
                 return True
@@ -234,8 +330,20 @@ def engine_settings(args: argparse.Namespace) -> SimSettings:
         random_length_sigma=0.5,
         random_tail_fraction=args.tail_fraction,
         random_tail_factor=10.0,
-        random_tail_key="rollout",
+        random_tail_key=args.tail_key,
+        random_task_sigma=args.task_sigma,
         timing=TimingSettings(time_scale=args.time_scale),  # the 8B-on-H100 step costs
+    )
+
+
+def length_aware_config(args: argparse.Namespace) -> LengthAwareConfig:
+    return LengthAwareConfig(
+        enabled=args.length_aware,
+        probe=args.probe,
+        predictor=args.la_predictor,
+        release=args.la_release,
+        long_factor=args.la_long_factor,
+        max_held=args.la_max_held,
     )
 
 
@@ -255,7 +363,11 @@ async def controlled(
             d = ctrl.step(now, await asyncio.gather(*polls), driver.inflight())
             for rid in d.cancel:
                 driver.cancel(rid)
-            driver.admit(d.admit)
+            driver.next_step()
+            if driver.sched is not None:
+                driver.admit_length_aware(d.admit)
+            else:
+                driver.admit(d.admit)
             trace.append([round(now, 1), d.cap, len(driver.live), round(d.kv_usage or 0.0, 3), d.reasons])
             await driver.sleep_until(min(now + POLL_S, budget))
 
@@ -330,8 +442,60 @@ async def run_policy(name: str, args: argparse.Namespace, workload: Workload) ->
             clock_paused_s=clock.paused_s, sim_s=sim_s, wall_s=wall_s, trace=trace, inflight=inflight
         )
         fleet["storm_polls"] = len(storms)
+        held = driver.sched.held() if driver.sched is not None else None
         await driver.stop()
-    return summarize(name, driver.tally, fleet)
+    fleet["groups"] = group_stats(driver, sim_s, held)
+    label = f"{name}+la" if driver.sched is not None else name
+    return summarize(label, driver.tally, fleet)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (``q`` in (0, 1]); 0.0 for no values."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
+def group_stats(driver: Driver, sim_s: float, held: int | None) -> dict[str, Any]:
+    """Group completion over the cohort admitted in the first `COHORT_FRACTION` of the run, the sibling
+    length correlation, and the groups' books (checked: started = ended + unfinished, held = not started)."""
+    size, tally = driver.args.group_size, driver.tally
+    books = driver.groups
+    started, ended = sum(b.started for b in books.values()), sum(b.ended for b in books.values())
+    assert started == tally.admitted, f"{started} members started, {tally.admitted} admitted"
+    assert ended == tally.accepted + tally.cancelled + tally.failed, "a member ended twice or never"
+    assert started - ended == tally.unfinished, "unfinished members do not match the groups' books"
+    not_started = sum(size - b.started for b in books.values())
+    if held is not None:
+        assert not_started == held, f"{not_started} members never started, the scheduler holds {held}"
+    cohort = [b for b in books.values() if b.admitted_at < COHORT_FRACTION * sim_s]
+    times = [(b.last_end if b.ended == size else sim_s) - b.admitted_at for b in cohort]
+    xs, ys = [], []
+    for b in books.values():
+        if b.ended == size:
+            logs = [math.log(max(1, t)) for t in b.accepted_tokens]
+            for i, x in enumerate(logs):
+                for j, y in enumerate(logs):
+                    if i != j:
+                        xs.append(x)
+                        ys.append(y)
+    corr = statistics.correlation(xs, ys) if len(xs) > 2 and len(set(xs)) > 1 else None
+    return {
+        "admitted": len(books),
+        "complete": sum(b.ended == size for b in books.values()),
+        "not_started_members": not_started,
+        "cohort": len(cohort),
+        "cohort_censored": sum(b.ended < size for b in cohort),
+        "p50_s": percentile(times, 0.50),
+        "p90_s": percentile(times, 0.90),
+        "p99_s": percentile(times, 0.99),
+        "mean_s": statistics.mean(times) if times else 0.0,
+        "sibling_log_length_corr": corr,
+        "steps": len(driver.steps),
+        "step_mean_s": statistics.mean(driver.steps) if driver.steps else None,
+        "step_max_s": max(driver.steps, default=None),
+    }
 
 
 def fleet_stats(engines: list[SimEngine], sim_s: float) -> dict[str, Any]:
@@ -378,6 +542,9 @@ def summarize(name: str, tally: Tally, fleet: dict[str, Any]) -> dict[str, Any]:
         "sim_s": sim_s,
         "wall_s": wall_s,
         "times": f"{sim_s:.0f}/{wall_s:.0f}",
+        "group_p50_s": fleet["groups"]["p50_s"],
+        "group_p99_s": fleet["groups"]["p99_s"],
+        "groups": fleet["groups"],
         "tally": asdict(tally),
         "trace": [t for t in trace if t[4]],
     }
@@ -397,6 +564,8 @@ ROWS = (
     ("mean in flight", "mean_inflight", "{:.1f}"),
     ("mean batch per step", "mean_batch", "{:.1f}"),
     ("prefix-cache hit rate", "prefix_hit_rate", "{:.2f}"),
+    ("group completion p50 (s)", "group_p50_s", "{:.1f}"),
+    ("group completion p99 (s)", "group_p99_s", "{:.1f}"),
     ("simulated s / wall s", "times", "{}"),
     ("clock paused (wall s)", "clock_paused_s", "{:.1f}"),
 )
@@ -457,6 +626,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tail-fraction", type=float, default=0.02, help="share of 10x longer turns")
     p.add_argument("--drift-from-tokens", type=int, default=None, help="per-turn limit at the start")
     p.add_argument("--drift-to-tokens", type=int, default=None, help="per-turn limit at the budget's end")
+    p.add_argument("--task-sigma", type=float, default=0.0, help="per-task log-normal length scale spread")
+    p.add_argument("--tail-key", choices=["request", "rollout", "task"], default="rollout", help="tail per")
+    la = p.add_argument_group("length-aware groups (workflows/length_aware.py)")
+    p.add_argument("--step-groups", type=int, default=None, help="synchronous steps of this many groups")
+    la.add_argument("--length-aware", action="store_true", help="start groups in waves, longest first")
+    la.add_argument("--probe", type=int, default=1, help="first-wave members per group")
+    la.add_argument("--la-predictor", choices=["max", "mean"], default="max")
+    la.add_argument("--la-release", choices=["finish", "progress"], default="finish")
+    la.add_argument("--la-long-factor", type=float, default=None, help="replica hint threshold")
+    la.add_argument("--la-max-held", type=int, default=None, help="members held behind unreleased groups")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None)
     return p
