@@ -53,11 +53,19 @@ def exit_now(code: int | str | None = 0) -> NoReturn:
 
 
 def run_main(main: Callable[[], object]) -> NoReturn:
-    """Run a process's entry point, then leave through ``exit_now`` whatever it raised as ``SystemExit``."""
+    """Run a process's entry point, then leave through ``exit_now``: with its ``SystemExit`` code, 130 on
+    Ctrl-C, 1 (and the traceback, as Python would print it) on any other exception."""
     try:
         main()
     except SystemExit as e:
         exit_now(e.code)
+    except KeyboardInterrupt:
+        exit_now(130)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        exit_now(1)
     exit_now(0)
 
 

@@ -40,3 +40,8 @@ def test_atexit_handlers_do_not_run() -> None:
     # the point: nothing of interpreter shutdown runs (its thread teardown is what aborts)
     done = _run("import atexit\natexit.register(lambda: print('finalized'))\nrun_main(lambda: None)")
     assert done.returncode == 0 and "finalized" not in done.stdout
+
+
+def test_an_uncaught_error_exits_1_with_its_traceback() -> None:
+    done = _run("def work():\n    raise ValueError('boom')\nrun_main(work)")
+    assert done.returncode == 1 and "ValueError: boom" in done.stderr and "Traceback" in done.stderr
