@@ -100,12 +100,8 @@ async def run_length_aware(name: str, common: argparse.Namespace) -> dict[str, A
     for mode in common.modes:
         args.step_groups = common.step_groups if mode == "stepped" else None
         for variant in ["off", *common.la_variants]:
-            flags = LA_VARIANTS.get(variant, {})
-            for key, value in flags.items():
-                setattr(args, key, value)
-            r = await run_policy("adaptive", args, workload)
-            for key in flags:
-                setattr(args, key, getattr(_parser().parse_args([]), key))
+            variant_args = argparse.Namespace(**{**vars(args), **LA_VARIANTS.get(variant, {})})
+            r = await run_policy("adaptive", variant_args, workload)
             r.pop("trace", None)
             runs[f"{mode}/{variant}"] = r
             g = r["groups"]
