@@ -38,9 +38,20 @@ Rules, in the order a step applies them (every constant is an `AdmissionConfig` 
    rollouts per ``admit_window_s`` window (a whole group always fits).
 
 Rules 3-8 are the ``prime-rl`` preset (the prime-rl orchestrator's rules and constants). The ``probe`` preset
-(the default) replaces them by P1-P4; it finds the concurrency a sweep of fixed caps finds only in hindsight,
-by measuring what a larger cap gains, and cuts only on a preemption storm:
+(the default) replaces them by P0-P4 (the constants of P0 and P4 that `AdmissionConfig` lacks are this
+module's ``RAMP_*`` and ``NEAR_STORM``); it finds the concurrency a sweep of fixed caps finds only in
+hindsight, by measuring what a larger cap gains, and cuts only on a preemption storm:
 
+P0. Ramp: a poll with every reading fresh, no drain, no preemption on any healthy engine since the previous
+    poll, the healthy engines' summed capacity-waiting requests at most ``queue_ratio`` × their summed
+    running ones (fleet-wide: one request that arrived between two steps of an idle replica is no queue)
+    and a mean KV usage over healthy engines below `RAMP_BELOW_USAGE` is a ramp poll. If the cap binds (as
+    in P2) and is below its ceiling, a ramp poll grows it by `RAMP_FACTOR` (at least +1, never past the
+    ceiling) at once, without measuring an epoch; the running epoch ends. A ramp poll's admission window
+    (rule 9) allows `RAMP_ADMIT_WINDOW_FRACTION` × cap. The cache fills only as the rollouts' contexts
+    grow, turns later: until it does, more rollouts cannot slow the engines, and each poll spent below the
+    concurrency the fleet can hold is lost (on the family of bench/admission_family.py the epoch-paced
+    ramp of P2-P4 alone took ~100 of 480 s to reach it).
 P1. Storm: a poll in which some healthy engine's preemptions since the previous poll reach
     ``storm_min_preemptions`` and exceed ``storm_fraction`` × its running requests is a preemption storm.
     Outside a drain it cuts cap := ``preemption_cut`` × inflight (``repeat_cut`` right after a drain, rule 5)
@@ -58,15 +69,20 @@ P3. Judge: at an epoch's end, if the previous epoch ran at a smaller cap: a rate
     ``min_gain`` above it keeps the cap; both make the cap a ceiling. A ceiling is lifted
     ``reprobe_polls`` polls after it was set.
 P4. Probe: otherwise, unless the capacity queue persists (``queue_polls`` consecutive polls queued as in rule
-    4: at a full cache some requests always wait, which alone says nothing), the cap grows by
+    4: at a full cache some requests always wait, which alone says nothing) or some healthy engine preempted
+    `NEAR_STORM` of a storm since the previous poll (at least `NEAR_STORM` × ``storm_min_preemptions`` and
+    more than `NEAR_STORM` × ``storm_fraction`` × its running: a larger cap would risk the storm that P1
+    cuts; on bench/admission_family.py's small fleet, 4-8 requests running per engine, probes past the
+    oracle's cap stormed in 4 of 6 runs without this test), the cap grows by
     ``fast_factor`` while the mean KV usage over healthy engines is below ``fast_below_usage``, else by
     ``probe_factor`` (at least +1), never past a ceiling. Mean, not worst: new rollouts go to the least
     loaded replicas, and one full replica throttles itself by preempting, which P1 watches per engine.
     Admission (rule 9) allows ``probe_admit_window_fraction`` × cap per window instead of
-    ``admit_window_fraction``; the probe never cancels a rollout.
+    ``admit_window_fraction`` (`RAMP_ADMIT_WINDOW_FRACTION` on a ramp poll, P0); the probe never cancels a
+    rollout.
 
 Cuts and trims never raise the cap and growth never lowers it; every cap is clamped to [min, max]. Fixed mode
-(``min_inflight == max_inflight``) skips rules 3-8 and P1-P4: the cap is constant and nothing is cancelled,
+(``min_inflight == max_inflight``) skips rules 3-8 and P0-P4: the cap is constant and nothing is cancelled,
 while health and the admission window still apply.
 """
 
@@ -82,6 +98,22 @@ from contracts.types import AdmissionState, EngineReading
 
 CANCEL_REASON = "admission"
 """Reason recorded on rollouts the controller cancels."""
+
+NEAR_STORM = 0.5
+"""Rule P4 (probe preset): no growth at an epoch's end on a poll in which some engine preempted this fraction
+of a storm (at least this × ``storm_min_preemptions`` and more than this × ``storm_fraction`` × its running).
+Meant as an `AdmissionConfig` field (near_storm_fraction)."""
+
+# Rule P0's constants (probe preset). Meant as `AdmissionConfig` fields (ramp_below_usage, ramp_factor,
+# ramp_admit_window_fraction); module constants until config/models.py gains them.
+RAMP_BELOW_USAGE = 0.25
+"""Rule P0: a poll can be a ramp poll only while the mean KV usage over healthy engines is below this (half
+of ``fast_below_usage``'s default: the cache keeps filling for turns after the cap stops growing)."""
+RAMP_FACTOR = 2.0
+"""Rule P0: growth of the cap on each binding ramp poll (no epoch is measured)."""
+RAMP_ADMIT_WINDOW_FRACTION = 0.5
+"""Rule P0: admissions per ``admit_window_s`` window on a ramp poll, at most max(group size, ceil(this ×
+cap)); 1 - 1 / `RAMP_FACTOR`, so that in flight keeps up with a cap that doubles each poll."""
 
 __all__ = [
     "CANCEL_REASON",
@@ -139,6 +171,8 @@ class AdmissionController:
         self.group_size = group_size
         """Rollouts per group: the admission window always lets at least one whole group in."""
         self.state = state.model_copy(deep=True) if state is not None else AdmissionState()
+        self._ramping = False
+        """Whether this step's poll meets rule P0's ramp conditions (recomputed every step, not state)."""
 
     def step(self, now: float, readings: Sequence[EngineReading], inflight: Sequence[Inflight]) -> Decision:
         """Observe one poll and decide the cap, admissions and cancels."""
@@ -152,7 +186,7 @@ class AdmissionController:
         self._observe_admissions(now, inflight)
         n = len(inflight)
         cap_before = st.cap
-        st.storm = False
+        st.storm = self._ramping = False
         cancel: list[Inflight] = []
         usage = max((r.kv_usage for r in healthy.values()), default=None)
         if healthy:
@@ -274,7 +308,7 @@ class AdmissionController:
         if st.ceiling is not None and lifted:
             reasons.append(f"ceiling {st.ceiling} lifted")
             st.ceiling = st.ceiling_at_poll = None
-        stormed = self._storm(healthy, reasons)
+        stormed, preempted, near_storm = self._storm(healthy, reasons)
         produced = self._produced(healthy)
         queued = any(r.waiting_capacity > cfg.queue_ratio * r.running for r in healthy.values())
         st.queue_streak = st.queue_streak + 1 if queued else 0
@@ -297,8 +331,26 @@ class AdmissionController:
                     st.drained_at_poll = st.polls
             self._end_epoch(forget=True)
             return
+        mean_usage = sum(r.kv_usage for r in healthy.values()) / len(healthy)
+        waiting = sum(r.waiting_capacity for r in healthy.values())
+        nothing_waits = waiting <= cfg.queue_ratio * sum(r.running for r in healthy.values())
+        self._ramping = (
+            all_fresh
+            and not st.draining
+            and not preempted
+            and nothing_waits
+            and mean_usage < RAMP_BELOW_USAGE
+        )
         binds = n + self.group_size >= cfg.grow_when_inflight_fraction * st.cap
         if not (binds and all_fresh and not st.draining):
+            self._end_epoch(forget=False)
+            return
+        if self._ramping and st.cap < cfg.max_inflight and (st.ceiling is None or st.cap < st.ceiling):
+            target = self._clamp(max(st.cap + 1, math.floor(st.cap * RAMP_FACTOR)))
+            if st.ceiling is not None:
+                target = min(target, st.ceiling)
+            reasons.append(f"ramp at mean usage {mean_usage:.2f}: cap {st.cap} -> {target}")
+            st.cap = target
             self._end_epoch(forget=False)
             return
         if st.epoch_start_at is None:
@@ -312,7 +364,6 @@ class AdmissionController:
         cap, prev_rate, prev_cap = st.cap, st.prev_rate, st.prev_cap
         st.prev_rate, st.prev_cap = rate, cap
         st.epoch_start_at, st.epoch_tokens, st.epoch_polls = now, 0.0, 0
-        mean_usage = sum(r.kv_usage for r in healthy.values()) / len(healthy)
         if prev_rate is not None and prev_cap is not None and prev_cap < cap:
             if rate < prev_rate * (1 - cfg.drop_revert):
                 reasons.append(f"probe lost ({rate:.0f} < {prev_rate:.0f} tok/s): cap {cap} -> {prev_cap}")
@@ -328,6 +379,9 @@ class AdmissionController:
         persistent_queue = st.queue_streak >= cfg.queue_polls
         if persistent_queue or cap >= cfg.max_inflight or (st.ceiling is not None and cap >= st.ceiling):
             return
+        if near_storm:
+            reasons.append(f"near a preemption storm: cap {cap} held")
+            return
         factor = cfg.fast_factor if mean_usage < cfg.fast_below_usage else cfg.probe_factor
         target = self._clamp(max(cap + 1, math.floor(cap * factor)))
         if st.ceiling is not None:
@@ -337,20 +391,27 @@ class AdmissionController:
             st.cap = target
             self._end_epoch(forget=False)  # the next epoch starts at the next binding poll
 
-    def _storm(self, healthy: dict[str, EngineReading], reasons: list[str]) -> bool:
-        """Rule P1's test; updates the preemption baselines (a first value or a reset only sets one)."""
+    def _storm(self, healthy: dict[str, EngineReading], reasons: list[str]) -> tuple[bool, bool, bool]:
+        """Rule P1's test, whether any engine preempted at all since the previous poll (P0) and whether one
+        preempted `NEAR_STORM` of a storm (P4); updates the preemption baselines (a first value or a reset
+        only sets one)."""
         cfg, st = self.config, self.state
-        storming = []
+        storming, preempted, near = [], False, False
         for e, r in sorted(healthy.items()):
             last = st.preemptions.get(e)
             new = r.preemptions_total - last if last is not None and r.preemptions_total >= last else 0.0
             st.preemptions[e] = r.preemptions_total
+            preempted |= new > 0
+            near |= (
+                new >= NEAR_STORM * cfg.storm_min_preemptions
+                and new > NEAR_STORM * cfg.storm_fraction * r.running
+            )
             if new >= cfg.storm_min_preemptions and new > cfg.storm_fraction * r.running:
                 storming.append(f"{e} ({new:.0f} preempted, {r.running} running)")
         st.storm = bool(storming)
         if storming:
             reasons.append(f"preemption storm on {', '.join(storming)}")
-        return st.storm
+        return st.storm, preempted, near
 
     def _produced(self, healthy: dict[str, EngineReading]) -> float:
         """Generated tokens since the previous poll over the healthy engines (P2)."""
@@ -392,7 +453,12 @@ class AdmissionController:
             return room
         if st.window_start is None or now - st.window_start >= cfg.admit_window_s:
             st.window_start, st.window_admitted = now, 0
-        fraction = cfg.probe_admit_window_fraction if cfg.preset == "probe" else cfg.admit_window_fraction
+        if cfg.preset != "probe":
+            fraction = cfg.admit_window_fraction
+        elif self._ramping:
+            fraction = RAMP_ADMIT_WINDOW_FRACTION
+        else:
+            fraction = cfg.probe_admit_window_fraction
         per_window = max(self.group_size, math.ceil(fraction * cap))
         return max(0, min(room, per_window - st.window_admitted))
 

@@ -133,8 +133,27 @@ def test_preemptions_short_of_a_storm_cut_nothing():
     tr.poll()
     d = tr.poll(new_preemptions=7, running=4)  # 7 > 1.0 × 4 running but < storm_min_preemptions 8
     assert not d.storm and d.cap == 10
-    d = tr.poll(new_preemptions=9, running=10)  # 9 >= 8 but not > 10 running
+    d = tr.poll(new_preemptions=9, running=20)  # 9 >= 8 but not > 20 running (nor > 0.5 × 20: P4 grows)
     assert not d.storm and d.cap == 20  # the epoch completes and the cap grows
+
+
+def test_half_a_storm_of_preemptions_holds_the_probe_and_cuts_nothing():
+    tr = Trace(AdmissionController(cfg()))
+    tr.poll()
+    tr.poll()
+    d = tr.poll(new_preemptions=6, running=10)  # 6 >= 0.5 × 8 and > 0.5 × 10 running: half a storm
+    assert not d.storm and d.cap == 10 and tr.ctl.state.ceiling is None
+    assert any("near a preemption storm: cap 10 held" in r for r in d.reasons)
+    tr.poll()
+    assert tr.poll().cap == 20  # the next epoch, without preemptions, grows
+
+
+def test_preemptions_below_half_a_storm_do_not_hold_the_probe():
+    for new, running in ((4, 10), (3, 2)):  # 4 is not > 0.5 × 10 running; 3 < 0.5 × 8
+        tr = Trace(AdmissionController(cfg()))
+        tr.poll()
+        tr.poll()
+        assert tr.poll(new_preemptions=new, running=running).cap == 20
 
 
 def test_a_persistent_capacity_queue_stops_growth_and_a_passing_one_does_not():
