@@ -31,7 +31,9 @@ end), mean step time, and their ratios with / without:
 
 ``--workloads`` runs a subset (two processes can share the family); ``--merge A.json B.json --out C.json``
 joins their results and prints the table, later files' runs replacing earlier ones of the same name (so
-``--policies adaptive --no-sweep`` reruns only the controller against the same oracle).
+``--policies adaptive --no-sweep`` reruns only the controller against the same oracle). Every result file
+lists in ``commands`` the command lines behind it: a run its own, a merge its parts' (in order, each once),
+then its ``--note`` lines and its own.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shlex
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -242,6 +246,17 @@ async def run_all(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def merged_commands(files: list[Path], parts: list[dict[str, Any]]) -> list[str]:
+    """The commands behind the merged files, in order, each once (a file written before runs recorded their
+    command says so)."""
+    commands: list[str] = []
+    for f, part in zip(files, parts, strict=True):
+        for c in part.get("commands") or [f"({f}: written before result files recorded their commands)"]:
+            if c not in commands:
+                commands.append(c)
+    return commands
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workloads", nargs="+", choices=list(FAMILY), default=list(FAMILY))
@@ -260,11 +275,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step-groups", type=int, default=24, help="groups per synchronous step (stepped mode)")
     p.add_argument("--la-variants", nargs="+", choices=list(LA_VARIANTS), default=list(LA_VARIANTS))
     p.add_argument("--merge", type=Path, nargs="+", default=None, help="join these result files instead")
+    p.add_argument(
+        "--note",
+        nargs="+",
+        default=[],
+        help="with --merge: lines added to the result's commands, after its parts'",
+    )
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
+    command = shlex.join(["python", "bench/admission_family.py", *(sys.argv[1:] if argv is None else argv)])
     if args.merge:
         parts = [json.loads(f.read_text()) for f in args.merge]
-        report = {"config": parts[0]["config"], "workloads": {}}
+        report = {
+            "config": parts[0]["config"],
+            "commands": merged_commands(args.merge, parts),
+            "workloads": {},
+        }
+        report["commands"] += [*args.note, command]
         for part in parts:
             for name, w in part["workloads"].items():
                 if name in report["workloads"]:
@@ -273,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
                     report["workloads"][name] = w
     else:
         report = asyncio.run(run_all(args))
+        report["commands"] = [command]
     if report["config"].get("length_aware"):
         report["summary"] = [row for n, w in report["workloads"].items() for row in la_summary(n, w)]
         print(la_table(report["summary"]))
