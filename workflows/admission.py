@@ -72,8 +72,8 @@ P4. Probe: otherwise, unless the capacity queue persists (``queue_polls`` consec
     4: at a full cache some requests always wait, which alone says nothing) or some healthy engine preempted
     `NEAR_STORM` of a storm since the previous poll (at least `NEAR_STORM` × ``storm_min_preemptions`` and
     more than `NEAR_STORM` × ``storm_fraction`` × its running: a larger cap would risk the storm that P1
-    cuts; on bench/admission_family.py's small fleet, 4-8 requests running per engine, probes past the
-    oracle's cap stormed in 4 of 6 runs without this test), the cap grows by
+    cuts; on bench/admission_family.py's small fleet, 4-8 requests running per engine, 4 of 6 runs had a
+    storm poll without this test, 1 of 6 with it), the cap grows by
     ``fast_factor`` while the mean KV usage over healthy engines is below ``fast_below_usage``, else by
     ``probe_factor`` (at least +1), never past a ceiling. Mean, not worst: new rollouts go to the least
     loaded replicas, and one full replica throttles itself by preempting, which P1 watches per engine.
