@@ -136,8 +136,9 @@ async def history_profile(client: Client, store: RunStore, run_id: str) -> dict:
     Rollout: workflow-task schedule-to-start and run time, activity schedule-to-start, the gap between one
     model call completing and the next being scheduled (env step + workflow tasks), start to first model
     call (child start, prepare), last model call to close (finalize). Group: start to last member started
-    (members are started one after another), last member closed to group closed, and the run's dispatch
-    lag (a group closed -> the next group started).
+    (members are started one after another), last member closed to group closed, and the slot turnover (a
+    group's last member closed -> the next group started: the admission slot's idle time, whether the
+    slot frees at the group's close, as before 0.3, or at its members' end).
     """
     et = EventType
     wft_s2s: list[float] = []
@@ -158,7 +159,7 @@ async def history_profile(client: Client, store: RunStore, run_id: str) -> dict:
         closed = [_t(e) for e in gev if e.event_type == et.EVENT_TYPE_CHILD_WORKFLOW_EXECUTION_COMPLETED]
         spread.append(max(started) - g0)
         g_tail.append(_t(gev[-1]) - max(closed))
-        g_spans.append((g0, _t(gev[-1])))
+        g_spans.append((g0, max(closed)))
     for rec in store.rollouts(run_id):
         ev = await _events(client, rec["rollout_id"])
         sched: dict[int, float] = {}
@@ -204,7 +205,7 @@ async def history_profile(client: Client, store: RunStore, run_id: str) -> dict:
         "last_model_call_to_rollout_close_ms": ms(tail),
         "group_start_to_last_member_started_ms": ms(spread),
         "last_member_closed_to_group_closed_ms": ms(g_tail),
-        "run_dispatch_lag_ms": ms(lags),
+        "slot_turnover_ms": ms(lags),
     }
 
 

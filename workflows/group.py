@@ -14,6 +14,8 @@ Invariants:
   ``manual-retry`` (its record says so) and, once it ended cancelled, its slot runs again under the next
   attempt id, as for admission; a member that ended otherwise before the cancel reached it keeps its
   outcome and the slot is not run again (no slot ever has two scorable members).
+- Once every member has ended, the group tells the run ``group_members_ended`` (its admission slot is free)
+  together with writing its record, and reports ``group_done`` after the record is written.
 - A cancelled run tells its groups ``cancel_all``: every running member is cancelled (reason
   ``run-cancelled``, its record says so), a member not started yet is recorded cancelled without running,
   no slot runs again, and the group closes with its full size as always.
@@ -77,6 +79,8 @@ MAX_REDISPATCH = 3
 
 RETRY_REASON = "manual-retry"
 """Cancel reason of a member an operator retried (``rollouts retry``)."""
+MEMBERS_ENDED_PATCH = "group-members-ended"
+"""Groups tell the run when their members have all ended, before closing (0.2.0 groups did not)."""
 RUN_CANCEL_REASON = "run-cancelled"
 """Cancel reason of the members of a run cancelled as a whole (``rollouts cancel RUN``)."""
 
@@ -183,13 +187,21 @@ class GroupWorkflow:
         record, advantages = close_group(
             inp.run_id, inp.group_id, inp.task_id, inp.size, attempts, inp.advantage_eps
         )
-        await call(RolloutActivities.finalize_group, FinalizeGroupInput(record=record, advantages=advantages))
-        await workflow.wait_condition(workflow.all_handlers_finished)
+        run = None
         if inp.run_workflow_id:
             with workflow.unsafe.imports_passed_through():  # run.py imports this module: resolve late
                 from workflows.run import RunWorkflow
 
             run = workflow.get_external_workflow_handle_for(RunWorkflow.run, inp.run_workflow_id)
+        closing = call(
+            RolloutActivities.finalize_group, FinalizeGroupInput(record=record, advantages=advantages)
+        )
+        if run is not None and workflow.patched(MEMBERS_ENDED_PATCH):
+            await asyncio.gather(run.signal(RunWorkflow.group_members_ended, record), closing)
+        else:
+            await closing
+        await workflow.wait_condition(workflow.all_handlers_finished)
+        if run is not None:
             await run.signal(RunWorkflow.group_done, record)
         return record
 

@@ -22,6 +22,11 @@ Invariants:
 - Groups are started with ParentClosePolicy.ABANDON and report back by the ``group_done`` signal, so the
   run continues-as-new every ``groups_per_run_segment`` groups without waiting for in-flight groups.
 - The run ends when every group has reported.
+- A group's admission slot is free once its members have all ended: the group says so
+  (``group_members_ended``) before it writes its record, so the next group starts while it closes; its
+  books (outcomes, breaker) still come with ``group_done``, and the run still waits for that.
+- Every group admitted at one decision is started in the same workflow task (the server starts them in
+  parallel; one after another, a run of N groups took N x ~0.2 s to fill).
 - A group terminated by hand cannot report: ``rollouts terminate GROUP`` terminates it and then sends the
   run ``group_terminated``, and the run accounts for it itself (its unrecorded members recorded as failed
   infra, its record written from the store, counted with its full size), as if it had reported. The CLI
@@ -38,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Awaitable
 
 from temporalio import workflow
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
@@ -80,6 +86,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows.admission import AdmissionController
     from workflows.calls import call
     from workflows.dispatch import (
+        active_groups,
         admission_room,
         cancels_by_group,
         choose_replica,
@@ -135,6 +142,10 @@ PROBE_ADMISSION_PATCH = "probe-admission"
 RUN_CANCEL_PATCH = "run-cancel"
 """A cancelled run cancels its groups and waits for them (runs of 0.2.0 just ended, abandoning them)."""
 
+CONCURRENT_START_PATCH = "concurrent-group-start"
+"""Groups admitted at one decision start in one workflow task (0.2.0 started them one after another, each
+awaited, and its histories replay that path)."""
+
 TASK_ID_BATCH = 32
 """Task ids the run looks up at once (one local activity per this many groups, off the critical path)."""
 
@@ -159,7 +170,8 @@ class RunWorkflow:
     def group_done(self, record: GroupResult) -> None:
         """A group closed; duplicate signals for the same group are ignored."""
         st = self._state
-        if st.slots.pop(record.group_id, None) is None:
+        slot = st.slots.pop(record.group_id, None)
+        if slot is None:
             return
         self._counts.pop(record.group_id, None)
         self._freed = True
@@ -168,11 +180,28 @@ class RunWorkflow:
         st.wasted_tokens += record.wasted_tokens
         for outcome, n in record.outcomes.items():
             st.outcomes[outcome] = st.outcomes.get(outcome, 0) + n
+        if not slot.members_ended:  # else group_members_ended told the breaker already
+            self._tell_breaker(record)
+
+    def _tell_breaker(self, record: GroupResult) -> None:
         run = self._cfg.run
+        st = self._state
         st.breaker = breaker.record(
             st.breaker, record.group_id, record.infra_failures, record.successes, workflow.now().timestamp(),
             run.breaker_failures,
         )  # fmt: skip
+
+    @workflow.signal
+    def group_members_ended(self, record: GroupResult) -> None:
+        """Every member of a group has ended (``record``: its record, not yet written): its admission slot
+        is free and the breaker counts its failures now, before the next admission; the books wait for
+        ``group_done``, sent once the record is written. Unknown or repeated groups are ignored."""
+        slot = self._state.slots.get(record.group_id)
+        if slot is None or slot.members_ended:
+            return
+        slot.members_ended = True
+        self._tell_breaker(record)
+        self._freed = True
 
     @workflow.signal
     async def group_terminated(self, inp: TerminatedGroupInput) -> None:
@@ -305,8 +334,17 @@ class RunWorkflow:
             started = 0
             while st.next_group < cfg.run.num_groups:
                 await self._room_for_a_group()
-                await self._start_group(inp, template, cfg.engine.urls)
-                started += 1
+                if workflow.patched(CONCURRENT_START_PATCH):
+                    # every free slot at once; while the breaker is open, only its probe
+                    k = self._free_slots() if st.breaker.open_since is None else 1
+                    k = min(k, cfg.run.num_groups - st.next_group, cfg.run.groups_per_run_segment - started)
+                    k = max(1, k)
+                    starts = [await self._begin_group(inp, template, cfg.engine.urls) for _ in range(k)]
+                    await asyncio.gather(*starts)
+                    started += k
+                else:
+                    await self._start_group(inp, template, cfg.engine.urls)
+                    started += 1
                 await self._maybe_continue_as_new(inp, started >= cfg.run.groups_per_run_segment)
         await workflow.wait_condition(lambda: not st.slots)
         await call(RolloutActivities.finish_run, inp.run_id)
@@ -317,7 +355,7 @@ class RunWorkflow:
         its probe. The breaker's state changes with group_done signals and its probe time with the clock,
         so each wait ends on whichever comes first and the loop looks again."""
         st, run = self._state, self._cfg.run
-        free = lambda: len(st.slots) < run.max_inflight_groups + run.overprovision  # noqa: E731
+        free = lambda: self._free_slots() > 0  # noqa: E731
         closed = lambda: st.breaker.open_since is None  # noqa: E731
         while True:
             b = st.breaker
@@ -334,6 +372,11 @@ class RunWorkflow:
                 await workflow.wait_condition(lambda: free() or closed())
                 if free() and self._may_admit():
                     return
+
+    def _free_slots(self) -> int:
+        """Groups the fixed cap still admits (groups past their members' end hold no slot)."""
+        run = self._cfg.run
+        return run.max_inflight_groups + run.overprovision - active_groups(self._state.slots)
 
     async def _maybe_continue_as_new(self, inp: RunInput, segment_full: bool) -> None:
         if not (segment_full or workflow.info().is_continue_as_new_suggested()):
@@ -365,7 +408,7 @@ class RunWorkflow:
                 group = workflow.get_external_workflow_handle_for(GroupWorkflow.run, f"{inp.run_id}/{gid}")
                 await group.signal(GroupWorkflow.shed, k)
             room = admission_room(
-                d.admit, now, len(inflight), len(st.slots), poll.pool, ds.bucket,
+                d.admit, now, len(inflight), active_groups(st.slots), poll.pool, ds.bucket,
                 cfg.sandbox_pool.tasks_per_minute, size, cfg.run.max_inflight_groups + over,
                 None if adm.max_queued_groups is None else adm.max_queued_groups + over,
                 poll.unconsumed_groups,
@@ -375,15 +418,22 @@ class RunWorkflow:
             left, admitted = room.rollouts, 0
             if not self._may_admit():
                 room.reasons.append(f"breaker {breaker.describe(st.breaker, cfg.run.breaker_probe_s)}")
+            concurrent = workflow.patched(CONCURRENT_START_PATCH)
+            starts = []
             while (
                 st.next_group < cfg.run.num_groups
                 and healthy
                 and self._may_admit()
-                and len(st.slots) < room.max_groups
+                and active_groups(st.slots) < room.max_groups
                 and (left >= size or (left > 0 and not inflight and admitted == 0))
+                and (not concurrent or started < cfg.run.groups_per_run_segment)  # a segment: exactly so many
             ):
-                await self._start_group(inp, template, healthy)
+                if concurrent:
+                    starts.append(await self._begin_group(inp, template, healthy))
+                else:
+                    await self._start_group(inp, template, healthy)
                 left, admitted, started = left - size, admitted + size, started + 1
+            await asyncio.gather(*starts)
             ds.bucket = spend_bucket(ds.bucket, admitted, room.ready)
             ds.polls += 1
             ds.last_log = DispatchLog(
@@ -454,26 +504,53 @@ class RunWorkflow:
         load = replica_load(self._state.slots, self._counts, cfg.admission.redispatch_cancelled)
         return choose_replica(healthy, task_id, load, cfg.run.group_size, cfg.admission.load_factor)
 
-    async def _start_group(self, inp: RunInput, template: RolloutInput, healthy: list[str]) -> None:
-        st, cfg = self._state, self._cfg
+    async def _task_id(self, inp: RunInput, idx: int) -> str:
+        """Group idx's task id (the next TASK_ID_BATCH groups' ids come in one local activity)."""
+        st = self._state
         assert st.num_tasks > 0
-        idx = st.next_group
-        gid = group_id(idx)
-        if idx not in self._task_ids:  # the next TASK_ID_BATCH groups' task ids, in one local activity
+        if idx not in self._task_ids:
             ids: list[str] = await call(
                 RolloutActivities.task_ids_at,
                 inp.run_id,
                 [(idx + k) % st.num_tasks for k in range(TASK_ID_BATCH)],
             )
             self._task_ids = {idx + k: t for k, t in enumerate(ids)}
-        task_id = self._task_ids.pop(idx)
+        return self._task_ids.pop(idx)
+
+    async def _begin_group(
+        self, inp: RunInput, template: RolloutInput, healthy: list[str]
+    ) -> Awaitable[workflow.ChildWorkflowHandle]:
+        """Admit the next group: in flight, counted by the breaker and ``next_group`` at once; returns its
+        start, which the caller awaits together with the other groups admitted at the same decision."""
+        st = self._state
+        idx = st.next_group
+        task_id = await self._task_id(inp, idx)
+        start = self._group_start(inp, template, healthy, idx, task_id)
+        st.breaker = breaker.admitted(st.breaker, group_id(idx))
+        st.next_group += 1
+        return start
+
+    async def _start_group(self, inp: RunInput, template: RolloutInput, healthy: list[str]) -> None:
+        """Runs of 0.2.0 (before CONCURRENT_START_PATCH): one group, its start awaited."""
+        st = self._state
+        idx = st.next_group
+        task_id = await self._task_id(inp, idx)
+        await self._group_start(inp, template, healthy, idx, task_id)
+        st.breaker = breaker.admitted(st.breaker, group_id(idx))  # while open, this group is the probe
+        st.next_group += 1
+
+    def _group_start(
+        self, inp: RunInput, template: RolloutInput, healthy: list[str], idx: int, task_id: str
+    ) -> Awaitable[workflow.ChildWorkflowHandle]:
+        st, cfg = self._state, self._cfg
+        gid = group_id(idx)
         engine = self._choose_engine(task_id, healthy)
         # In flight before the start resolves: on replay the group's group_done signal can be delivered in
         # the same activation as its start, and signal handlers run first.
         st.slots[gid] = GroupSlot(
             admitted_at=workflow.now().timestamp(), engine=engine or "", size=cfg.run.group_size
         )
-        await workflow.start_child_workflow(
+        return workflow.start_child_workflow(
             GroupWorkflow.run,
             GroupInput(
                 run_id=inp.run_id,
@@ -496,5 +573,3 @@ class RunWorkflow:
                 ]
             ),
         )
-        st.breaker = breaker.admitted(st.breaker, gid)  # while open, this group is the probe
-        st.next_group += 1
