@@ -120,6 +120,10 @@ class RunConfig(_Strict):
     (added to max_inflight_groups and, when set, to admission.max_queued_groups). The trainer feed takes
     the first complete groups; late ones stay waiting for the next batch (judged by policy version like any
     other), so batches are not skewed toward short rollouts. 0 = no extra groups."""
+    prestart_groups: int = Field(0, ge=0, le=1000)
+    """Groups started ahead of admission: each has its members started and waiting (held, nothing
+    allocated, phase ``queued``) until a slot frees, when one signal releases it; a slot then turns over in
+    the time of a signal instead of a group's and its members' start. 0 = groups start when admitted."""
     groups_per_run_segment: int = Field(500, ge=1, le=100_000)
     """Groups the run workflow starts before it continues-as-new (bounds its history)."""
     advantage_eps: float = Field(1e-6, gt=0, le=1)
@@ -211,6 +215,16 @@ class AdmissionConfig(BaseModel):
     """Probe: polls after which a ceiling is lifted and probing resumes (the workload may have drifted)."""
     probe_admit_window_fraction: float = Field(0.25, gt=0.0, le=1.0)
     """Probe: new admissions per ``admit_window_s`` window, at most max(group_size, ceil(this × cap))."""
+    ramp_below_usage: float = Field(0.25, ge=0.0, le=1.0)
+    """Probe, rule P0: a poll with nothing preempted, no fleet-wide queue and mean KV usage below this is a
+    ramp poll, on which a binding cap grows by ``ramp_factor`` at once (no epoch measured). 0: no ramp."""
+    ramp_factor: float = Field(2.0, gt=1.0, le=4.0)
+    """Probe, rule P0: growth of the cap per ramp poll."""
+    ramp_admit_window_fraction: float = Field(0.5, gt=0.0, le=1.0)
+    """Probe, rule P0: new admissions per window on a ramp poll, at most max(group_size, ceil(this × cap))."""
+    near_storm_fraction: float = Field(0.5, gt=0.0, le=1.0)
+    """Probe, rule P4: no growth on a poll in which some engine preempted this fraction of a storm (at least
+    this × ``storm_min_preemptions`` and more than this × ``storm_fraction`` × its running). 1: no hold."""
 
     @model_validator(mode="after")
     def _check(self) -> AdmissionConfig:

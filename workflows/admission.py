@@ -38,17 +38,16 @@ Rules, in the order a step applies them (every constant is an `AdmissionConfig` 
    rollouts per ``admit_window_s`` window (a whole group always fits).
 
 Rules 3-8 are the ``prime-rl`` preset (the prime-rl orchestrator's rules and constants). The ``probe`` preset
-(the default) replaces them by P0-P4 (the constants of P0 and P4 that `AdmissionConfig` lacks are this
-module's ``RAMP_*`` and ``NEAR_STORM``); it finds the concurrency a sweep of fixed caps finds only in
+(the default) replaces them by P0-P4; it finds the concurrency a sweep of fixed caps finds only in
 hindsight, by measuring what a larger cap gains, and cuts only on a preemption storm:
 
 P0. Ramp: a poll with every reading fresh, no drain, no preemption on any healthy engine since the previous
     poll, the healthy engines' summed capacity-waiting requests at most ``queue_ratio`` × their summed
     running ones (fleet-wide: one request that arrived between two steps of an idle replica is no queue)
-    and a mean KV usage over healthy engines below `RAMP_BELOW_USAGE` is a ramp poll. If the cap binds (as
-    in P2) and is below its ceiling, a ramp poll grows it by `RAMP_FACTOR` (at least +1, never past the
+    and a mean KV usage over healthy engines below ``ramp_below_usage`` is a ramp poll. If the cap binds (as
+    in P2) and is below its ceiling, a ramp poll grows it by ``ramp_factor`` (at least +1, never past the
     ceiling) at once, without measuring an epoch; the running epoch ends. A ramp poll's admission window
-    (rule 9) allows `RAMP_ADMIT_WINDOW_FRACTION` × cap. The cache fills only as the rollouts' contexts
+    (rule 9) allows ``ramp_admit_window_fraction`` × cap. The cache fills only as the rollouts' contexts
     grow, turns later: until it does, more rollouts cannot slow the engines, and each poll spent below the
     concurrency the fleet can hold is lost (on the family of bench/admission_family.py the epoch-paced
     ramp of P2-P4 alone took ~100 of 480 s to reach it).
@@ -70,15 +69,15 @@ P3. Judge: at an epoch's end, if the previous epoch ran at a smaller cap: a rate
     ``reprobe_polls`` polls after it was set.
 P4. Probe: otherwise, unless the capacity queue persists (``queue_polls`` consecutive polls queued as in rule
     4: at a full cache some requests always wait, which alone says nothing) or some healthy engine preempted
-    `NEAR_STORM` of a storm since the previous poll (at least `NEAR_STORM` × ``storm_min_preemptions`` and
-    more than `NEAR_STORM` × ``storm_fraction`` × its running: a larger cap would risk the storm that P1
-    cuts; on bench/admission_family.py's small fleet, 4-8 requests running per engine, 4 of 6 runs had a
-    storm poll without this test, 1 of 6 with it), the cap grows by
+    ``near_storm_fraction`` (f) of a storm since the previous poll (at least f × ``storm_min_preemptions``
+    and more than f × ``storm_fraction`` × its running: a larger cap would risk the storm that P1 cuts;
+    on bench/admission_family.py's small fleet, 4-8 requests running per engine, 4 of 6 runs had a storm
+    poll without this test, 1 of 6 with it), the cap grows by
     ``fast_factor`` while the mean KV usage over healthy engines is below ``fast_below_usage``, else by
     ``probe_factor`` (at least +1), never past a ceiling. Mean, not worst: new rollouts go to the least
     loaded replicas, and one full replica throttles itself by preempting, which P1 watches per engine.
     Admission (rule 9) allows ``probe_admit_window_fraction`` × cap per window instead of
-    ``admit_window_fraction`` (`RAMP_ADMIT_WINDOW_FRACTION` on a ramp poll, P0); the probe never cancels a
+    ``admit_window_fraction`` (``ramp_admit_window_fraction`` on a ramp poll, P0); the probe never cancels a
     rollout.
 
 Cuts and trims never raise the cap and growth never lowers it; every cap is clamped to [min, max]. Fixed mode
@@ -98,22 +97,6 @@ from contracts.types import AdmissionState, EngineReading
 
 CANCEL_REASON = "admission"
 """Reason recorded on rollouts the controller cancels."""
-
-NEAR_STORM = 0.5
-"""Rule P4 (probe preset): no growth at an epoch's end on a poll in which some engine preempted this fraction
-of a storm (at least this × ``storm_min_preemptions`` and more than this × ``storm_fraction`` × its running).
-Meant as an `AdmissionConfig` field (near_storm_fraction)."""
-
-# Rule P0's constants (probe preset). Meant as `AdmissionConfig` fields (ramp_below_usage, ramp_factor,
-# ramp_admit_window_fraction); module constants until config/models.py gains them.
-RAMP_BELOW_USAGE = 0.25
-"""Rule P0: a poll can be a ramp poll only while the mean KV usage over healthy engines is below this (half
-of ``fast_below_usage``'s default: the cache keeps filling for turns after the cap stops growing)."""
-RAMP_FACTOR = 2.0
-"""Rule P0: growth of the cap on each binding ramp poll (no epoch is measured)."""
-RAMP_ADMIT_WINDOW_FRACTION = 0.5
-"""Rule P0: admissions per ``admit_window_s`` window on a ramp poll, at most max(group size, ceil(this ×
-cap)); 1 - 1 / `RAMP_FACTOR`, so that in flight keeps up with a cap that doubles each poll."""
 
 __all__ = [
     "CANCEL_REASON",
@@ -339,14 +322,14 @@ class AdmissionController:
             and not st.draining
             and not preempted
             and nothing_waits
-            and mean_usage < RAMP_BELOW_USAGE
+            and mean_usage < cfg.ramp_below_usage
         )
         binds = n + self.group_size >= cfg.grow_when_inflight_fraction * st.cap
         if not (binds and all_fresh and not st.draining):
             self._end_epoch(forget=False)
             return
         if self._ramping and st.cap < cfg.max_inflight and (st.ceiling is None or st.cap < st.ceiling):
-            target = self._clamp(max(st.cap + 1, math.floor(st.cap * RAMP_FACTOR)))
+            target = self._clamp(max(st.cap + 1, math.floor(st.cap * cfg.ramp_factor)))
             if st.ceiling is not None:
                 target = min(target, st.ceiling)
             reasons.append(f"ramp at mean usage {mean_usage:.2f}: cap {st.cap} -> {target}")
@@ -393,8 +376,8 @@ class AdmissionController:
 
     def _storm(self, healthy: dict[str, EngineReading], reasons: list[str]) -> tuple[bool, bool, bool]:
         """Rule P1's test, whether any engine preempted at all since the previous poll (P0) and whether one
-        preempted `NEAR_STORM` of a storm (P4); updates the preemption baselines (a first value or a reset
-        only sets one)."""
+        preempted ``near_storm_fraction`` of a storm (P4); updates the preemption baselines (a first value
+        or a reset only sets one)."""
         cfg, st = self.config, self.state
         storming, preempted, near = [], False, False
         for e, r in sorted(healthy.items()):
@@ -403,8 +386,8 @@ class AdmissionController:
             st.preemptions[e] = r.preemptions_total
             preempted |= new > 0
             near |= (
-                new >= NEAR_STORM * cfg.storm_min_preemptions
-                and new > NEAR_STORM * cfg.storm_fraction * r.running
+                new >= cfg.near_storm_fraction * cfg.storm_min_preemptions
+                and new > cfg.near_storm_fraction * cfg.storm_fraction * r.running
             )
             if new >= cfg.storm_min_preemptions and new > cfg.storm_fraction * r.running:
                 storming.append(f"{e} ({new:.0f} preempted, {r.running} running)")
@@ -456,7 +439,7 @@ class AdmissionController:
         if cfg.preset != "probe":
             fraction = cfg.admit_window_fraction
         elif self._ramping:
-            fraction = RAMP_ADMIT_WINDOW_FRACTION
+            fraction = cfg.ramp_admit_window_fraction
         else:
             fraction = cfg.probe_admit_window_fraction
         per_window = max(self.group_size, math.ceil(fraction * cap))

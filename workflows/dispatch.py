@@ -58,7 +58,7 @@ def take_tokens(bucket: TokenBucket | None, now: float, rate_per_s: float, burst
 
 def running_members(slot: GroupSlot, counts: GroupCounts | None, redispatch: bool) -> int:
     """Members of a group still holding (or about to hold) engine resources."""
-    if slot.members_ended:
+    if slot.members_ended or slot.held:
         return 0
     c = counts or GroupCounts()
     started = slot.size + (c.admission_cancelled if redispatch else 0)
@@ -66,8 +66,9 @@ def running_members(slot: GroupSlot, counts: GroupCounts | None, redispatch: boo
 
 
 def active_groups(slots: Mapping[str, GroupSlot]) -> int:
-    """Groups holding an admission slot: in flight and not yet past their members' end."""
-    return sum(1 for slot in slots.values() if not slot.members_ended)
+    """Groups holding an admission slot: released (not held ahead of admission) and not yet past their
+    members' end."""
+    return sum(1 for slot in slots.values() if not (slot.members_ended or slot.held))
 
 
 def inflight_view(

@@ -16,6 +16,8 @@ Invariants:
   outcome and the slot is not run again (no slot ever has two scorable members).
 - Once every member has ended, the group tells the run ``group_members_ended`` (its admission slot is free)
   together with writing its record, and reports ``group_done`` after the record is written.
+- A group started ahead of admission (``held``) starts its members held; the run's ``release`` releases
+  them (one signal each); members started after the release (redispatch, retry) start released.
 - A cancelled run tells its groups ``cancel_all``: every running member is cancelled (reason
   ``run-cancelled``, its record says so), a member not started yet is recorded cancelled without running,
   no slot runs again, and the group closes with its full size as always.
@@ -50,8 +52,9 @@ with workflow.unsafe.imports_passed_through():
     from workflows.rollout import OPS_PATCH, RolloutWorkflow
 
 
-def member_input(inp: GroupInput, i: int, attempt: int = 0) -> RolloutInput:
-    """The input of slot i's member under attempt ``attempt`` (id ``<run>/<group>/<i>`` or ``<i>r<n>``)."""
+def member_input(inp: GroupInput, i: int, attempt: int = 0, held: bool = False) -> RolloutInput:
+    """The input of slot i's member under attempt ``attempt`` (id ``<run>/<group>/<i>`` or ``<i>r<n>``);
+    ``held``: it waits for the group's release before its first step."""
     rid = rollout_id(inp.run_id, inp.group_id, i) + (f"r{attempt}" if attempt else "")
     sampling = inp.template.sampling.model_copy(update={"seed": member_seed(inp.template.sampling.seed, rid)})
     return inp.template.model_copy(
@@ -63,6 +66,7 @@ def member_input(inp: GroupInput, i: int, attempt: int = 0) -> RolloutInput:
             "sample_index": i,
             "sampling": sampling,
             "preferred_engine": inp.engine,
+            "held": held,
         }
     )
 
@@ -132,6 +136,8 @@ class GroupWorkflow:
         """Members an operator asked to run again (``retry``)."""
         self._cancelled: str | None = None
         """Set by ``cancel_all``: the reason every member ends cancelled with."""
+        self._released = False
+        """The run released this group (or it was never held)."""
 
     @workflow.query
     def progress(self) -> dict:
@@ -162,6 +168,20 @@ class GroupWorkflow:
             workflow.logger.info("retry %s: %s", rollout_id, e)
 
     @workflow.signal
+    async def release(self) -> None:
+        """The run admitted this held group: release its members (each once; idempotent)."""
+        if self._released:
+            return
+        self._released = True
+        await asyncio.gather(*(self._release(rid, h) for rid, h in list(self._running.items())))
+
+    async def _release(self, rid: str, handle: workflow.ChildWorkflowHandle) -> None:
+        try:
+            await handle.signal(RolloutWorkflow.release)
+        except Exception as e:  # it ended in the meantime (cancelled while held)
+            workflow.logger.info("release %s: %s", rid, e)
+
+    @workflow.signal
     async def cancel_all(self, reason: str) -> None:
         """The run was cancelled: cancel every running member with ``reason``; members not started yet are
         recorded cancelled without running, and no slot runs again. Idempotent."""
@@ -181,6 +201,7 @@ class GroupWorkflow:
     @workflow.run
     async def run(self, inp: GroupInput) -> GroupResult:
         self._size = inp.size
+        self._released = self._released or not inp.held
         workflow.set_current_details(f"task={inp.task_id} members=0/{inp.size}")
         attempts: list[RolloutResult] = []
         await asyncio.gather(*(self._slot(inp, i, attempts) for i in range(inp.size)))
@@ -211,7 +232,7 @@ class GroupWorkflow:
         cancelled."""
         attempt = redispatched = 0
         while True:
-            m = member_input(inp, i, attempt)
+            m = member_input(inp, i, attempt, held=not self._released)
             if self._cancelled is not None:  # the run was cancelled before this member started
                 attempts.append(await self._record_unrun(m, Outcome.CANCELLED, self._cancelled))
                 break
@@ -231,6 +252,8 @@ class GroupWorkflow:
                 search_attributes=TypedSearchAttributes(attrs),
             )
             self._running[m.rollout_id] = handle
+            if m.held and self._released:  # the release arrived while it was being started
+                await self._release(m.rollout_id, handle)
             if self._cancelled is not None:  # cancel_all arrived while it was being started
                 await self._tell_cancel(m.rollout_id, handle)
             try:

@@ -25,6 +25,10 @@ Invariants:
 - A group's admission slot is free once its members have all ended: the group says so
   (``group_members_ended``) before it writes its record, so the next group starts while it closes; its
   books (outcomes, breaker) still come with ``group_done``, and the run still waits for that.
+- With ``run.prestart_groups`` = P, up to P groups are started ahead of admission, held (their members
+  started, waiting, nothing allocated); admitting a group releases the oldest held one (one signal) before
+  starting a new one, and the held are topped up after each decision. Held groups hold no admission
+  slot, count for no engine, and are not the breaker's until released.
 - Every group admitted at one decision is started in the same workflow task (the server starts them in
   parallel; one after another, a run of N groups took N x ~0.2 s to fill).
 - A group terminated by hand cannot report: ``rollouts terminate GROUP`` terminates it and then sends the
@@ -44,6 +48,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable
+from typing import Any
 
 from temporalio import workflow
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
@@ -138,6 +143,10 @@ FINAL_DECISION_PATCH = "final-dispatch-decision"
 PROBE_ADMISSION_PATCH = "probe-admission"
 """Runs started after 0.2.0 run the admission preset their config names (default ``probe``); histories of
 0.2.0, whose configs predate the preset, replay with ``prime-rl``, the only rules they knew."""
+
+PROBE_RAMP_PATCH = "probe-ramp"
+"""The probe preset ramps (rule P0) and holds near a storm (P4); runs started before both replay without
+them (``ramp_below_usage`` 0, ``near_storm_fraction`` 1)."""
 
 RUN_CANCEL_PATCH = "run-cancel"
 """A cancelled run cancels its groups and waits for them (runs of 0.2.0 just ended, abandoning them)."""
@@ -332,16 +341,20 @@ class RunWorkflow:
             await self._dispatch_adaptive(inp, template)
         else:
             started = 0
-            while st.next_group < cfg.run.num_groups:
+            while st.next_group < cfg.run.num_groups or self._held():
                 await self._room_for_a_group()
                 if workflow.patched(CONCURRENT_START_PATCH):
                     # every free slot at once; while the breaker is open, only its probe
                     k = self._free_slots() if st.breaker.open_since is None else 1
-                    k = min(k, cfg.run.num_groups - st.next_group, cfg.run.groups_per_run_segment - started)
-                    k = max(1, k)
-                    starts = [await self._begin_group(inp, template, cfg.engine.urls) for _ in range(k)]
+                    starts: list[Awaitable[Any]] = []
+                    for _ in range(max(1, k)):
+                        if self._held():
+                            starts.append(self._release_group(inp))
+                        elif st.next_group < cfg.run.num_groups and started < cfg.run.groups_per_run_segment:
+                            starts.append(await self._begin_group(inp, template, cfg.engine.urls))
+                            started += 1
+                    started += await self._prestart(inp, template, cfg.engine.urls, started, starts)
                     await asyncio.gather(*starts)
-                    started += k
                 else:
                     await self._start_group(inp, template, cfg.engine.urls)
                     started += 1
@@ -392,6 +405,8 @@ class RunWorkflow:
         ds, adm = st.dispatch, cfg.admission
         if adm.preset != "prime-rl" and not workflow.patched(PROBE_ADMISSION_PATCH):
             adm = adm.model_copy(update={"preset": "prime-rl"})
+        if adm.preset == "probe" and not workflow.patched(PROBE_RAMP_PATCH):
+            adm = adm.model_copy(update={"ramp_below_usage": 0.0, "near_storm_fraction": 1.0})
         ctl = AdmissionController(adm, ds.admission, group_size=cfg.run.group_size)
         size, started, over = cfg.run.group_size, 0, cfg.run.overprovision
         while st.next_group < cfg.run.num_groups or st.slots:
@@ -419,20 +434,26 @@ class RunWorkflow:
             if not self._may_admit():
                 room.reasons.append(f"breaker {breaker.describe(st.breaker, cfg.run.breaker_probe_s)}")
             concurrent = workflow.patched(CONCURRENT_START_PATCH)
-            starts = []
+            starts: list[Awaitable[Any]] = []
             while (
-                st.next_group < cfg.run.num_groups
+                (st.next_group < cfg.run.num_groups or self._held())
                 and healthy
                 and self._may_admit()
                 and active_groups(st.slots) < room.max_groups
                 and (left >= size or (left > 0 and not inflight and admitted == 0))
-                and (not concurrent or started < cfg.run.groups_per_run_segment)  # a segment: exactly so many
+                and (not concurrent or self._held() or started < cfg.run.groups_per_run_segment)
             ):
-                if concurrent:
-                    starts.append(await self._begin_group(inp, template, healthy))
-                else:
+                if not concurrent:
                     await self._start_group(inp, template, healthy)
-                left, admitted, started = left - size, admitted + size, started + 1
+                    started += 1
+                elif self._held():
+                    starts.append(self._release_group(inp))
+                else:
+                    starts.append(await self._begin_group(inp, template, healthy))
+                    started += 1
+                left, admitted = left - size, admitted + size
+            if concurrent and healthy:
+                started += await self._prestart(inp, template, healthy, started, starts)
             await asyncio.gather(*starts)
             ds.bucket = spend_bucket(ds.bucket, admitted, room.ready)
             ds.polls += 1
@@ -518,17 +539,56 @@ class RunWorkflow:
         return self._task_ids.pop(idx)
 
     async def _begin_group(
-        self, inp: RunInput, template: RolloutInput, healthy: list[str]
+        self, inp: RunInput, template: RolloutInput, healthy: list[str], held: bool = False
     ) -> Awaitable[workflow.ChildWorkflowHandle]:
-        """Admit the next group: in flight, counted by the breaker and ``next_group`` at once; returns its
-        start, which the caller awaits together with the other groups admitted at the same decision."""
+        """Admit the next group (or, ``held``, start it ahead of admission): in flight, counted by the
+        breaker (once admitted) and ``next_group`` at once; returns its start, which the caller awaits
+        together with the other groups of the same decision."""
         st = self._state
         idx = st.next_group
         task_id = await self._task_id(inp, idx)
-        start = self._group_start(inp, template, healthy, idx, task_id)
-        st.breaker = breaker.admitted(st.breaker, group_id(idx))
+        start = self._group_start(inp, template, healthy, idx, task_id, held)
+        if not held:
+            st.breaker = breaker.admitted(st.breaker, group_id(idx))
         st.next_group += 1
         return start
+
+    def _held(self) -> list[str]:
+        """Groups started ahead of admission and not yet released, oldest first."""
+        return sorted(g for g, slot in self._state.slots.items() if slot.held)
+
+    def _release_group(self, inp: RunInput) -> Awaitable[None]:
+        """Admit the oldest held group: it takes a slot now, and its members run once it has the signal."""
+        st = self._state
+        gid = self._held()[0]
+        slot = st.slots[gid]
+        slot.held, slot.admitted_at = False, workflow.now().timestamp()
+        st.breaker = breaker.admitted(st.breaker, gid)
+        group = workflow.get_external_workflow_handle_for(GroupWorkflow.run, f"{inp.run_id}/{gid}")
+        return self._signal_release(group, gid)
+
+    async def _signal_release(self, group: workflow.ExternalWorkflowHandle, gid: str) -> None:
+        try:
+            await group.signal(GroupWorkflow.release)
+        except Exception as e:  # terminated by hand: `group_terminated` accounts for it
+            workflow.logger.warning("run %s: group %s not released (%s)", self._run_id, gid, e)
+
+    async def _prestart(
+        self, inp: RunInput, template: RolloutInput, healthy: list[str], started: int, starts: list
+    ) -> int:
+        """Top the held groups up to ``run.prestart_groups`` (within the segment and the run's groups, and
+        not while the breaker is open); their starts join ``starts``. Returns how many were started."""
+        st, run = self._state, self._cfg.run
+        n = 0
+        while (
+            len(self._held()) < run.prestart_groups
+            and st.next_group < run.num_groups
+            and started + n < run.groups_per_run_segment
+            and st.breaker.open_since is None
+        ):
+            starts.append(await self._begin_group(inp, template, healthy, held=True))
+            n += 1
+        return n
 
     async def _start_group(self, inp: RunInput, template: RolloutInput, healthy: list[str]) -> None:
         """Runs of 0.2.0 (before CONCURRENT_START_PATCH): one group, its start awaited."""
@@ -540,7 +600,13 @@ class RunWorkflow:
         st.next_group += 1
 
     def _group_start(
-        self, inp: RunInput, template: RolloutInput, healthy: list[str], idx: int, task_id: str
+        self,
+        inp: RunInput,
+        template: RolloutInput,
+        healthy: list[str],
+        idx: int,
+        task_id: str,
+        held: bool = False,
     ) -> Awaitable[workflow.ChildWorkflowHandle]:
         st, cfg = self._state, self._cfg
         gid = group_id(idx)
@@ -548,7 +614,7 @@ class RunWorkflow:
         # In flight before the start resolves: on replay the group's group_done signal can be delivered in
         # the same activation as its start, and signal handlers run first.
         st.slots[gid] = GroupSlot(
-            admitted_at=workflow.now().timestamp(), engine=engine or "", size=cfg.run.group_size
+            admitted_at=workflow.now().timestamp(), engine=engine or "", size=cfg.run.group_size, held=held
         )
         return workflow.start_child_workflow(
             GroupWorkflow.run,
@@ -562,6 +628,7 @@ class RunWorkflow:
                 run_workflow_id=workflow.info().workflow_id,
                 engine=engine,
                 redispatch_cancelled=cfg.admission.redispatch_cancelled,
+                held=held,
             ),
             id=f"{inp.run_id}/{gid}",
             parent_close_policy=ParentClosePolicy.ABANDON,

@@ -18,16 +18,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from workflows.admission import (
-    NEAR_STORM,
-    RAMP_ADMIT_WINDOW_FRACTION,
-    RAMP_BELOW_USAGE,
-    RAMP_FACTOR,
     AdmissionConfig,
     AdmissionController,
     Decision,
     EngineReading,
     Inflight,
 )
+
+DEFAULTS = AdmissionConfig()
+NEAR_STORM = DEFAULTS.near_storm_fraction
+RAMP_ADMIT_WINDOW_FRACTION = DEFAULTS.ramp_admit_window_fraction
+RAMP_BELOW_USAGE = DEFAULTS.ramp_below_usage
+RAMP_FACTOR = DEFAULTS.ramp_factor
 
 
 def cfg(**overrides) -> AdmissionConfig:
@@ -75,6 +77,16 @@ def test_a_ramp_poll_doubles_the_cap_at_once_every_poll():
     d = tr.poll()
     assert d.cap == 320 and any("ramp" in r and "cap 160 -> 320" in r for r in d.reasons)
     assert tr.ctl.state.epoch_start_at is None  # no epoch is measured during the ramp
+
+
+def test_with_the_ramp_and_the_hold_off_the_probe_grows_by_epochs_as_before():
+    """What RunWorkflow runs for histories from before PROBE_RAMP_PATCH: no ramp poll, no near-storm hold."""
+    off = Trace(AdmissionController(cfg(ramp_below_usage=0.0, near_storm_fraction=1.0)))
+    assert [off.poll().cap for _ in range(3)] == [10, 10, 20]  # P4: one epoch, x fast_factor
+    # 6 preemptions on 10 running at the epoch's end: over half a storm (storm_min 8, fraction 1)
+    for near_storm, cap in ((1.0, 20), (0.5, 10)):  # off: the probe grows; on: P4 holds
+        tr = Trace(AdmissionController(cfg(ramp_below_usage=0.0, near_storm_fraction=near_storm)))
+        assert [tr.poll(new_preemptions=p).cap for p in (0, 0, 6)] == [10, 10, cap]
 
 
 def test_the_ramp_stops_at_the_usage_threshold_and_the_epoch_paced_probe_takes_over():
