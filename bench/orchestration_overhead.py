@@ -67,7 +67,6 @@ def make_config(url: str, args: argparse.Namespace, groups: int) -> Config:
             f"run.num_groups={groups}",
             f"run.group_size={args.group_size}",
             f"run.max_inflight_groups={args.inflight_groups}",
-            f"run.prestart_groups={args.prestart_groups}",
             f"sampling.max_tokens={MAX_TOKENS}",
             f"rollout.max_turns={args.turns}",
             "rollout.max_total_tokens=4096",
@@ -136,11 +135,10 @@ async def history_profile(client: Client, store: RunStore, run_id: str) -> dict:
 
     Rollout: workflow-task schedule-to-start and run time, activity schedule-to-start, the gap between one
     model call completing and the next being scheduled (env step + workflow tasks), start to first model
-    call (child start, prepare; for a held rollout, from its release), last model call to close (finalize).
-    Group: start to last member started
+    call (child start, prepare), last model call to close (finalize). Group: start to last member started
     (members are started one after another), last member closed to group closed, and the slot turnover (a
-    group's last member closed -> the next group started or, held, released: the admission slot's idle
-    time, whether the slot frees at the group's close, as before 0.3, or at its members' end).
+    group's last member closed -> the next group started: the admission slot's idle time, whether the
+    slot frees at the group's close, as before 0.3, or at its members' end).
     """
     et = EventType
     wft_s2s: list[float] = []
@@ -161,13 +159,12 @@ async def history_profile(client: Client, store: RunStore, run_id: str) -> dict:
         closed = [_t(e) for e in gev if e.event_type == et.EVENT_TYPE_CHILD_WORKFLOW_EXECUTION_COMPLETED]
         spread.append(max(started) - g0)
         g_tail.append(_t(gev[-1]) - max(closed))
-        g_spans.append((released_at(gev), max(closed)))
+        g_spans.append((g0, max(closed)))
     for rec in store.rollouts(run_id):
         ev = await _events(client, rec["rollout_id"])
         sched: dict[int, float] = {}
         last_done: float | None = None
         n_wft = 0
-        began = released_at(ev)
         for e in ev:
             t = _t(e)
             if e.event_type == et.EVENT_TYPE_WORKFLOW_TASK_SCHEDULED:
@@ -181,7 +178,7 @@ async def history_profile(client: Client, store: RunStore, run_id: str) -> dict:
             elif e.event_type == et.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
                 sched[e.event_id] = t
                 if last_done is None:
-                    head.append(t - began)
+                    head.append(t - _t(ev[0]))
                 else:
                     gaps.append(t - last_done)
             elif e.event_type == et.EVENT_TYPE_ACTIVITY_TASK_STARTED:
@@ -210,18 +207,6 @@ async def history_profile(client: Client, store: RunStore, run_id: str) -> dict:
         "last_member_closed_to_group_closed_ms": ms(g_tail),
         "slot_turnover_ms": ms(lags),
     }
-
-
-def released_at(events: list[HistoryEvent]) -> float:
-    """When a workflow could start work: its ``release`` signal if it was started held
-    (``run.prestart_groups``), else its start."""
-    for e in events:
-        if (
-            e.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED
-            and e.workflow_execution_signaled_event_attributes.signal_name == "release"
-        ):
-            return _t(e)
-    return _t(events[0])
 
 
 def _mean(xs: Sequence[float]) -> float:
@@ -362,7 +347,6 @@ async def main(args: argparse.Namespace) -> dict:
             "groups_per_round": args.groups,
             "group_size": args.group_size,
             "inflight_groups": args.inflight_groups,
-            "prestart_groups": args.prestart_groups,
             "concurrent_rollouts": concurrency,
             "rounds_per_driver": args.rounds,
             "cpus": os.cpu_count(),
@@ -388,9 +372,6 @@ if __name__ == "__main__":
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--inflight-groups", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=2, help="rounds per driver (alternating)")
-    parser.add_argument(
-        "--prestart-groups", type=int, default=0, help="run.prestart_groups: groups started ahead, held"
-    )
     parser.add_argument("--round-timeout-s", type=float, default=600.0, help="give up on a stuck round")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument(

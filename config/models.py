@@ -120,10 +120,6 @@ class RunConfig(_Strict):
     (added to max_inflight_groups and, when set, to admission.max_queued_groups). The trainer feed takes
     the first complete groups; late ones stay waiting for the next batch (judged by policy version like any
     other), so batches are not skewed toward short rollouts. 0 = no extra groups."""
-    prestart_groups: int = Field(0, ge=0, le=1000)
-    """Groups started ahead of admission: each has its members started and waiting (held, nothing
-    allocated, phase ``queued``) until a slot frees, when one signal releases it; a slot then turns over in
-    the time of a signal instead of a group's and its members' start. 0 = groups start when admitted."""
     groups_per_run_segment: int = Field(500, ge=1, le=100_000)
     """Groups the run workflow starts before it continues-as-new (bounds its history)."""
     advantage_eps: float = Field(1e-6, gt=0, le=1)

@@ -92,12 +92,6 @@ class GroupSlot(_Data):
     size: int
     told: int = 0
     """Members the dispatcher told to cancel for admission so far."""
-    held: bool = False
-    """Started ahead of admission (``run.prestart_groups``), not yet released: it holds no admission slot
-    and no engine capacity, and admitting a group releases it before starting a new one."""
-    members_ended: bool = False
-    """Every member has ended (the group's ``group_members_ended`` signal): the group no longer holds
-    engine capacity or an admission slot, while it still writes its record and reports ``group_done``."""
 
 
 class TokenBucket(_Data):

@@ -158,9 +158,6 @@ class RolloutInput(_Data):
     partial_poll_s: float = 5.0
     preferred_engine: str | None = None
     """Replica the dispatcher chose for the rollout's group (bounded-load affinity); None = hash order."""
-    held: bool = False
-    """Started ahead of admission (``run.prestart_groups``): waits, holding nothing, for its group's
-    ``release`` (or a cancel) before its first step; its wall-clock limit counts from the release."""
     state: RolloutState | None = None
     """The rollout's state when it continued as new; None at its start."""
 
@@ -267,9 +264,6 @@ class GroupInput(_Data):
     """Replica the dispatcher assigned to the group (its members share the prompt prefix there)."""
     redispatch_cancelled: bool = False
     """Restart a slot whose rollout was cancelled for admission (new rollout id ``<i>r<n>``)."""
-    held: bool = False
-    """Started ahead of admission (``run.prestart_groups``): its members start held and run once the run
-    sends ``release``."""
 
 
 class GroupResult(_Data):

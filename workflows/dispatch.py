@@ -58,17 +58,9 @@ def take_tokens(bucket: TokenBucket | None, now: float, rate_per_s: float, burst
 
 def running_members(slot: GroupSlot, counts: GroupCounts | None, redispatch: bool) -> int:
     """Members of a group still holding (or about to hold) engine resources."""
-    if slot.members_ended or slot.held:
-        return 0
     c = counts or GroupCounts()
     started = slot.size + (c.admission_cancelled if redispatch else 0)
     return max(0, started - c.finished)
-
-
-def active_groups(slots: Mapping[str, GroupSlot]) -> int:
-    """Groups holding an admission slot: released (not held ahead of admission) and not yet past their
-    members' end."""
-    return sum(1 for slot in slots.values() if not (slot.members_ended or slot.held))
 
 
 def inflight_view(

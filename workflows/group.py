@@ -14,10 +14,6 @@ Invariants:
   ``manual-retry`` (its record says so) and, once it ended cancelled, its slot runs again under the next
   attempt id, as for admission; a member that ended otherwise before the cancel reached it keeps its
   outcome and the slot is not run again (no slot ever has two scorable members).
-- Once every member has ended, the group tells the run ``group_members_ended`` (its admission slot is free)
-  together with writing its record, and reports ``group_done`` after the record is written.
-- A group started ahead of admission (``held``) starts its members held; the run's ``release`` releases
-  them (one signal each); members started after the release (redispatch, retry) start released.
 - A cancelled run tells its groups ``cancel_all``: every running member is cancelled (reason
   ``run-cancelled``, its record says so), a member not started yet is recorded cancelled without running,
   no slot runs again, and the group closes with its full size as always.
@@ -52,9 +48,8 @@ with workflow.unsafe.imports_passed_through():
     from workflows.rollout import OPS_PATCH, RolloutWorkflow
 
 
-def member_input(inp: GroupInput, i: int, attempt: int = 0, held: bool = False) -> RolloutInput:
-    """The input of slot i's member under attempt ``attempt`` (id ``<run>/<group>/<i>`` or ``<i>r<n>``);
-    ``held``: it waits for the group's release before its first step."""
+def member_input(inp: GroupInput, i: int, attempt: int = 0) -> RolloutInput:
+    """The input of slot i's member under attempt ``attempt`` (id ``<run>/<group>/<i>`` or ``<i>r<n>``)."""
     rid = rollout_id(inp.run_id, inp.group_id, i) + (f"r{attempt}" if attempt else "")
     sampling = inp.template.sampling.model_copy(update={"seed": member_seed(inp.template.sampling.seed, rid)})
     return inp.template.model_copy(
@@ -66,7 +61,6 @@ def member_input(inp: GroupInput, i: int, attempt: int = 0, held: bool = False) 
             "sample_index": i,
             "sampling": sampling,
             "preferred_engine": inp.engine,
-            "held": held,
         }
     )
 
@@ -83,8 +77,6 @@ MAX_REDISPATCH = 3
 
 RETRY_REASON = "manual-retry"
 """Cancel reason of a member an operator retried (``rollouts retry``)."""
-MEMBERS_ENDED_PATCH = "group-members-ended"
-"""Groups tell the run when their members have all ended, before closing (0.2.0 groups did not)."""
 RUN_CANCEL_REASON = "run-cancelled"
 """Cancel reason of the members of a run cancelled as a whole (``rollouts cancel RUN``)."""
 
@@ -136,8 +128,6 @@ class GroupWorkflow:
         """Members an operator asked to run again (``retry``)."""
         self._cancelled: str | None = None
         """Set by ``cancel_all``: the reason every member ends cancelled with."""
-        self._released = False
-        """The run released this group (or it was never held)."""
 
     @workflow.query
     def progress(self) -> dict:
@@ -168,20 +158,6 @@ class GroupWorkflow:
             workflow.logger.info("retry %s: %s", rollout_id, e)
 
     @workflow.signal
-    async def release(self) -> None:
-        """The run admitted this held group: release its members (each once; idempotent)."""
-        if self._released:
-            return
-        self._released = True
-        await asyncio.gather(*(self._release(rid, h) for rid, h in list(self._running.items())))
-
-    async def _release(self, rid: str, handle: workflow.ChildWorkflowHandle) -> None:
-        try:
-            await handle.signal(RolloutWorkflow.release)
-        except Exception as e:  # it ended in the meantime (cancelled while held)
-            workflow.logger.info("release %s: %s", rid, e)
-
-    @workflow.signal
     async def cancel_all(self, reason: str) -> None:
         """The run was cancelled: cancel every running member with ``reason``; members not started yet are
         recorded cancelled without running, and no slot runs again. Idempotent."""
@@ -201,28 +177,19 @@ class GroupWorkflow:
     @workflow.run
     async def run(self, inp: GroupInput) -> GroupResult:
         self._size = inp.size
-        self._released = self._released or not inp.held
         workflow.set_current_details(f"task={inp.task_id} members=0/{inp.size}")
         attempts: list[RolloutResult] = []
         await asyncio.gather(*(self._slot(inp, i, attempts) for i in range(inp.size)))
         record, advantages = close_group(
             inp.run_id, inp.group_id, inp.task_id, inp.size, attempts, inp.advantage_eps
         )
-        run = None
+        await call(RolloutActivities.finalize_group, FinalizeGroupInput(record=record, advantages=advantages))
+        await workflow.wait_condition(workflow.all_handlers_finished)
         if inp.run_workflow_id:
             with workflow.unsafe.imports_passed_through():  # run.py imports this module: resolve late
                 from workflows.run import RunWorkflow
 
             run = workflow.get_external_workflow_handle_for(RunWorkflow.run, inp.run_workflow_id)
-        closing = call(
-            RolloutActivities.finalize_group, FinalizeGroupInput(record=record, advantages=advantages)
-        )
-        if run is not None and workflow.patched(MEMBERS_ENDED_PATCH):
-            await asyncio.gather(run.signal(RunWorkflow.group_members_ended, record), closing)
-        else:
-            await closing
-        await workflow.wait_condition(workflow.all_handlers_finished)
-        if run is not None:
             await run.signal(RunWorkflow.group_done, record)
         return record
 
@@ -232,7 +199,7 @@ class GroupWorkflow:
         cancelled."""
         attempt = redispatched = 0
         while True:
-            m = member_input(inp, i, attempt, held=not self._released)
+            m = member_input(inp, i, attempt)
             if self._cancelled is not None:  # the run was cancelled before this member started
                 attempts.append(await self._record_unrun(m, Outcome.CANCELLED, self._cancelled))
                 break
@@ -252,8 +219,6 @@ class GroupWorkflow:
                 search_attributes=TypedSearchAttributes(attrs),
             )
             self._running[m.rollout_id] = handle
-            if m.held and self._released:  # the release arrived while it was being started
-                await self._release(m.rollout_id, handle)
             if self._cancelled is not None:  # cancel_all arrived while it was being started
                 await self._tell_cancel(m.rollout_id, handle)
             try:

@@ -124,7 +124,6 @@ class RolloutWorkflow:
         self._failed_attempts = 0
         """Attempts of engine calls that failed over, not yet folded into ``_attempt``."""
         self._sandbox_host: str | None = None
-        self._released = False
 
     @workflow.signal
     def cancel_for(self, reason: str) -> None:
@@ -205,16 +204,8 @@ class RolloutWorkflow:
             f" version={s.version} attempt={self._attempt} progress={utc_text(self._progress_at or now)}"
         )
 
-    @workflow.signal
-    def release(self) -> None:
-        """A held rollout (started ahead of admission) may run now."""
-        self._released = True
-
     @workflow.run
     async def run(self, inp: RolloutInput) -> RolloutResult:
-        if inp.held and inp.state is None:  # started ahead of admission: nothing allocated until released
-            workflow.set_current_details("held: waiting for its group's release (admission)")
-            await workflow.wait_condition(lambda: self._released or self._cancel_reason is not None)
         s = self._s = inp.state.model_copy() if inp.state is not None else RolloutState()
         if s.started_at is None:
             s.started_at = workflow.now().timestamp()

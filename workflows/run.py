@@ -22,13 +22,6 @@ Invariants:
 - Groups are started with ParentClosePolicy.ABANDON and report back by the ``group_done`` signal, so the
   run continues-as-new every ``groups_per_run_segment`` groups without waiting for in-flight groups.
 - The run ends when every group has reported.
-- A group's admission slot is free once its members have all ended: the group says so
-  (``group_members_ended``) before it writes its record, so the next group starts while it closes; its
-  books (outcomes, breaker) still come with ``group_done``, and the run still waits for that.
-- With ``run.prestart_groups`` = P, up to P groups are started ahead of admission, held (their members
-  started, waiting, nothing allocated); admitting a group releases the oldest held one (one signal) before
-  starting a new one, and the held are topped up after each decision. Held groups hold no admission
-  slot, count for no engine, and are not the breaker's until released.
 - Every group admitted at one decision is started in the same workflow task (the server starts them in
   parallel; one after another, a run of N groups took N x ~0.2 s to fill).
 - A group terminated by hand cannot report: ``rollouts terminate GROUP`` terminates it and then sends the
@@ -48,7 +41,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable
-from typing import Any
 
 from temporalio import workflow
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
@@ -91,7 +83,6 @@ with workflow.unsafe.imports_passed_through():
     from workflows.admission import AdmissionController
     from workflows.calls import call
     from workflows.dispatch import (
-        active_groups,
         admission_room,
         cancels_by_group,
         choose_replica,
@@ -179,8 +170,7 @@ class RunWorkflow:
     def group_done(self, record: GroupResult) -> None:
         """A group closed; duplicate signals for the same group are ignored."""
         st = self._state
-        slot = st.slots.pop(record.group_id, None)
-        if slot is None:
+        if st.slots.pop(record.group_id, None) is None:
             return
         self._counts.pop(record.group_id, None)
         self._freed = True
@@ -189,28 +179,11 @@ class RunWorkflow:
         st.wasted_tokens += record.wasted_tokens
         for outcome, n in record.outcomes.items():
             st.outcomes[outcome] = st.outcomes.get(outcome, 0) + n
-        if not slot.members_ended:  # else group_members_ended told the breaker already
-            self._tell_breaker(record)
-
-    def _tell_breaker(self, record: GroupResult) -> None:
         run = self._cfg.run
-        st = self._state
         st.breaker = breaker.record(
             st.breaker, record.group_id, record.infra_failures, record.successes, workflow.now().timestamp(),
             run.breaker_failures,
         )  # fmt: skip
-
-    @workflow.signal
-    def group_members_ended(self, record: GroupResult) -> None:
-        """Every member of a group has ended (``record``: its record, not yet written): its admission slot
-        is free and the breaker counts its failures now, before the next admission; the books wait for
-        ``group_done``, sent once the record is written. Unknown or repeated groups are ignored."""
-        slot = self._state.slots.get(record.group_id)
-        if slot is None or slot.members_ended:
-            return
-        slot.members_ended = True
-        self._tell_breaker(record)
-        self._freed = True
 
     @workflow.signal
     async def group_terminated(self, inp: TerminatedGroupInput) -> None:
@@ -341,20 +314,16 @@ class RunWorkflow:
             await self._dispatch_adaptive(inp, template)
         else:
             started = 0
-            while st.next_group < cfg.run.num_groups or self._held():
+            while st.next_group < cfg.run.num_groups:
                 await self._room_for_a_group()
                 if workflow.patched(CONCURRENT_START_PATCH):
                     # every free slot at once; while the breaker is open, only its probe
                     k = self._free_slots() if st.breaker.open_since is None else 1
-                    starts: list[Awaitable[Any]] = []
-                    for _ in range(max(1, k)):
-                        if self._held():
-                            starts.append(self._release_group(inp))
-                        elif st.next_group < cfg.run.num_groups and started < cfg.run.groups_per_run_segment:
-                            starts.append(await self._begin_group(inp, template, cfg.engine.urls))
-                            started += 1
-                    started += await self._prestart(inp, template, cfg.engine.urls, started, starts)
+                    k = min(k, cfg.run.num_groups - st.next_group, cfg.run.groups_per_run_segment - started)
+                    k = max(1, k)
+                    starts = [await self._begin_group(inp, template, cfg.engine.urls) for _ in range(k)]
                     await asyncio.gather(*starts)
+                    started += k
                 else:
                     await self._start_group(inp, template, cfg.engine.urls)
                     started += 1
@@ -387,9 +356,9 @@ class RunWorkflow:
                     return
 
     def _free_slots(self) -> int:
-        """Groups the fixed cap still admits (groups past their members' end hold no slot)."""
+        """Groups the fixed cap still admits."""
         run = self._cfg.run
-        return run.max_inflight_groups + run.overprovision - active_groups(self._state.slots)
+        return run.max_inflight_groups + run.overprovision - len(self._state.slots)
 
     async def _maybe_continue_as_new(self, inp: RunInput, segment_full: bool) -> None:
         if not (segment_full or workflow.info().is_continue_as_new_suggested()):
@@ -423,7 +392,7 @@ class RunWorkflow:
                 group = workflow.get_external_workflow_handle_for(GroupWorkflow.run, f"{inp.run_id}/{gid}")
                 await group.signal(GroupWorkflow.shed, k)
             room = admission_room(
-                d.admit, now, len(inflight), active_groups(st.slots), poll.pool, ds.bucket,
+                d.admit, now, len(inflight), len(st.slots), poll.pool, ds.bucket,
                 cfg.sandbox_pool.tasks_per_minute, size, cfg.run.max_inflight_groups + over,
                 None if adm.max_queued_groups is None else adm.max_queued_groups + over,
                 poll.unconsumed_groups,
@@ -434,26 +403,20 @@ class RunWorkflow:
             if not self._may_admit():
                 room.reasons.append(f"breaker {breaker.describe(st.breaker, cfg.run.breaker_probe_s)}")
             concurrent = workflow.patched(CONCURRENT_START_PATCH)
-            starts: list[Awaitable[Any]] = []
+            starts = []
             while (
-                (st.next_group < cfg.run.num_groups or self._held())
+                st.next_group < cfg.run.num_groups
                 and healthy
                 and self._may_admit()
-                and active_groups(st.slots) < room.max_groups
+                and len(st.slots) < room.max_groups
                 and (left >= size or (left > 0 and not inflight and admitted == 0))
-                and (not concurrent or self._held() or started < cfg.run.groups_per_run_segment)
+                and (not concurrent or started < cfg.run.groups_per_run_segment)  # a segment: exactly so many
             ):
-                if not concurrent:
-                    await self._start_group(inp, template, healthy)
-                    started += 1
-                elif self._held():
-                    starts.append(self._release_group(inp))
-                else:
+                if concurrent:
                     starts.append(await self._begin_group(inp, template, healthy))
-                    started += 1
-                left, admitted = left - size, admitted + size
-            if concurrent and healthy:
-                started += await self._prestart(inp, template, healthy, started, starts)
+                else:
+                    await self._start_group(inp, template, healthy)
+                left, admitted, started = left - size, admitted + size, started + 1
             await asyncio.gather(*starts)
             ds.bucket = spend_bucket(ds.bucket, admitted, room.ready)
             ds.polls += 1
@@ -539,56 +502,17 @@ class RunWorkflow:
         return self._task_ids.pop(idx)
 
     async def _begin_group(
-        self, inp: RunInput, template: RolloutInput, healthy: list[str], held: bool = False
+        self, inp: RunInput, template: RolloutInput, healthy: list[str]
     ) -> Awaitable[workflow.ChildWorkflowHandle]:
-        """Admit the next group (or, ``held``, start it ahead of admission): in flight, counted by the
-        breaker (once admitted) and ``next_group`` at once; returns its start, which the caller awaits
-        together with the other groups of the same decision."""
+        """Admit the next group: in flight, counted by the breaker and ``next_group`` at once; returns its
+        start, which the caller awaits together with the other groups admitted at the same decision."""
         st = self._state
         idx = st.next_group
         task_id = await self._task_id(inp, idx)
-        start = self._group_start(inp, template, healthy, idx, task_id, held)
-        if not held:
-            st.breaker = breaker.admitted(st.breaker, group_id(idx))
+        start = self._group_start(inp, template, healthy, idx, task_id)
+        st.breaker = breaker.admitted(st.breaker, group_id(idx))
         st.next_group += 1
         return start
-
-    def _held(self) -> list[str]:
-        """Groups started ahead of admission and not yet released, oldest first."""
-        return sorted(g for g, slot in self._state.slots.items() if slot.held)
-
-    def _release_group(self, inp: RunInput) -> Awaitable[None]:
-        """Admit the oldest held group: it takes a slot now, and its members run once it has the signal."""
-        st = self._state
-        gid = self._held()[0]
-        slot = st.slots[gid]
-        slot.held, slot.admitted_at = False, workflow.now().timestamp()
-        st.breaker = breaker.admitted(st.breaker, gid)
-        group = workflow.get_external_workflow_handle_for(GroupWorkflow.run, f"{inp.run_id}/{gid}")
-        return self._signal_release(group, gid)
-
-    async def _signal_release(self, group: workflow.ExternalWorkflowHandle, gid: str) -> None:
-        try:
-            await group.signal(GroupWorkflow.release)
-        except Exception as e:  # terminated by hand: `group_terminated` accounts for it
-            workflow.logger.warning("run %s: group %s not released (%s)", self._run_id, gid, e)
-
-    async def _prestart(
-        self, inp: RunInput, template: RolloutInput, healthy: list[str], started: int, starts: list
-    ) -> int:
-        """Top the held groups up to ``run.prestart_groups`` (within the segment and the run's groups, and
-        not while the breaker is open); their starts join ``starts``. Returns how many were started."""
-        st, run = self._state, self._cfg.run
-        n = 0
-        while (
-            len(self._held()) < run.prestart_groups
-            and st.next_group < run.num_groups
-            and started + n < run.groups_per_run_segment
-            and st.breaker.open_since is None
-        ):
-            starts.append(await self._begin_group(inp, template, healthy, held=True))
-            n += 1
-        return n
 
     async def _start_group(self, inp: RunInput, template: RolloutInput, healthy: list[str]) -> None:
         """Runs of 0.2.0 (before CONCURRENT_START_PATCH): one group, its start awaited."""
@@ -600,13 +524,7 @@ class RunWorkflow:
         st.next_group += 1
 
     def _group_start(
-        self,
-        inp: RunInput,
-        template: RolloutInput,
-        healthy: list[str],
-        idx: int,
-        task_id: str,
-        held: bool = False,
+        self, inp: RunInput, template: RolloutInput, healthy: list[str], idx: int, task_id: str
     ) -> Awaitable[workflow.ChildWorkflowHandle]:
         st, cfg = self._state, self._cfg
         gid = group_id(idx)
@@ -614,7 +532,7 @@ class RunWorkflow:
         # In flight before the start resolves: on replay the group's group_done signal can be delivered in
         # the same activation as its start, and signal handlers run first.
         st.slots[gid] = GroupSlot(
-            admitted_at=workflow.now().timestamp(), engine=engine or "", size=cfg.run.group_size, held=held
+            admitted_at=workflow.now().timestamp(), engine=engine or "", size=cfg.run.group_size
         )
         return workflow.start_child_workflow(
             GroupWorkflow.run,
@@ -628,7 +546,6 @@ class RunWorkflow:
                 run_workflow_id=workflow.info().workflow_id,
                 engine=engine,
                 redispatch_cancelled=cfg.admission.redispatch_cancelled,
-                held=held,
             ),
             id=f"{inp.run_id}/{gid}",
             parent_close_policy=ParentClosePolicy.ABANDON,

@@ -5,7 +5,8 @@ fill it. Started all at once, the same rollouts overflow it and vLLM preempts (r
 the prime-rl preset (starting at KV capacity / max length) the cap grows only while there is headroom,
 is trimmed when a poll sees usage over 80 % and cut on the first preemptions, and the run completes with a
 few preemptions, never a storm. The probe preset (the default) admits more than KV capacity / max length
-(most rollouts never reach the full length) without a preemption storm (rule P1) in its dispatch log.
+(most rollouts never reach the full length; the ramp, rule P0, doubles it from the first poll while the
+cache is empty) without a preemption storm (rule P1) in its dispatch log.
 """
 
 from __future__ import annotations
@@ -107,6 +108,8 @@ async def test_the_probe_admits_past_the_kv_cap_without_a_preemption_storm(
     caps, inflight = [e["cap"] for e in log], [e["inflight"] for e in log]
     storms = [e for e in log if any("preemption storm" in why for why in e["reasons"])]
     print(f"\nprobe: caps {sorted(set(caps))}, most in flight {max(inflight)}, {preempted:.0f} preemptions")
-    assert log[0]["cap"] == kv_cap
+    # it starts at the KV cap, and the first poll (idle engine, nothing preempted) ramps it at once (P0)
+    assert log[0]["cap"] == 2 * kv_cap, log[0]
+    assert any(f"cap {kv_cap} -> {2 * kv_cap}" in why for why in log[0]["reasons"]), log[0]["reasons"]
     assert max(caps) > kv_cap and max(inflight) > kv_cap, "the probe never went past the KV cap"
     assert storms == [], f"preemption storm: {storms[0]['reasons']}"

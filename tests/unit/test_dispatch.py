@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 
 from contracts.types import GroupCounts, GroupSlot, PoolStatus
 from workflows.dispatch import (
-    active_groups,
     cancels_by_group,
     choose_replica,
     inflight_view,
@@ -81,18 +80,6 @@ def test_the_controller_sees_one_entry_per_running_member() -> None:
     # with redispatch, each admission-cancelled member was started again
     assert running_members(slots["g1"], counts["g1"], redispatch=True) == 4
     assert replica_load(slots, counts, redispatch=False) == {"a": 1, "b": 2}
-
-
-def test_a_group_past_its_members_end_holds_no_slot_and_no_engine() -> None:
-    slots = {
-        "g0": GroupSlot(admitted_at=1.0, engine="a", size=4, members_ended=True),
-        "g1": GroupSlot(admitted_at=2.0, engine="a", size=4),
-    }
-    # the store may not show g0's last records yet (counts lag): the group's own word decides
-    counts = {"g0": GroupCounts(finished=2), "g1": GroupCounts(finished=1)}
-    assert active_groups(slots) == 1
-    assert [i.rollout_id.split("#")[0] for i in inflight_view(slots, counts, redispatch=True)] == ["g1"] * 3
-    assert replica_load(slots, counts, redispatch=False) == {"a": 3}
 
 
 def test_naming_the_same_members_on_two_polls_cancels_them_once() -> None:

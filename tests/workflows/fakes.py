@@ -78,8 +78,6 @@ class Fakes:
         self.generate_hook: Hook | None = None
         self.env_hook: Hook | None = None
         self.sandbox_create_hook: Hook | None = None
-        self.finalize_group_hook: Hook | None = None
-        """Awaited before finalize_group writes (a group's record being written slowly)."""
 
         self.calls: dict[str, list[Any]] = defaultdict(list)
         self.context: dict[str, int] = {}
@@ -178,8 +176,6 @@ class Fakes:
 
     @activity.defn(name="finalize_group")
     async def finalize_group(self, inp: FinalizeGroupInput) -> bool:
-        if self.finalize_group_hook is not None:
-            await self.finalize_group_hook(inp)
         self._record("finalize_group", inp)
         new = inp.record.group_id not in self.groups
         self.groups.setdefault(inp.record.group_id, inp)
