@@ -17,6 +17,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.unit.test_admission_probe import cfg, flight
+from tests.unit.test_admission_probe import reading as probe_reading
 from workflows.admission import (
     AdmissionConfig,
     AdmissionController,
@@ -32,27 +34,11 @@ RAMP_BELOW_USAGE = DEFAULTS.ramp_below_usage
 RAMP_FACTOR = DEFAULTS.ramp_factor
 
 
-def cfg(**overrides) -> AdmissionConfig:
-    """The probe preset with pacing off and a fixed start (as in test_admission_probe.py)."""
-    base = {"preset": "probe", "max_inflight": 1000, "initial_cap": 10, "admit_window_s": 0.0}
-    return AdmissionConfig(**(base | overrides))
-
-
 def reading(at, usage=0.1, running=10, waiting=0, preemptions=0.0, tokens=0.0, engine="e0") -> EngineReading:
-    return EngineReading(
-        engine_id=engine,
-        at=at,
-        kv_usage=usage,
-        running=running,
-        waiting_capacity=waiting,
-        preemptions_total=preemptions,
-        kv_capacity_tokens=409_600,
-        generation_tokens_total=tokens,
+    """test_admission_probe's reading, at a usage below the ramp's threshold and tokens as a keyword."""
+    return probe_reading(
+        at, tokens, usage=usage, running=running, waiting=waiting, preemptions=preemptions, engine=engine
     )
-
-
-def flight(n: int) -> list[Inflight]:
-    return [Inflight(rollout_id=f"r{i:04d}", admitted_at=-1000.0 + i) for i in range(n)]
 
 
 class Trace:
