@@ -22,6 +22,7 @@ import pytest
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client
 
+from contracts.types import group_id, rollout_id
 from faults import Fault, FaultProxy, LedgerReport
 from simengine import SimEngine, SimSettings
 from store import RunStore
@@ -53,6 +54,17 @@ def _two_replica_config(urls: list[str], task_queue: str):
         rollout={"max_turns": 2},
         engine={"affinity": "rollout", "stall_timeout_s": STALL_S, "request_timeout_s": 120},
     )  # fmt: skip
+
+
+def _reaching(prefix: str, good: str, bad: str) -> str:
+    """A run id (``prefix``, or ``prefix-k``) of which some rollout hashes to ``bad`` first: the replicas'
+    ports change every session, and with 8 rollouts on 2 replicas 1 run in 256 would send none there."""
+    for k in range(64):
+        run_id = f"{prefix}-{k}" if k else prefix
+        ids = [rollout_id(run_id, group_id(g), i) for g in range(4) for i in range(2)]
+        if any(pick_engine([good, bad], rid) == bad for rid in ids):
+            return run_id
+    raise AssertionError("no run id sends a rollout to the faulty replica")
 
 
 async def _stalled_attempts(client: Client, rollout_ids: list[str]) -> list[float]:
@@ -98,7 +110,7 @@ async def test_a_replica_that_accepts_and_never_answers_is_failed_over_within_th
 ) -> None:
     good, _, proxy = replicas
     proxy.set(Fault.HANG)
-    run_id = "hung-replica"
+    run_id = _reaching("hung-replica", good, proxy.url)
     cfg = _two_replica_config([good, proxy.url], task_queue)
     async with worker(client, task_queue, tmp_path) as store:
         result = await run_to_end(client, cfg, run_id)
@@ -118,7 +130,7 @@ async def test_a_replica_whose_generation_stalls_while_it_answers_is_failed_over
     """/health, /metrics, /tokenize and /server_info answer; generate requests are held."""
     good, bad, proxy = replicas
     bad.faults.hang = True
-    run_id = "stalled-replica"
+    run_id = _reaching("stalled-replica", good, proxy.url)
     cfg = _two_replica_config([good, proxy.url], task_queue)
     try:
         async with worker(client, task_queue, tmp_path) as store:
