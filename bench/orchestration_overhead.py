@@ -137,8 +137,7 @@ async def history_profile(client: Client, store: RunStore, run_id: str) -> dict:
     model call completing and the next being scheduled (env step + workflow tasks), start to first model
     call (child start, prepare), last model call to close (finalize). Group: start to last member started
     (members are started one after another), last member closed to group closed, and the slot turnover (a
-    group's last member closed -> the next group started: the admission slot's idle time, whether the
-    slot frees at the group's close, as before 0.3, or at its members' end).
+    group's last member closed -> the next group started: how long the admission slot stands idle).
     """
     et = EventType
     wft_s2s: list[float] = []

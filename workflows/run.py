@@ -510,8 +510,7 @@ class RunWorkflow:
         idx = st.next_group
         task_id = await self._task_id(inp, idx)
         start = self._group_start(inp, template, healthy, idx, task_id)
-        st.breaker = breaker.admitted(st.breaker, group_id(idx))
-        st.next_group += 1
+        self._admitted(idx)
         return start
 
     async def _start_group(self, inp: RunInput, template: RolloutInput, healthy: list[str]) -> None:
@@ -520,7 +519,12 @@ class RunWorkflow:
         idx = st.next_group
         task_id = await self._task_id(inp, idx)
         await self._group_start(inp, template, healthy, idx, task_id)
-        st.breaker = breaker.admitted(st.breaker, group_id(idx))  # while open, this group is the probe
+        self._admitted(idx)
+
+    def _admitted(self, idx: int) -> None:
+        """Group idx counts as started: the breaker's (while open, it is the probe) and ``next_group``'s."""
+        st = self._state
+        st.breaker = breaker.admitted(st.breaker, group_id(idx))
         st.next_group += 1
 
     def _group_start(

@@ -5,21 +5,13 @@ from __future__ import annotations
 
 import pytest
 from temporalio.api.enums.v1 import EventType
-from temporalio.client import Client
 from temporalio.testing import WorkflowEnvironment
 
 from config.models import AdmissionSection, Config, RolloutConfig, RunConfig
-from contracts.types import RunInput, RunProgress, group_id
-from workflows.run import RunWorkflow
+from contracts.types import RunInput, group_id
 
-from .fakes import Fakes, fake_worker
-
-
-async def run(client: Client, fakes: Fakes, inp: RunInput, uid: str) -> RunProgress:
-    tq = f"tq-{uid}"
-    async with fake_worker(client, tq, fakes):
-        handle = await client.start_workflow(RunWorkflow.run, inp, id=inp.run_id, task_queue=tq)
-        return await handle.result()
+from .fakes import Fakes
+from .test_breaker import run
 
 
 @pytest.mark.parametrize("adaptive", [False, True], ids=["fixed", "adaptive"])
@@ -39,7 +31,7 @@ async def test_groups_admitted_together_start_in_one_workflow_task(
             admission=admission,
         ),
     )
-    result = await run(ts_client, fakes, inp, uid)
+    result, _ = await run(ts_client, fakes, inp, uid)
     assert result.done and result.groups_done == 3
     events = [e async for e in ts_client.get_workflow_handle(inp.run_id).fetch_history_events()]
     starts = [
