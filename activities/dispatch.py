@@ -93,7 +93,10 @@ class DispatchActivities:
             unconsumed_groups=unconsumed,
             readings=readings,
             errors=errors,
-            counts={g: GroupCounts(finished=f, admission_cancelled=c) for g, (f, c) in counts.items()},
+            counts={
+                g: GroupCounts(finished=f, admission_cancelled=c, complete=k, complete_tokens=t)
+                for g, (f, c, k, t) in counts.items()
+            },
             pool=pool,
         )
         metrics.record_poll(inp.run_id, inp.log, poll, inp.engine_urls, inp.count_unconsumed)

@@ -130,6 +130,8 @@ class Live:
     group: int
     member: int
     tokens: int = 0
+    context: int = 0
+    """Its context's length (prompt, sampled and tool tokens): the KV footprint it ends with."""
     task: asyncio.Task[None] | None = None
 
 
@@ -166,6 +168,8 @@ class Driver:
         self.steps: list[float] = []
         """Each completed step's time: its last group's completion - its start."""
         self._t0 = clock.now()
+        self.complete = (0, 0)
+        """Rollouts finished since the controller last saw them, and their summed final contexts."""
 
     def now(self) -> float:
         """Simulated seconds since the start."""
@@ -275,6 +279,7 @@ class Driver:
         if self.live.pop(live.rollout.rid, None) is not None:
             self.tally.accepted += 1
             self.tally.truncated += truncated
+            self.complete = (self.complete[0] + 1, self.complete[1] + live.context)
             self._ended(live, "finished")
 
     async def _turns(self, live: Live) -> bool:
@@ -296,11 +301,13 @@ class Driver:
             if self.sched is not None:
                 self.sched.progress(f"g{live.group:05d}", live.member, live.tokens)
             context += gen.token_ids
+            live.context = len(context)
             if gen.finish_reason == "length" and ask == room:
                 return True
             if t + 1 < len(r.turns):
                 await self.sleep_until(self.now() + wait_s)
                 context += tool
+                live.context = len(context)
         return False
 
 
@@ -347,7 +354,9 @@ async def controlled(
     async with httpx.AsyncClient(timeout=10) as http:
         while (now := driver.now()) < budget:
             polls = (fetch_reading(http, url, f"e{i}", now) for i, url in enumerate(driver.urls))
-            d = ctrl.step(now, await asyncio.gather(*polls), driver.inflight())
+            readings = await asyncio.gather(*polls)
+            (ended, ended_tokens), driver.complete = driver.complete, (0, 0)
+            d = ctrl.step(now, readings, driver.inflight(), ended, ended_tokens)
             for rid in d.cancel:
                 driver.cancel(rid)
             driver.next_step()

@@ -144,7 +144,7 @@ class AdmissionConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     preset: Literal["probe", "prime-rl"] = "probe"
-    """Rule set: ``probe`` (rules P1-P4) or ``prime-rl`` (rules 3-8); both share rules 1, 2 and 9."""
+    """Rule set: ``probe`` (rules P0-P5) or ``prime-rl`` (rules 3-8); both share rules 1, 2 and 9."""
 
     min_inflight: int = Field(1, ge=1, le=100_000)
     """Smallest cap; equal to max_inflight gives fixed concurrency (no adaptation, no cancels)."""
@@ -221,6 +221,17 @@ class AdmissionConfig(BaseModel):
     near_storm_fraction: float = Field(0.5, gt=0.0, le=1.0)
     """Probe, rule P4: no growth on a poll in which some engine preempted this fraction of a storm (at least
     this × ``storm_min_preemptions`` and more than this × ``storm_fraction`` × its running). 1: no hold."""
+    predicted_fill: float = Field(1.0, ge=0.0, le=8.0)
+    """Probe, rule P5: blind growth (the ramp, P0, and ``fast_factor``, P4) stops at the cap whose rollouts,
+    each at its predicted final footprint, would fill this fraction of the healthy engines' summed KV cache;
+    past it the cap grows by ``probe_factor`` per epoch. 0: no prediction (growth judged by usage alone)."""
+    share_polls: int = Field(12, ge=1, le=100_000)
+    """Probe, rule P5: the share of rollouts in flight that are in an engine (not waiting for a tool) is
+    averaged over about this many polls (a plain mean over the first this many, then an exponential moving
+    average with weight 1 / this): one poll catches the requests of a turn between two steps."""
+    footprint_weight: float = Field(0.05, gt=0.0, le=1.0)
+    """Probe, rule P5: weight of each ended rollout in the footprint estimate, an exponential moving average
+    (a plain mean over the first 1 / this rollouts), so it follows lengths that drift during the run."""
 
     @model_validator(mode="after")
     def _check(self) -> AdmissionConfig:

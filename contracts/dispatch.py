@@ -55,7 +55,7 @@ class AdmissionState(BaseModel):
     admitted_since_change: int = 0
     window_start: float | None = None
     window_admitted: int = 0
-    # the probe preset's memory (workflows/admission.py, rules P1-P4)
+    # the probe preset's memory (workflows/admission.py, rules P0-P5)
     tokens_total: dict[str, float] = Field(default_factory=dict)
     """Each engine's generation-token counter at the previous poll."""
     epoch_start_at: float | None = None
@@ -72,6 +72,13 @@ class AdmissionState(BaseModel):
     """Whether the last poll saw a preemption storm."""
     storm_polls: int = 0
     """Polls that saw a preemption storm."""
+    footprint: float | None = None
+    """Predicted final KV footprint of a rollout in tokens (rule P5), from the rollouts that ended so far."""
+    footprint_rollouts: int = 0
+    """Ended rollouts the footprint estimate has seen."""
+    engaged_share: float | None = None
+    """Mean share of the rollouts in flight that are in an engine (rule P5), over ``engaged_polls`` polls."""
+    engaged_polls: int = 0
 
 
 class DispatchState(_Data):
@@ -82,6 +89,10 @@ class DispatchState(_Data):
     bucket: TokenBucket | None = None
     polls: int = 0
     last_log: DispatchLog | None = None
+    unseen_complete: int = 0
+    """Completed or truncated members of groups that closed before a poll showed them, and their tokens
+    (from the group's record): the next step passes them to the controller."""
+    unseen_complete_tokens: int = 0
 
 
 class GroupSlot(_Data):
@@ -92,6 +103,9 @@ class GroupSlot(_Data):
     size: int
     told: int = 0
     """Members the dispatcher told to cancel for admission so far."""
+    seen_complete: int = 0
+    """Completed or truncated members the controller was shown (`GroupCounts.complete`), and their tokens."""
+    seen_complete_tokens: int = 0
 
 
 class TokenBucket(_Data):
@@ -106,6 +120,10 @@ class GroupCounts(_Data):
 
     finished: int = 0
     admission_cancelled: int = 0
+    complete: int = 0
+    """Members that completed or were truncated (the rollouts whose length admission learns, rule P5)."""
+    complete_tokens: int = 0
+    """Their summed ``num_tokens`` (final contexts)."""
 
 
 class DispatchLog(_Data):

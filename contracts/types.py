@@ -287,6 +287,8 @@ class GroupResult(_Data):
     """Members that failed for infrastructure, by error type (the run's circuit breaker counts them)."""
     successes: int = 0
     """Members with a reward (scorable)."""
+    complete_tokens: int = 0
+    """Summed ``num_tokens`` of the members that completed or were truncated."""
 
 
 class BreakerState(_Data):

@@ -220,18 +220,21 @@ class RunStore(SegmentStore, LogStore):
         ).fetchall()
         return {r[0]: r[1] for r in rows}
 
-    def group_counts(self, run_id: str, group_ids: list[str]) -> dict[str, tuple[int, int]]:
-        """Per group: (records written, records cancelled for admission)."""
+    def group_counts(self, run_id: str, group_ids: list[str]) -> dict[str, tuple[int, int, int, int]]:
+        """Per group: (records written, records cancelled for admission, records completed or truncated,
+        their summed ``num_tokens``)."""
         if not group_ids:
             return {}
         marks = ",".join("?" * len(group_ids))
+        ended = "outcome IN ('completed','truncated')"
         rows = self.db.execute(
             "SELECT group_id, COUNT(*),"
-            " SUM(CASE WHEN outcome='cancelled' AND reason='admission' THEN 1 ELSE 0 END) FROM rollouts"
-            f" WHERE run_id=? AND group_id IN ({marks}) GROUP BY group_id",
+            " SUM(CASE WHEN outcome='cancelled' AND reason='admission' THEN 1 ELSE 0 END),"
+            f" SUM(CASE WHEN {ended} THEN 1 ELSE 0 END), SUM(CASE WHEN {ended} THEN num_tokens ELSE 0 END)"
+            f" FROM rollouts WHERE run_id=? AND group_id IN ({marks}) GROUP BY group_id",
             [run_id, *group_ids],
         ).fetchall()
-        return {r[0]: (r[1], r[2] or 0) for r in rows}
+        return {r[0]: (r[1], r[2] or 0, r[3] or 0, r[4] or 0) for r in rows}
 
     def unconsumed_groups(self, run_id: str) -> int:
         """Complete groups of the run that the trainer feed has neither consumed nor discarded."""

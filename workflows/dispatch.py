@@ -21,7 +21,15 @@ from collections.abc import Mapping
 
 from pydantic import BaseModel, ConfigDict
 
-from contracts.types import GroupCounts, GroupSlot, PoolStatus, TokenBucket
+from contracts.types import (
+    DispatchState,
+    GroupCounts,
+    GroupResult,
+    GroupSlot,
+    Outcome,
+    PoolStatus,
+    TokenBucket,
+)
 from workflows.admission import Inflight
 
 
@@ -72,6 +80,32 @@ def inflight_view(
         for k in range(running_members(slot, counts.get(gid), redispatch)):
             out.append(Inflight(rollout_id=f"{gid}#{k:04d}", admitted_at=slot.admitted_at))
     return out
+
+
+def closed_unseen(ds: DispatchState, slot: GroupSlot, record: GroupResult) -> None:
+    """A group closed: its completed or truncated members that no poll showed wait in ``ds`` for the next
+    step (the last members of a group, often its longest, end after the last poll that saw it)."""
+    ended = sum(record.outcomes.get(o.value, 0) for o in (Outcome.COMPLETED, Outcome.TRUNCATED))
+    ds.unseen_complete += max(0, ended - slot.seen_complete)
+    ds.unseen_complete_tokens += max(0, record.complete_tokens - slot.seen_complete_tokens)
+
+
+def newly_complete(
+    ds: DispatchState, slots: Mapping[str, GroupSlot], counts: Mapping[str, GroupCounts]
+) -> tuple[int, int]:
+    """Rollouts that completed or were truncated since the previous poll, and their summed tokens (rule P5
+    learns from them): the groups in flight's new ones plus those of groups that closed in between. Marks
+    them seen (the slots' and the dispatch state's counters)."""
+    ended, tokens = ds.unseen_complete, ds.unseen_complete_tokens
+    ds.unseen_complete = ds.unseen_complete_tokens = 0
+    for gid, slot in sorted(slots.items()):
+        c = counts.get(gid)
+        if c is None or c.complete <= slot.seen_complete:
+            continue
+        ended += c.complete - slot.seen_complete
+        tokens += max(0, c.complete_tokens - slot.seen_complete_tokens)
+        slot.seen_complete, slot.seen_complete_tokens = c.complete, c.complete_tokens
+    return ended, tokens
 
 
 def cancels_by_group(

@@ -45,5 +45,8 @@ def group_stats(
         reward_std=std,
         zero_variance=zero_variance,
         outcomes=outcomes,
+        complete_tokens=sum(
+            m.num_tokens for m in members if m.outcome in (Outcome.COMPLETED, Outcome.TRUNCATED)
+        ),
     )
     return record, advantages

@@ -86,7 +86,9 @@ with workflow.unsafe.imports_passed_through():
         admission_room,
         cancels_by_group,
         choose_replica,
+        closed_unseen,
         inflight_view,
+        newly_complete,
         replica_load,
         spend_bucket,
     )
@@ -142,6 +144,10 @@ them (``ramp_below_usage`` 0, ``near_storm_fraction`` 1)."""
 RUN_CANCEL_PATCH = "run-cancel"
 """A cancelled run cancels its groups and waits for them (runs of 0.2.0 just ended, abandoning them)."""
 
+FOOTPRINT_PATCH = "probe-footprint"
+"""The probe preset predicts rollouts' final footprints from the ended ones (rule P5); runs started before it
+replay without (``predicted_fill`` 0)."""
+
 CONCURRENT_START_PATCH = "concurrent-group-start"
 """Groups admitted at one decision start in one workflow task (0.2.0 started them one after another, each
 awaited, and its histories replay that path)."""
@@ -170,9 +176,11 @@ class RunWorkflow:
     def group_done(self, record: GroupResult) -> None:
         """A group closed; duplicate signals for the same group are ignored."""
         st = self._state
-        if st.slots.pop(record.group_id, None) is None:
+        slot = st.slots.pop(record.group_id, None)
+        if slot is None:
             return
         self._counts.pop(record.group_id, None)
+        closed_unseen(st.dispatch, slot, record)
         self._freed = True
         st.groups_done += 1
         st.admission_cancelled += record.admission_cancelled
@@ -376,6 +384,8 @@ class RunWorkflow:
             adm = adm.model_copy(update={"preset": "prime-rl"})
         if adm.preset == "probe" and not workflow.patched(PROBE_RAMP_PATCH):
             adm = adm.model_copy(update={"ramp_below_usage": 0.0, "near_storm_fraction": 1.0})
+        if adm.preset == "probe" and not workflow.patched(FOOTPRINT_PATCH):
+            adm = adm.model_copy(update={"predicted_fill": 0.0})
         ctl = AdmissionController(adm, ds.admission, group_size=cfg.run.group_size)
         size, started, over = cfg.run.group_size, 0, cfg.run.overprovision
         while st.next_group < cfg.run.num_groups or st.slots:
@@ -385,7 +395,8 @@ class RunWorkflow:
                 ds.readings[r.engine_id] = r
             self._counts = {g: poll.counts.get(g, GroupCounts()) for g in st.slots}
             inflight = inflight_view(st.slots, self._counts, adm.redispatch_cancelled)
-            d = ctl.step(now, list(ds.readings.values()), inflight)
+            ended, ended_tokens = newly_complete(ds, st.slots, self._counts)
+            d = ctl.step(now, list(ds.readings.values()), inflight, ended, ended_tokens)
             ds.admission, self._cap = ctl.state, d.cap
             for gid, k in cancels_by_group(d.cancel, st.slots, self._counts).items():
                 st.slots[gid].told += k

@@ -13,8 +13,10 @@ from workflows.admission import AdmissionConfig, AdmissionController, Decision, 
 
 
 def cfg(**overrides) -> AdmissionConfig:
-    """The probe preset with pacing off and a fixed start, so each test sees only the rule it is about."""
+    """The probe preset with pacing and the footprint prediction (P5, tested in test_admission_footprint.py)
+    off and a fixed start, so each test sees only the rule it is about."""
     base = {"preset": "probe", "max_inflight": 1000, "initial_cap": 10, "admit_window_s": 0.0}
+    base["predicted_fill"] = 0.0
     return AdmissionConfig(**(base | overrides))
 
 

@@ -155,9 +155,10 @@ _polls = st.tuples(
     window=st.sampled_from([0.0, 5.0]),
     group=st.sampled_from([1, 4, 8]),
     polls=st.lists(_polls, min_size=1, max_size=40),
+    footprint=st.sampled_from([20, 400, 4000]),  # every ended rollout's final context (rule P5)
 )
 def test_ramp_traces_keep_the_cap_in_bounds_admit_nothing_in_a_storm_and_grow_only_when_allowed(
-    bounds, window, group, polls
+    bounds, window, group, polls, footprint
 ):
     lo, hi = bounds[0], bounds[0] + bounds[1]
     config = AdmissionConfig(
@@ -165,13 +166,23 @@ def test_ramp_traces_keep_the_cap_in_bounds_admit_nothing_in_a_storm_and_grow_on
     )
     ctl = AdmissionController(config, group_size=group)
     inflight: list[Inflight] = []
-    preemptions, seen, serial, cap = 0.0, None, 0, None
+    preemptions, seen, serial, cap, ended = 0.0, None, 0, None, 0
+    share: float | None = None
+    polled = 0
     for t, (usage, running, waiting, new_pre, stale, finish) in enumerate(polls):
         now = 5.0 * t
         preemptions += new_pre
         e0 = reading(now, usage[0], running, waiting, 0.0, 100.0 * t)
         e1 = reading(now - (30.0 if stale else 0.0), usage[1], running, 0, preemptions, 100.0 * t, "e1")
-        d = ctl.step(now, [e0, e1], inflight)
+        gone, n = min(finish, len(inflight)), len(inflight)
+        healthy = [e0] if stale else [e0, e1]
+        engaged = sum(r.running + r.waiting_capacity for r in healthy)
+        if n and engaged:  # the mean share in an engine, as P5 averages it
+            w, now_share = max(1.0 / config.share_polls, 1.0 / (polled + 1)), min(1.0, engaged / n)
+            share = now_share if share is None else (1 - w) * share + w * now_share
+            polled += 1
+        d = ctl.step(now, [e0, e1], inflight, gone, gone * footprint)
+        ended += gone
         assert lo <= d.cap <= hi
         assert d.cancel == []  # the probe never cancels
         assert 0 <= d.admit <= max(0, d.cap - len(inflight))
@@ -183,26 +194,31 @@ def test_ramp_traces_keep_the_cap_in_bounds_admit_nothing_in_a_storm_and_grow_on
             assert d.admit == 0
         if window:
             assert d.admit <= max(group, math.ceil(max(RAMP_ADMIT_WINDOW_FRACTION, 0.25) * d.cap))
-        if any("ramp" in r for r in d.reasons):
+        if any(r.startswith("ramp at") for r in d.reasons):
             healthy_usage = [usage[0]] if stale else usage
             # fresh, nothing preempted, and the fleet-wide queue (e0's waiting over both engines' running)
             assert not stale and new == 0 and waiting <= config.queue_ratio * 2 * running
             assert sum(healthy_usage) / len(healthy_usage) < RAMP_BELOW_USAGE
             before = cap if cap is not None else d.cap
             assert d.cap <= max(before + 1, math.floor(before * RAMP_FACTOR))
+            # P5: no further than the rollouts' mean share in an engine fits at the predicted footprint
+            # (the one footprint once a rollout ended, else max_model_len)
+            f = (share if share is not None else 1.0) * (footprint if ended else 1024.0)
+            assert d.cap <= max(before, math.floor(sum(r.kv_capacity_tokens for r in healthy) / f))
         if any(r.startswith("probe at") for r in d.reasons):  # P4 grew: not near a storm (e0 never preempts)
             assert not (new >= NEAR_STORM * config.storm_min_preemptions and new > NEAR_STORM * running)
         cap = d.cap
         for _ in range(d.admit):
             inflight.append(Inflight(rollout_id=f"x{serial:05d}", admitted_at=now))
             serial += 1
-        inflight = inflight[finish:]
+        inflight = inflight[gone:]
 
 
 def _replay(config: AdmissionConfig, seed: int, polls: int = 300, engines: int = 3, group: int = 4) -> str:
     """A seeded random trace (restarts, stale readings, preemptions, queues, finishing rollouts) through the
-    controller; the digest of every decision and of the final state."""
-    rng = random.Random(seed)
+    controller, with ended rollouts' footprints (rule P5) that only the probe preset may use; the digest of
+    every decision and of the final state (less rule P5's estimate, which must stay empty: asserted)."""
+    rng, ends = random.Random(seed), random.Random(-1 - seed)
     ctl = AdmissionController(config, group_size=group)
     pre, tok = [0.0] * engines, [0.0] * engines
     live: list[Inflight] = []
@@ -228,7 +244,8 @@ def _replay(config: AdmissionConfig, seed: int, polls: int = 300, engines: int =
                     generation_tokens_total=tok[e],
                 )
             )
-        d = ctl.step(now, rs, live)
+        ended = ends.randint(0, 6)  # its own stream: the trace is the one the digests were recorded on
+        d = ctl.step(now, rs, live, ended, ended * ends.uniform(100, 3000))
         out.append([d.cap, d.admit, d.cancel, d.wasted_tokens, d.reasons, d.storm, d.kv_usage, d.healthy])
         gone = set(d.cancel)
         live = [i for i in live if i.rollout_id not in gone]
@@ -238,7 +255,11 @@ def _replay(config: AdmissionConfig, seed: int, polls: int = 300, engines: int =
         finish = rng.randint(0, max(0, len(live) // 4))
         rng.shuffle(live)
         live = sorted(live[finish:], key=lambda i: i.rollout_id)
-    out.append(ctl.state.model_dump(mode="json"))
+    state = ctl.state.model_dump(mode="json")
+    if config.fixed or config.preset == "prime-rl":
+        p5 = ("footprint", "footprint_rollouts", "engaged_share", "engaged_polls")
+        assert [state.pop(k) for k in p5] == [None, 0, None, 0]
+    out.append(state)
     return hashlib.sha256(json.dumps(out, sort_keys=True).encode()).hexdigest()
 
 

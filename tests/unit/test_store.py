@@ -123,7 +123,7 @@ def test_rollout_record_is_written_once(any_store: RunStore) -> None:
     assert not any_store.put_rollout(_record("run/g/0", 0.0))
     rows = any_store.rollouts("run")
     assert len(rows) == 1 and rows[0]["reward"] == 1.0
-    assert any_store.group_counts("run", ["g"]) == {"g": (1, 0)}
+    assert any_store.group_counts("run", ["g"]) == {"g": (1, 0, 1, 3)}  # completed, 3 tokens
 
 
 def test_store_is_shared_between_instances(store_url: str) -> None:

@@ -36,6 +36,7 @@ from contracts.types import (
     GroupCounts,
     LoadRunInput,
     LoadRunResult,
+    Outcome,
     PollFleetInput,
     PrepareInput,
     PrepareResult,
@@ -233,7 +234,13 @@ class Fakes:
         for g in inp.groups:
             members = [f for f in finalized.values() if f.run_id == inp.run_id and f.group_id == g]
             cancelled = sum(1 for f in members if f.reason == "admission")
-            counts[g] = GroupCounts(finished=len(members), admission_cancelled=cancelled)
+            complete = [f for f in members if f.outcome in (Outcome.COMPLETED, Outcome.TRUNCATED)]
+            counts[g] = GroupCounts(
+                finished=len(members),
+                admission_cancelled=cancelled,
+                complete=len(complete),
+                complete_tokens=sum(f.state.tokens for f in complete),
+            )
         readings = [
             EngineReading(
                 engine_id=url,

@@ -229,6 +229,10 @@ async def test_adaptive_run_continues_as_new_with_its_dispatch_state(
     assert [c.state.segment if c.state else None for c in carried] == [1, 2]
     assert all(without_state(c) == inp for c in carried)
     polls, caps = [], []
+    lengths = {f.state.tokens for f in fakes.finalized()}
+    assert len(lengths) == 1 and min(lengths) > 0, lengths  # every rollout of the fakes is as long
+    tokens = float(min(lengths))
+    footprints = []
     for c in carried:
         st = c.state
         assert st is not None and st.env == fakes.env and st.num_tasks == fakes.num_tasks
@@ -239,9 +243,16 @@ async def test_adaptive_run_continues_as_new_with_its_dispatch_state(
         caps.append(ds.admission.cap)
         assert ds.admission.polls == ds.polls, "the controller's state is the one carried"
         assert ds.last_log is not None and ds.last_log.seq == ds.polls
+        # rule P5 learnt every completed member once: seen in flight, or from its group's record
+        seen = sum(s.seen_complete for s in st.slots.values())
+        learnt = ds.admission.footprint_rollouts
+        assert learnt + ds.unseen_complete == st.outcomes.get("completed", 0) + seen
+        assert ds.admission.footprint == (tokens if learnt else None)
+        footprints.append(learnt)
         assert set(ds.readings) == set(inp.config.engine.urls)
         polls.append(ds.polls)
     assert polls == sorted(set(polls)), "the poll count only grows across segments"
+    assert footprints[-1] > 0, footprints  # by the last segment some rollout's footprint was learnt
     # No overload: the cap starts at initial_cap and may only grow; a segment that lost the controller's
     # state would start again from initial_cap.
     assert result.cap is not None and [4, *caps, result.cap] == sorted([4, *caps, result.cap])
