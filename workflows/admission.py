@@ -80,16 +80,17 @@ P4. Probe: otherwise, unless the capacity queue persists (``queue_polls`` consec
     ``admit_window_fraction`` (``ramp_admit_window_fraction`` on a ramp poll, P0); the probe never cancels a
     rollout.
 
-P5. Footprint: blind growth (the ramp, P0, and ``fast_factor`` in P4) judges the cache by its usage now,
-    but rollouts admitted now fill it turns later (on real vLLM-CPU with a cache of three full rollouts
-    the ramp went from 3 to 32 in four polls, and one run of six stormed). Each step learns from the
-    rollouts that completed or were truncated since the previous one (``ended``, ``ended_tokens``) their
-    mean final footprint (a mean over the first 1 / ``footprint_weight``, then an exponential moving
-    average, so drifting lengths are followed; ``max_model_len`` before any ended), and from the
-    engines the mean share of the rollouts in flight that hold KV (running or capacity-waiting requests
-    over inflight, averaged over ``share_polls`` polls; the rest wait for a tool). Blind growth stops at
-    the cap at which that share of the cap, at that footprint, fills ``predicted_fill`` of the healthy
-    engines' summed KV cache; past it the cap grows by ``probe_factor`` per epoch, judged by P3.
+P5. Footprint (workflows/footprint.py): blind growth (the ramp, P0, and ``fast_factor`` in P4) judges the
+    cache by its usage now, but rollouts admitted now fill it turns later (on real vLLM-CPU with a cache
+    of three full rollouts the ramp went from 3 to 32 in four polls, and one run of six stormed). Each
+    step learns from the rollouts that completed or were truncated since the previous one (``ended``,
+    ``ended_tokens``) their mean final footprint (a mean over the first 1 / ``footprint_weight``, then an
+    exponential moving average, so drifting lengths are followed; ``max_model_len`` before any ended),
+    and from the engines the mean share of the rollouts in flight that hold KV (running or
+    capacity-waiting requests over inflight, averaged over ``share_polls`` polls; the rest wait for a
+    tool). Blind growth stops at the cap at which that share of the cap, at that footprint, fills
+    ``predicted_fill`` of the healthy engines' summed KV cache; past it the cap grows by ``probe_factor``
+    per epoch, judged by P3.
 
 Cuts and trims never raise the cap and growth never lowers it; every cap is clamped to [min, max]. Fixed mode
 (``min_inflight == max_inflight``) skips rules 3-8 and P0-P5: the cap is constant and nothing is cancelled,
@@ -105,6 +106,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from config.models import AdmissionConfig
 from contracts.types import AdmissionState, EngineReading
+from workflows import footprint
 
 CANCEL_REASON = "admission"
 """Reason recorded on rollouts the controller cancels."""
@@ -199,8 +201,8 @@ class AdmissionController:
             if cfg.fixed:
                 pass
             elif cfg.preset == "probe":
-                self._learn_footprint(ended, ended_tokens)
-                self._learn_share(healthy, n)
+                footprint.learn_footprint(st, cfg, ended, ended_tokens)
+                footprint.learn_share(st, cfg, healthy, n)
                 self._probe(now, healthy, n, reasons, all_fresh=fresh)
             else:
                 cancel = self._adapt(healthy, n, inflight, reasons, all_fresh=fresh)
@@ -349,7 +351,7 @@ class AdmissionController:
         if not (binds and all_fresh and not st.draining):
             self._end_epoch(forget=False)
             return
-        fit = self._fit(healthy)
+        fit = footprint.fit(st, cfg, healthy)
         if self._ramping and st.cap < cfg.max_inflight and (st.ceiling is None or st.cap < st.ceiling):
             target = self._clamp(max(st.cap + 1, math.floor(st.cap * cfg.ramp_factor)))
             if st.ceiling is not None:
@@ -362,7 +364,7 @@ class AdmissionController:
                 self._end_epoch(forget=False)
                 return
             assert fit is not None
-            reasons.append(f"ramp held at cap {st.cap}: {_fit_text(fit)}")
+            reasons.append(f"ramp held at cap {st.cap}: {footprint.describe(fit)}")
             self._ramping = False
         if st.epoch_start_at is None:
             st.epoch_start_at, st.epoch_tokens, st.epoch_polls = now, 0.0, 0
@@ -398,7 +400,7 @@ class AdmissionController:
         if mean_usage < cfg.fast_below_usage:
             fast = self._clamp(max(cap + 1, math.floor(cap * cfg.fast_factor)))
             if fit is not None and fast > fit[0]:
-                fast, held = max(fit[0], target), f" (fast growth held: {_fit_text(fit)})"
+                fast, held = max(fit[0], target), f" (fast growth held: {footprint.describe(fit)})"
             target = max(target, fast)
         if st.ceiling is not None:
             target = min(target, st.ceiling)
@@ -430,46 +432,6 @@ class AdmissionController:
         if storming:
             reasons.append(f"preemption storm on {', '.join(storming)}")
         return st.storm, preempted, near
-
-    def _learn_footprint(self, ended: int, tokens: float) -> None:
-        """Rule P5's estimate: a mean over the first 1 / ``footprint_weight`` ended rollouts, then an
-        exponential moving average with that weight per rollout (``ended`` of them, ``tokens`` in all)."""
-        st = self.state
-        if ended <= 0:
-            return
-        mean = max(0.0, tokens) / ended
-        kept = (1.0 - self.config.footprint_weight) ** ended
-        w = max(1.0 - kept, ended / (st.footprint_rollouts + ended))
-        st.footprint = mean if st.footprint is None else (1.0 - w) * st.footprint + w * mean
-        st.footprint_rollouts += ended
-
-    def _learn_share(self, healthy: dict[str, EngineReading], n: int) -> None:
-        """Rule P5's share of the ``n`` rollouts in flight that hold KV: the healthy engines' running and
-        capacity-waiting requests over ``n`` (at most 1), averaged as ``share_polls`` says. A poll with
-        nothing in flight or nothing in an engine says nothing (rollouts just admitted may not have reached
-        one yet: counted, they would let the ramp flood the cache)."""
-        st = self.state
-        engaged = sum(r.running + r.waiting_capacity for r in healthy.values())
-        if n <= 0 or engaged <= 0:
-            return
-        share = min(1.0, engaged / n)
-        w = max(1.0 / self.config.share_polls, 1.0 / (st.engaged_polls + 1))
-        st.engaged_share = share if st.engaged_share is None else (1.0 - w) * st.engaged_share + w * share
-        st.engaged_polls += 1
-
-    def _fit(self, healthy: dict[str, EngineReading]) -> tuple[int, float] | None:
-        """Rule P5: the cap at which the rollouts, each at the predicted final footprint, would fill
-        ``predicted_fill`` of the healthy engines' KV cache, and that footprint (tokens); None when off.
-        The footprint is the estimate from ended rollouts (``max_model_len`` before one ended). Of the
-        rollouts in flight only those in an engine hold KV; the rest wait for a tool. Their mean share
-        (1 before a poll measured it) is kept: cap x share x footprint <= fill x capacity."""
-        cfg, st = self.config, self.state
-        if cfg.predicted_fill <= 0:
-            return None
-        footprint = st.footprint if st.footprint is not None else float(cfg.max_model_len)
-        capacity = sum(r.kv_capacity_tokens for r in healthy.values())
-        share = st.engaged_share if st.engaged_share is not None else 1.0
-        return math.floor(cfg.predicted_fill * capacity / max(1.0, share * footprint)), footprint
 
     def _produced(self, healthy: dict[str, EngineReading]) -> float:
         """Generated tokens since the previous poll over the healthy engines (P2)."""
@@ -528,10 +490,6 @@ class AdmissionController:
 
     def _clamp(self, cap: int) -> int:
         return min(self.config.max_inflight, max(self.config.min_inflight, cap))
-
-
-def _fit_text(fit: tuple[int, float]) -> str:
-    return f"predicted fit {fit[0]} at {fit[1]:.0f} tokens per rollout"
 
 
 def youngest(inflight: Sequence[Inflight], k: int) -> list[Inflight]:

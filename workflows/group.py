@@ -30,22 +30,61 @@ from temporalio.exceptions import ChildWorkflowError
 
 with workflow.unsafe.imports_passed_through():
     from activities.rollout import RolloutActivities
+    from config.models import Config
     from contracts.types import (
+        EngineTarget,
+        EnvTraits,
         FailureKind,
         FinalizeGroupInput,
         FinalizeRolloutInput,
         GroupInput,
         GroupResult,
         Outcome,
+        RetrySettings,
         RolloutInput,
         RolloutResult,
         rollout_id,
+        sampling_params,
     )
     from workflows import search_attributes as sa
     from workflows.admission import CANCEL_REASON
     from workflows.calls import call
     from workflows.grpo import group_stats
     from workflows.rollout import OPS_PATCH, RolloutWorkflow
+
+
+def rollout_template(cfg: Config, run_id: str, env: EnvTraits) -> RolloutInput:
+    """The per-run part of every rollout's input (members fill in ids, index and seed)."""
+    return RolloutInput(
+        run_id=run_id,
+        group_id="",
+        rollout_id="",
+        task_id="",
+        sample_index=0,
+        env=env,
+        sampling=sampling_params(cfg),
+        engine=EngineTarget(
+            urls=cfg.engine.urls,
+            model=cfg.engine.model,
+            request_timeout_s=cfg.engine.request_timeout_s,
+            failover=cfg.engine.failover,
+            outage_budget_s=cfg.engine.outage_budget_s,
+            stall_timeout_s=cfg.engine.stall_timeout_s,
+        ),
+        retry=RetrySettings(
+            max_attempts=cfg.engine.max_attempts,
+            initial_s=cfg.engine.retry_initial_s,
+            max_s=cfg.engine.retry_max_s,
+        ),
+        max_turns=cfg.rollout.max_turns,
+        max_total_tokens=cfg.rollout.max_total_tokens,
+        timeout_s=cfg.rollout.timeout_s,
+        score_truncated=cfg.rollout.score_truncated,
+        step_token_budget=cfg.rollout.step_token_budget,
+        partial_poll_s=cfg.rollout.partial_poll_s,
+        sandbox=cfg.sandbox if env.uses_sandbox else None,
+        pool=cfg.sandbox_pool if env.uses_sandbox else None,
+    )
 
 
 def member_input(inp: GroupInput, i: int, attempt: int = 0) -> RolloutInput:

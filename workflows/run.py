@@ -25,8 +25,9 @@ Invariants:
 - Every group admitted at one decision is started in the same workflow task (the server starts them in
   parallel; one after another, a run of N groups took N x ~0.2 s to fill).
 - A group terminated by hand cannot report: ``rollouts terminate GROUP`` terminates it and then sends the
-  run ``group_terminated``, and the run accounts for it itself (its unrecorded members recorded as failed
-  infra, its record written from the store, counted with its full size), as if it had reported. The CLI
+  run ``group_terminated``, and the run accounts for it itself (workflows/unreported.py: its unrecorded
+  members recorded as failed infra, its record written from the store, counted with its full size), as if
+  it had reported. The CLI
   step is idempotent, so a group terminated from the web UI is accounted by running it afterwards.
 - A run cancelled as a whole (``rollouts cancel RUN``, or its handle's ``cancel``) starts no more groups,
   tells each in-flight group ``cancel_all`` (every running member ends cancelled, reason ``run-cancelled``,
@@ -50,14 +51,9 @@ from temporalio.workflow import ParentClosePolicy
 with workflow.unsafe.imports_passed_through():
     from activities.dispatch import DispatchActivities
     from activities.rollout import RolloutActivities
-    from config.models import Config
     from contracts.types import (
         DispatchLog,
-        EngineTarget,
-        EnvTraits,
         FailureKind,
-        FinalizeGroupInput,
-        FinalizeRolloutInput,
         FleetPoll,
         GroupCounts,
         GroupInput,
@@ -66,17 +62,12 @@ with workflow.unsafe.imports_passed_through():
         LoadRunInput,
         Outcome,
         PollFleetInput,
-        RetrySettings,
         RolloutInput,
-        RolloutResult,
         RunInput,
         RunProgress,
         RunState,
-        StoredOutcome,
-        TerminatedGroup,
         TerminatedGroupInput,
         group_id,
-        sampling_params,
     )
     from workflows import breaker
     from workflows import search_attributes as sa
@@ -92,41 +83,8 @@ with workflow.unsafe.imports_passed_through():
         replica_load,
         spend_bucket,
     )
-    from workflows.group import RUN_CANCEL_REASON, GroupWorkflow, close_group, member_input, slot_of
-
-
-def rollout_template(cfg: Config, run_id: str, env: EnvTraits) -> RolloutInput:
-    """The per-run part of every rollout's input (members fill in ids, index and seed)."""
-    return RolloutInput(
-        run_id=run_id,
-        group_id="",
-        rollout_id="",
-        task_id="",
-        sample_index=0,
-        env=env,
-        sampling=sampling_params(cfg),
-        engine=EngineTarget(
-            urls=cfg.engine.urls,
-            model=cfg.engine.model,
-            request_timeout_s=cfg.engine.request_timeout_s,
-            failover=cfg.engine.failover,
-            outage_budget_s=cfg.engine.outage_budget_s,
-            stall_timeout_s=cfg.engine.stall_timeout_s,
-        ),
-        retry=RetrySettings(
-            max_attempts=cfg.engine.max_attempts,
-            initial_s=cfg.engine.retry_initial_s,
-            max_s=cfg.engine.retry_max_s,
-        ),
-        max_turns=cfg.rollout.max_turns,
-        max_total_tokens=cfg.rollout.max_total_tokens,
-        timeout_s=cfg.rollout.timeout_s,
-        score_truncated=cfg.rollout.score_truncated,
-        step_token_budget=cfg.rollout.step_token_budget,
-        partial_poll_s=cfg.rollout.partial_poll_s,
-        sandbox=cfg.sandbox if env.uses_sandbox else None,
-        pool=cfg.sandbox_pool if env.uses_sandbox else None,
-    )
+    from workflows.group import RUN_CANCEL_REASON, GroupWorkflow, rollout_template
+    from workflows.unreported import record_unreported
 
 
 FINAL_DECISION_PATCH = "final-dispatch-decision"
@@ -210,46 +168,10 @@ class RunWorkflow:
             return
         self._accounting.add(inp.group_id)
         idx = int(inp.group_id.removeprefix("g"))
-        ask = inp.model_copy(update={"run_id": self._run_id, "task_index": idx % max(1, st.num_tasks)})
-        seen: TerminatedGroup = await call(DispatchActivities.terminated_group, ask)
-        record = seen.record
-        if record is None:
-            ginp = GroupInput(
-                run_id=self._run_id,
-                group_id=inp.group_id,
-                task_id=seen.task_id,
-                size=slot.size,
-                advantage_eps=cfg.run.advantage_eps,
-                template=rollout_template(cfg, self._run_id, st.env),
-                engine=slot.engine or None,
-            )
-            attempts = list(seen.members)
-            recorded = {r.rollout_id for r in attempts}
-            slots_seen = {r.sample_index for r in attempts} | {slot_of(m)[0] for m in inp.members}
-            dead = [m for m in inp.members if m not in recorded]
-            dead += [f"{self._run_id}/{inp.group_id}/{i}" for i in range(slot.size) if i not in slots_seen]
-            for rid in dead:
-                i, attempt = slot_of(rid)
-                m = member_input(ginp, i, attempt)
-                stored: StoredOutcome = await call(
-                    RolloutActivities.finalize_rollout,
-                    FinalizeRolloutInput(
-                        run_id=m.run_id, group_id=m.group_id, rollout_id=m.rollout_id, task_id=m.task_id,
-                        sample_index=i, env=m.env.name, outcome=outcome, reason=reason, reward=None,
-                        scorable=False, sampling=m.sampling, turns=0,
-                    ),
-                )  # fmt: skip
-                attempts.append(
-                    RolloutResult(
-                        rollout_id=rid, sample_index=i, outcome=stored.outcome, reason=stored.reason,
-                        reward=stored.reward, scorable=stored.scorable, wasted_tokens=stored.wasted_tokens,
-                    )
-                )  # fmt: skip
-            record, advantages = close_group(
-                self._run_id, inp.group_id, seen.task_id, slot.size, attempts, cfg.run.advantage_eps
-            )
-            closing = FinalizeGroupInput(record=record, advantages=advantages)
-            await call(RolloutActivities.finalize_group, closing)
+        template = rollout_template(cfg, self._run_id, st.env)
+        record = await record_unreported(
+            inp, slot, idx % max(1, st.num_tasks), template, cfg.run.advantage_eps, outcome, reason
+        )
         self.group_done(record)
 
     @workflow.query

@@ -1,0 +1,85 @@
+"""A group that cannot report itself: what the run records for it instead (deterministic workflow code).
+
+A group terminated by hand (``rollouts terminate``), or one a cancelled run cannot tell to cancel, never
+sends ``group_done``. The run then reads what the store holds of it (`DispatchActivities.terminated_group`,
+read-only) and, unless the group wrote its own record before it ended, records every member attempt
+without a record with the given outcome and reason, and writes the group's record from them. Both writes
+are the store's idempotent finalize activities, keyed by rollout and group id, so a retried or replayed
+accounting writes nothing twice.
+"""
+
+from __future__ import annotations
+
+from temporalio import workflow
+
+with workflow.unsafe.imports_passed_through():
+    from activities.dispatch import DispatchActivities
+    from activities.rollout import RolloutActivities
+    from contracts.types import (
+        FinalizeGroupInput,
+        FinalizeRolloutInput,
+        GroupInput,
+        GroupResult,
+        GroupSlot,
+        Outcome,
+        RolloutInput,
+        RolloutResult,
+        StoredOutcome,
+        TerminatedGroup,
+        TerminatedGroupInput,
+    )
+    from workflows.calls import call
+    from workflows.group import close_group, member_input, slot_of
+
+
+async def record_unreported(
+    inp: TerminatedGroupInput,
+    slot: GroupSlot,
+    task_index: int,
+    template: RolloutInput,
+    advantage_eps: float,
+    outcome: Outcome,
+    reason: str,
+) -> GroupResult:
+    """The record of the group ``inp`` names (run ``template.run_id``), written from the store: its own if it
+    wrote one, else one over its recorded attempts and its unrecorded members, recorded now as ``outcome``
+    with ``reason`` (the members ``inp`` lists and every slot of ``slot.size`` without an attempt)."""
+    run_id = template.run_id
+    ask = inp.model_copy(update={"run_id": run_id, "task_index": task_index})
+    seen: TerminatedGroup = await call(DispatchActivities.terminated_group, ask)
+    if seen.record is not None:
+        return seen.record
+    ginp = GroupInput(
+        run_id=run_id,
+        group_id=inp.group_id,
+        task_id=seen.task_id,
+        size=slot.size,
+        advantage_eps=advantage_eps,
+        template=template,
+        engine=slot.engine or None,
+    )
+    attempts = list(seen.members)
+    recorded = {r.rollout_id for r in attempts}
+    slots_seen = {r.sample_index for r in attempts} | {slot_of(m)[0] for m in inp.members}
+    dead = [m for m in inp.members if m not in recorded]
+    dead += [f"{run_id}/{inp.group_id}/{i}" for i in range(slot.size) if i not in slots_seen]
+    for rid in dead:
+        i, attempt = slot_of(rid)
+        m = member_input(ginp, i, attempt)
+        stored: StoredOutcome = await call(
+            RolloutActivities.finalize_rollout,
+            FinalizeRolloutInput(
+                run_id=m.run_id, group_id=m.group_id, rollout_id=m.rollout_id, task_id=m.task_id,
+                sample_index=i, env=m.env.name, outcome=outcome, reason=reason, reward=None,
+                scorable=False, sampling=m.sampling, turns=0,
+            ),
+        )  # fmt: skip
+        attempts.append(
+            RolloutResult(
+                rollout_id=rid, sample_index=i, outcome=stored.outcome, reason=stored.reason,
+                reward=stored.reward, scorable=stored.scorable, wasted_tokens=stored.wasted_tokens,
+            )
+        )  # fmt: skip
+    record, advantages = close_group(run_id, inp.group_id, seen.task_id, slot.size, attempts, advantage_eps)
+    await call(RolloutActivities.finalize_group, FinalizeGroupInput(record=record, advantages=advantages))
+    return record
