@@ -60,6 +60,10 @@ class Outcome(StrEnum):
     CANCELLED = "cancelled"
 
 
+RAN_TO_END = frozenset({Outcome.COMPLETED, Outcome.TRUNCATED})
+"""Outcomes of a rollout that ran to its end (or a named limit): scorable; admission learns their lengths."""
+
+
 class TruncationReason(StrEnum):
     """Why a rollout was cut short; each limit has its own name."""
 

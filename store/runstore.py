@@ -226,7 +226,7 @@ class RunStore(SegmentStore, LogStore):
         if not group_ids:
             return {}
         marks = ",".join("?" * len(group_ids))
-        ended = "outcome IN ('completed','truncated')"
+        ended = "outcome IN ('completed','truncated')"  # contracts.types.RAN_TO_END
         rows = self.db.execute(
             "SELECT group_id, COUNT(*),"
             " SUM(CASE WHEN outcome='cancelled' AND reason='admission' THEN 1 ELSE 0 END),"

@@ -22,11 +22,11 @@ from collections.abc import Mapping
 from pydantic import BaseModel, ConfigDict
 
 from contracts.types import (
+    RAN_TO_END,
     DispatchState,
     GroupCounts,
     GroupResult,
     GroupSlot,
-    Outcome,
     PoolStatus,
     TokenBucket,
 )
@@ -85,7 +85,7 @@ def inflight_view(
 def closed_unseen(ds: DispatchState, slot: GroupSlot, record: GroupResult) -> None:
     """A group closed: its completed or truncated members that no poll showed wait in ``ds`` for the next
     step (the last members of a group, often its longest, end after the last poll that saw it)."""
-    ended = sum(record.outcomes.get(o.value, 0) for o in (Outcome.COMPLETED, Outcome.TRUNCATED))
+    ended = sum(record.outcomes.get(o.value, 0) for o in RAN_TO_END)
     ds.unseen_complete += max(0, ended - slot.seen_complete)
     ds.unseen_complete_tokens += max(0, record.complete_tokens - slot.seen_complete_tokens)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from contracts.types import GroupResult, Outcome, RolloutResult
+from contracts.types import RAN_TO_END, GroupResult, Outcome, RolloutResult
 
 
 def group_stats(
@@ -45,8 +45,6 @@ def group_stats(
         reward_std=std,
         zero_variance=zero_variance,
         outcomes=outcomes,
-        complete_tokens=sum(
-            m.num_tokens for m in members if m.outcome in (Outcome.COMPLETED, Outcome.TRUNCATED)
-        ),
+        complete_tokens=sum(m.num_tokens for m in members if m.outcome in RAN_TO_END),
     )
     return record, advantages

@@ -29,6 +29,7 @@ with workflow.unsafe.imports_passed_through():
     from activities.environment import EnvironmentActivities
     from activities.rollout import RolloutActivities, engine_retry
     from contracts.types import (
+        RAN_TO_END,
         EnvStepInput,
         EnvStepResult,
         FailureKind,
@@ -430,7 +431,7 @@ class RolloutWorkflow:
         s = self._s
         if self._sandbox is not None:
             await self._sandbox.destroy()
-        scorable = ended.reward is not None and ended.outcome in (Outcome.COMPLETED, Outcome.TRUNCATED)
+        scorable = ended.reward is not None and ended.outcome in RAN_TO_END
         stored: StoredOutcome = await call(
             RolloutActivities.finalize_rollout,
             FinalizeRolloutInput(

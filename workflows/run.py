@@ -27,8 +27,8 @@ Invariants:
 - A group terminated by hand cannot report: ``rollouts terminate GROUP`` terminates it and then sends the
   run ``group_terminated``, and the run accounts for it itself (workflows/unreported.py: its unrecorded
   members recorded as failed infra, its record written from the store, counted with its full size), as if
-  it had reported. The CLI
-  step is idempotent, so a group terminated from the web UI is accounted by running it afterwards.
+  it had reported. The CLI step is idempotent, so a group terminated from the web UI is accounted by
+  running it afterwards.
 - A run cancelled as a whole (``rollouts cancel RUN``, or its handle's ``cancel``) starts no more groups,
   tells each in-flight group ``cancel_all`` (every running member ends cancelled, reason ``run-cancelled``,
   with its record; sandboxes are destroyed as at any rollout's end) and waits for each to report, accounts

@@ -46,12 +46,12 @@ def preemptions(url: str) -> float:
     return parse_metrics(text, url=url, engine_id=url, at=0.0).preemptions_total
 
 
-def run_config(url: str, task_queue: str, **admission: object):
+def run_config(url: str, task_queue: str, max_turns: int = 4, **admission: object):
     return make_config(
         [url],
         task_queue,
         run={"num_groups": 8, "group_size": 4, "max_inflight_groups": 8},
-        rollout={"max_turns": 4, "max_total_tokens": ROLLOUT_MAX},
+        rollout={"max_turns": max_turns, "max_total_tokens": ROLLOUT_MAX},
         # every turn samples 64 tokens (the answer is wrong, so the rollout retries): contexts grow fast
         sampling={"max_tokens": 64, "min_tokens": 64},
         # the most KV one rollout can hold is its own token limit: initial cap = 1280 / 400 = 3
@@ -97,13 +97,8 @@ async def probe_run(
     client: Client, engine: Engine, task_queue: str, tmp_path: Path, name: str, max_turns: int, model_len: int
 ) -> tuple[list[dict], float]:
     """A probe-preset run of the 32 rollouts: its dispatch log and the engine's preemptions during it."""
-    cfg = run_config(engine.url, task_queue, enabled=True, preset="probe", max_inflight=32)
-    cfg = cfg.model_copy(
-        update={
-            "rollout": cfg.rollout.model_copy(update={"max_turns": max_turns}),
-            "admission": cfg.admission.model_copy(update={"max_model_len": model_len}),
-        }
-    )
+    probe = {"enabled": True, "preset": "probe", "max_inflight": 32, "max_model_len": model_len}
+    cfg = run_config(engine.url, task_queue, max_turns, **probe)
     async with worker(client, task_queue, tmp_path) as store:
         before = preemptions(engine.url)
         result = await run_to_end(client, cfg, name)

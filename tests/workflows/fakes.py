@@ -24,6 +24,7 @@ from temporalio.client import Client
 from temporalio.worker import Worker
 
 from contracts.types import (
+    RAN_TO_END,
     EngineReading,
     EngineTarget,
     EnvStepInput,
@@ -36,7 +37,6 @@ from contracts.types import (
     GroupCounts,
     LoadRunInput,
     LoadRunResult,
-    Outcome,
     PollFleetInput,
     PrepareInput,
     PrepareResult,
@@ -234,7 +234,7 @@ class Fakes:
         for g in inp.groups:
             members = [f for f in finalized.values() if f.run_id == inp.run_id and f.group_id == g]
             cancelled = sum(1 for f in members if f.reason == "admission")
-            complete = [f for f in members if f.outcome in (Outcome.COMPLETED, Outcome.TRUNCATED)]
+            complete = [f for f in members if f.outcome in RAN_TO_END]
             counts[g] = GroupCounts(
                 finished=len(members),
                 admission_cancelled=cancelled,
