@@ -140,6 +140,9 @@ class DispatchLog(_Data):
     healthy: list[str]
     pool: PoolStatus | None = None
     reasons: list[str] = Field(default_factory=list)
+    footprint: float | None = None
+    """The controller's predicted final footprint of a rollout after this decision (rule P5), in tokens;
+    None before a rollout ended, or outside the probe preset."""
 
 
 class PollFleetInput(_Data):

@@ -365,6 +365,7 @@ class RunWorkflow:
                 healthy=d.healthy,
                 pool=poll.pool,
                 reasons=list(d.reasons) + room.reasons,
+                footprint=ctl.state.footprint,
             )
             await self._maybe_continue_as_new(inp, started >= cfg.run.groups_per_run_segment)
             if st.next_group >= cfg.run.num_groups and not st.slots:
@@ -392,6 +393,7 @@ class RunWorkflow:
         ds.last_log = DispatchLog(
             run_id=inp.run_id, seq=ds.polls, at=now, cap=d.cap, inflight=0, admitted=0, cancelled=0,
             kv_usage=d.kv_usage, healthy=d.healthy, pool=last.pool, reasons=["final", *d.reasons],
+            footprint=ctl.state.footprint,
         )  # fmt: skip
         await self._poll(inp, template)  # writes it
 
