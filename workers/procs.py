@@ -11,6 +11,7 @@ import contextlib
 import json
 import math
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -69,11 +70,41 @@ def run_main(main: Callable[[], object]) -> NoReturn:
     exit_now(0)
 
 
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct ports free right now (for tests and benchmarks that start their own servers), drawn
+    below the OS's ephemeral range: outgoing connections take their local ports from that range, so a port
+    picked there (``bind(0)``) could be taken by one before the server binds it ("address already in use")."""
+    try:
+        low = int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng, out = random.SystemRandom(), list[int]()
+    for _ in range(100 * n):
+        if len(out) == n or low <= 10_000:
+            break
+        port = rng.randrange(10_000, low)
+        if port in out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        out.append(port)
+    while len(out) < n:  # no room below the ephemeral range: what the OS picks
+        with socket.socket() as s:
+            s.bind((host, 0))
+            if (port := s.getsockname()[1]) not in out:
+                out.append(port)
+    return out
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port the OS reports free right now (for tests and benchmarks that start their own servers)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """One port as `free_ports` picks them."""
+    return free_ports(1, host)[0]
 
 
 def port_in_use(port: int, host: str = "127.0.0.1") -> bool:

@@ -12,7 +12,6 @@ import asyncio
 import json
 import os
 import shutil
-import socket
 import subprocess
 import time
 import uuid
@@ -29,6 +28,7 @@ from contracts.client import connect
 from faults.ledger import check_run
 from store import open_store
 from tests.integration.support import until
+from workers.procs import free_ports
 
 COMPOSE = shutil.which("docker-compose")
 LOCAL = REPO_ROOT / "docker-compose.local.yml"
@@ -79,12 +79,6 @@ def test_the_production_file_refuses_to_start_without_its_password() -> None:
     assert res.returncode != 0 and "POSTGRES_PASSWORD" in res.stderr
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def local_stack() -> Iterator[tuple[str, dict[str, str]]]:
     """The local stack up under a project name of its own, on free host ports; down -v afterwards."""
@@ -94,12 +88,8 @@ def local_stack() -> Iterator[tuple[str, dict[str, str]]]:
     build = subprocess.run(["bash", script], capture_output=True, text=True, timeout=900)
     assert build.returncode == 0, build.stderr[-2000:]
     project = f"drtest{uuid.uuid4().hex[:8]}"
-    env = {
-        "ROLLOUTS_TEMPORAL_PORT": str(_free_port()),
-        "ROLLOUTS_UI_PORT": str(_free_port()),
-        "ROLLOUTS_PROMETHEUS_PORT": str(_free_port()),
-        "ROLLOUTS_STORE_PORT": str(_free_port()),
-    }
+    names = ("ROLLOUTS_TEMPORAL_PORT", "ROLLOUTS_UI_PORT", "ROLLOUTS_PROMETHEUS_PORT", "ROLLOUTS_STORE_PORT")
+    env = {name: str(port) for name, port in zip(names, free_ports(len(names)), strict=True)}
     try:
         up = _compose(LOCAL, "up", "-d", env=env, project=project, timeout=600)
         assert up.returncode == 0, up.stderr[-3000:]

@@ -8,7 +8,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -30,19 +29,8 @@ needs_model = pytest.mark.skipif(not HAVE_MODEL, reason="models/tiny-policy not 
 needs_worker = pytest.mark.skipif(not HAVE_WORKER, reason="workers/worker.py not written yet")
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def _config(**overrides: object) -> StackConfig:
-    t, ui, e, m, sdk = _free_ports(5)
+    t, ui, e, m, sdk = procs.free_ports(5)
     return StackConfig(
         temporal_port=t,
         ui_port=ui,

@@ -199,3 +199,13 @@ def test_pid_alive_is_false_for_an_exited_unreaped_child() -> None:
     procs.wait_until(lambda: procs._state(child.pid) == "Z", 5, "zombie")
     assert not procs.pid_alive(child.pid)
     child.wait()
+
+
+def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range() -> None:
+    low = int(procs.EPHEMERAL_RANGE.read_text().split()[0])
+    ports = procs.free_ports(20)
+    assert len(set(ports)) == 20
+    assert all(10_000 <= p < low for p in ports), ports  # never where outgoing connections take theirs
+    for p in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))
