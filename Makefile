@@ -10,7 +10,7 @@ STAMP   := $(VENV)/.installed
 HOME_DIR := $(or $(ROLLOUTS_HOME),.rollouts)
 RUN_ID  ?= demo-$(shell date +%Y%m%d-%H%M%S)
 
-.PHONY: setup demo test test-unit lint down bench grpo
+.PHONY: setup demo test test-unit lint docs down bench grpo
 
 $(STAMP): pyproject.toml environments/swe/pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -29,7 +29,7 @@ demo: setup
 	$(BIN)/rollouts export $(RUN_ID) -o $(HOME_DIR)/$(RUN_ID).jsonl
 	@echo "records: $(HOME_DIR)/$(RUN_ID).jsonl   web UI: http://127.0.0.1:8233   stop: make down"
 
-# The closed GRPO loop on the embedded stack (README, "Closed loop: GRPO on the tiny policy").
+# The closed GRPO loop on the embedded stack (docs/trainer.md, "Closed loop: GRPO on the tiny policy").
 grpo: setup
 	$(BIN)/rollouts stack up --detach
 	$(BIN)/rollouts train config/examples/grpo_loop.toml -o $(HOME_DIR)/grpo_loop.json
@@ -46,4 +46,9 @@ test-unit: setup
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 	$(BIN)/mypy $(shell $(BIN)/python -c 'import tomllib; print(*tomllib.load(open("pyproject.toml", "rb"))["tool"]["setuptools"]["packages"])') bench models/build_tiny_policy.py
+
+# The documentation site into site/ (docs/development.md, "Writing these docs"); --strict fails on a broken link.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
