@@ -37,11 +37,13 @@ import sqlite3
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from harness import cpu_s, rss_bytes
-from long_run_stats import Sample, acceptance, bounds, deciles, page, sample_dict
+from long_run_stats import Sample, acceptance, bounds, deciles, page, sample_dict, segment_summary
+from temporalio.api.enums.v1 import EventType, WorkflowTaskFailedCause
 from temporalio.api.workflowservice.v1 import DescribeNamespaceRequest
 from temporalio.client import Client, WorkflowHandle
 
@@ -210,6 +212,50 @@ async def histories(client: Client, run_id: str, part: int, groups: int) -> dict
     }
 
 
+async def segments(client: Client, run_id: str) -> list[dict[str, Any]]:
+    """Every segment (execution) of the run, oldest first: its history (events, bytes), the state it
+    was started with (its input's bytes), the groups it started and the group_done signals it took, its
+    workflow tasks that failed (by cause), and the time from its last group start to its last event (the
+    continue-as-new; no group starts meanwhile)."""
+    runs = sorted(
+        [w async for w in client.list_workflows(f"WorkflowId = '{run_id}'")], key=lambda w: w.start_time
+    )
+    out = []
+    for i, w in enumerate(runs):
+        events = [e async for e in client.get_workflow_handle(run_id, run_id=w.run_id).fetch_history_events()]
+        t = lambda e: e.event_time.ToNanoseconds() / 1e9  # noqa: E731
+        starts = [
+            t(e)
+            for e in events
+            if e.event_type == EventType.EVENT_TYPE_START_CHILD_WORKFLOW_EXECUTION_INITIATED
+        ]
+        failed = Counter(
+            WorkflowTaskFailedCause.Name(e.workflow_task_failed_event_attributes.cause).removeprefix(
+                "WORKFLOW_TASK_FAILED_CAUSE_"
+            )
+            for e in events
+            if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED
+        )
+        out.append(
+            {
+                "segment": i,
+                "status": w.status.name if w.status is not None else None,
+                "start_s": round((w.start_time - runs[0].start_time).total_seconds(), 2),
+                "duration_s": round(t(events[-1]) - t(events[0]), 2),
+                "events": len(events),
+                "history_bytes": sum(e.ByteSize() for e in events),
+                "carried_input_bytes": events[0].workflow_execution_started_event_attributes.input.ByteSize(),
+                "groups_started": len(starts),
+                "group_done_signals": sum(
+                    1 for e in events if e.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED
+                ),
+                "workflow_task_failures": dict(failed),
+                "last_start_to_end_s": round(t(events[-1]) - max(starts), 2) if starts else None,
+            }
+        )
+    return out
+
+
 async def measure(
     client: Client, store: RunStore, cfg: Config, run_id: str, home: Path, pids: dict[str, int], every: float
 ) -> tuple[list[Sample], list[dict[str, Any]], Any]:
@@ -282,8 +328,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
             client, store, cfg, args.run_id, home, info.pids, args.sample_s
         )
         outcomes = store.count_rollouts(args.run_id)
-        segments = checks[-1]["run"]["segment"] if checks else None
-        segments = progress.segment if progress is not None else segments
+        segs = await segments(client, args.run_id)
     finally:
         await asyncio.to_thread(stack.down, home)
         procs.stop_pid(engine_pid)
@@ -293,6 +338,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "benchmark": "long_run",
         "command": "python bench/long_run.py " + shlex.join(sys.argv[1:]),
+        "run_id": args.run_id,
         "setup": {
             "stack": "workers.stack.up: Temporal dev server (SQLite) + one worker, separate processes",
             "engine": "simengine, scripted policy from a transcripts file, no delay",
@@ -309,12 +355,25 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         },
         "rollouts": total,
         "outcomes": outcomes,
-        "run_segments": segments,
+        "run_segments": len(segs),
+        "run_result": progress.model_dump(mode="json"),
         "wall_s": round(time.time() - wall0, 1),
         "acceptance": acceptance(rows, retention_s),
+        "segments_summary": segment_summary(segs),
         "deciles": rows,
+        "segments": segs,
         "samples": [sample_dict(s) for s in samples],
     }
+
+
+async def segments_from_home(home: Path, run_id: str) -> list[dict[str, Any]]:
+    """`segments` of a run whose stack is down: its Temporal dev server started again on its database."""
+    cfg = StackConfig(temporal_port=procs.free_port(), ui_port=procs.free_port())
+    try:
+        info = await asyncio.to_thread(stack.up, cfg, home.resolve(), True, ("temporal",))
+        return await segments(await connect(info.temporal_address), run_id)
+    finally:
+        await asyncio.to_thread(stack.down, home.resolve())
 
 
 def tenths(samples: list[Sample], checks: list[dict[str, Any]], total: int) -> list[dict[str, Any]]:
@@ -352,7 +411,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--admission", action="store_true", help="adaptive admission (default: the fixed cap)")
     p.add_argument("--sample-s", type=float, default=5.0, help="seconds between samples")
     p.add_argument("--run-id", default="long-run")
-    p.add_argument("--home", help="stack home (default: a fresh temporary directory)")
+    p.add_argument(
+        "--home", help="stack home (default: a fresh temporary directory; with --rescore: read its segments)"
+    )
     p.add_argument("--out", type=Path, help="results JSON")
     p.add_argument("--html", type=Path, help="a page of charts of the result")
     p.add_argument("--rescore", type=Path, help="recompute a saved result (its samples) instead of running")
@@ -368,6 +429,9 @@ if __name__ == "__main__":
     a = _parser().parse_args()
     if a.rescore:
         res = rescore(json.loads(a.rescore.read_text()))
+        if a.home:
+            segs = asyncio.run(segments_from_home(Path(a.home), res.get("run_id", a.run_id)))
+            res.update({"segments_summary": segment_summary(segs), "segments": segs})
     elif a.rollouts % a.group_size or a.rollouts < 10 * a.group_size:
         sys.exit(
             f"--rollouts: {a.rollouts} is not a multiple of --group-size {a.group_size} (at least 10 groups)"

@@ -195,6 +195,27 @@ def acceptance(rows: list[dict[str, Any]], retention_s: float | None = None) -> 
     return out
 
 
+def segment_summary(segs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run's segments (continue-as-new) in brief: how many, the state each carried (first, last,
+    largest: flat when nothing in it grows with the run), the longest history, the workflow tasks that
+    failed, and the time from a segment's last group start to its continue-as-new (no group starts then)."""
+    done = [s for s in segs if s.get("last_start_to_end_s") is not None and s["status"] == "CONTINUED_AS_NEW"]
+    gaps = [s["last_start_to_end_s"] for s in done]
+    failures: dict[str, int] = {}
+    for s in segs:
+        for cause, n in s["workflow_task_failures"].items():
+            failures[cause] = failures.get(cause, 0) + n
+    carried = [s["carried_input_bytes"] for s in segs]
+    return {
+        "segments": len(segs),
+        "carried_input_bytes_first_last_max": [carried[0], carried[-1], max(carried)] if carried else [],
+        "history_events_max": max((s["events"] for s in segs), default=0),
+        "workflow_task_failures": failures,
+        "continue_as_new_gap_s_mean": round(sum(gaps) / len(gaps), 2) if gaps else None,
+        "continue_as_new_gap_s_max": max(gaps, default=None),
+    }
+
+
 def sample_dict(s: Sample) -> dict[str, Any]:
     return asdict(s)
 
@@ -275,7 +296,7 @@ def page(result: dict[str, Any]) -> str:
         ),
         chart("run", "bytes / events", [(name, key) for key, name in RUN_SERIES]),
     ]
-    acc = result.get("acceptance", {})
+    acc = {**result.get("acceptance", {}), **result.get("segments_summary", {})}
     items = "".join(f"<li>{escape(k)}: {escape(str(v))}</li>" for k, v in acc.items())
     head = "".join(f"<th>{escape(h)}</th>" for _, h in TABLE)
     body = "".join(

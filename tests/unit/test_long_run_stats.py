@@ -8,7 +8,17 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from bench.long_run_stats import MIB, Sample, acceptance, bounds, crossing_time, deciles, page, per_rollout
+from bench.long_run_stats import (
+    MIB,
+    Sample,
+    acceptance,
+    bounds,
+    crossing_time,
+    deciles,
+    page,
+    per_rollout,
+    segment_summary,
+)
 
 
 def _run(
@@ -125,3 +135,31 @@ def test_the_page_is_well_formed_and_escapes_the_command() -> None:
     assert not any("no data" in "".join(s.itertext()) for s in svgs)  # every chart found its series
     assert len(root.findall(".//tr")) == 11  # a heading and ten tenths
     assert "--run-id &#x27;&lt;x&gt;&amp;&#x27;" in html
+
+
+def _segment(i: int, status: str, carried: int, gap: float | None, failures: dict[str, int]) -> dict:
+    return {
+        "segment": i,
+        "status": status,
+        "events": 200 + i,
+        "carried_input_bytes": carried,
+        "workflow_task_failures": failures,
+        "last_start_to_end_s": gap,
+    }
+
+
+def test_segment_summary_states_the_carried_state_failures_and_continue_as_new_gaps() -> None:
+    segs = [
+        _segment(0, "CONTINUED_AS_NEW", 2600, 4.0, {}),
+        _segment(1, "CONTINUED_AS_NEW", 3700, 16.0, {"UNHANDLED_COMMAND": 3}),
+        _segment(2, "CONTINUED_AS_NEW", 3000, 2.0, {"UNHANDLED_COMMAND": 1}),
+        _segment(3, "COMPLETED", 3900, 30.0, {}),  # the last segment waits for its groups: not a gap
+    ]
+    out = segment_summary(segs)
+    assert out["segments"] == 4
+    assert out["carried_input_bytes_first_last_max"] == [2600, 3900, 3900]
+    assert out["history_events_max"] == 203
+    assert out["workflow_task_failures"] == {"UNHANDLED_COMMAND": 4}
+    assert out["continue_as_new_gap_s_mean"] == pytest.approx(22.0 / 3, abs=0.01)
+    assert out["continue_as_new_gap_s_max"] == 16.0
+    assert segment_summary([])["segments"] == 0
