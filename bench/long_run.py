@@ -68,7 +68,7 @@ def write_workload(home: Path, turns: int) -> tuple[Path, Path]:
     for i, line in enumerate(TASKS.read_text().splitlines()):
         t = json.loads(line)
         tasks.append({**t, "prompt": f"Task id: {t['id']}\n{t['prompt']}"})
-        k = 1 + i % turns
+        k = turns_of(i, turns)
         scripts.append(
             {"task_id": t["id"], "mode": "reference", "turns": ["wrong"] * (k - 1) + [t["answer"]]}
         )
@@ -76,6 +76,11 @@ def write_workload(home: Path, turns: int) -> tuple[Path, Path]:
     task_file.write_text("".join(json.dumps(t) + "\n" for t in tasks))
     transcripts.write_text("".join(json.dumps(s) + "\n" for s in scripts))
     return task_file, transcripts
+
+
+def turns_of(task_index: int, turns: int) -> int:
+    """Turns the scripted rollouts of the ``task_index``-th task take."""
+    return 1 + task_index % turns
 
 
 def engine_argv(port: int, transcripts: Path) -> list[str]:
@@ -189,10 +194,19 @@ async def run_view(client: Client, run_id: str) -> dict[str, Any]:
     }
 
 
-async def histories(client: Client, run_id: str, part: int, groups: int) -> dict[str, Any]:
-    """Histories of ``HISTORY_SAMPLES`` groups of tenth ``part`` (1-based) and of each one's member 0."""
+def history_picks(part: int, groups: int, tasks: int, turns: int) -> list[int]:
+    """``HISTORY_SAMPLES`` groups spread over tenth ``part`` (1-based), each the first from its point on
+    whose task takes the most turns, so every tenth samples the same work."""
     lo, hi = groups * (part - 1) // 10, groups * part // 10
-    picks = sorted({lo + (hi - lo) * (j + 1) // (HISTORY_SAMPLES + 1) for j in range(HISTORY_SAMPLES)})
+    picks = set()
+    for j in range(HISTORY_SAMPLES):
+        p = lo + (hi - lo) * (j + 1) // (HISTORY_SAMPLES + 1)
+        picks.add(next((g for g in range(p, hi) if turns_of(g % tasks, turns) == turns), p))
+    return sorted(picks)
+
+
+async def histories(client: Client, run_id: str, picks: list[int]) -> dict[str, Any]:
+    """Histories of the groups ``picks`` and of each one's member 0."""
     r_events, r_bytes, g_events, g_bytes = [], [], [], []
     for g in picks:
         gid = group_id(g)
@@ -262,6 +276,7 @@ async def measure(
     """Submit the run, sample until it ends; returns (samples, per-tenth checks, the run's result)."""
     total = cfg.run.num_groups * cfg.run.group_size
     ends = bounds(total)
+    tasks, turns = len(Path(cfg.run.task_file).read_text().splitlines()), cfg.rollout.max_turns
     t0 = time.monotonic()
     handle = await client.start_workflow(
         RunWorkflow.run,
@@ -281,7 +296,7 @@ async def measure(
             check = {
                 "part": part,
                 "at_rollouts": n,
-                **await histories(client, run_id, part, cfg.run.num_groups),
+                **await histories(client, run_id, history_picks(part, cfg.run.num_groups, tasks, turns)),
             }
             check["run"] = await run_view(client, run_id)
             checks.append(check)
@@ -349,6 +364,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
             "groups_per_run_segment": args.segment_groups,
             "admission": args.admission,
             "sample_s": args.sample_s,
+            "turns": args.turns,
             "temporal_retention_s": retention_s,
             "cpus": os.cpu_count(),
             "date": time.strftime("%Y-%m-%d %H:%M"),
@@ -366,14 +382,21 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-async def segments_from_home(home: Path, run_id: str) -> list[dict[str, Any]]:
-    """`segments` of a run whose stack is down: its Temporal dev server started again on its database."""
+async def read_back(home: Path, result: dict[str, Any], turns: int, run_id: str) -> dict[str, Any]:
+    """What a run whose stack is down left in its Temporal database (its dev server started again on it):
+    its `segments` and each tenth's history samples (picked as `history_picks` does)."""
     cfg = StackConfig(temporal_port=procs.free_port(), ui_port=procs.free_port())
+    run_id, groups = result.get("run_id", run_id), result["rollouts"] // result["setup"]["group_size"]
+    tasks = len((home / "long_run_tasks.jsonl").read_text().splitlines())
     try:
         info = await asyncio.to_thread(stack.up, cfg, home.resolve(), True, ("temporal",))
-        return await segments(await connect(info.temporal_address), run_id)
+        client = await connect(info.temporal_address)
+        segs = await segments(client, run_id)
+        hist = [await histories(client, run_id, history_picks(k, groups, tasks, turns)) for k in range(1, 11)]
     finally:
         await asyncio.to_thread(stack.down, home.resolve())
+    rows = [{**row, **h} for row, h in zip(result["deciles"], hist, strict=True)]
+    return {**result, "deciles": rows, "segments_summary": segment_summary(segs), "segments": segs}
 
 
 def tenths(samples: list[Sample], checks: list[dict[str, Any]], total: int) -> list[dict[str, Any]]:
@@ -428,10 +451,9 @@ if __name__ == "__main__":
     signal.signal(signal.SIGTERM, _interrupt)
     a = _parser().parse_args()
     if a.rescore:
-        res = rescore(json.loads(a.rescore.read_text()))
-        if a.home:
-            segs = asyncio.run(segments_from_home(Path(a.home), res.get("run_id", a.run_id)))
-            res.update({"segments_summary": segment_summary(segs), "segments": segs})
+        res = json.loads(a.rescore.read_text())
+        res = rescore(asyncio.run(read_back(Path(a.home), res, a.turns, a.run_id)) if a.home else res)
+        res["rescore_command"] = "python bench/long_run.py " + shlex.join(sys.argv[1:])
     elif a.rollouts % a.group_size or a.rollouts < 10 * a.group_size:
         sys.exit(
             f"--rollouts: {a.rollouts} is not a multiple of --group-size {a.group_size} (at least 10 groups)"
