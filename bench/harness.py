@@ -143,12 +143,13 @@ def cpu_s(pid: int | str = "self") -> float:
     return (int(fields[11]) + int(fields[12])) / _CLK_TCK  # utime, stime (fields 14 and 15 of stat)
 
 
-def rss_bytes(pid: int | str = "self") -> int:
-    """Resident set size of one process in bytes (0 if it is gone)."""
+def rss_bytes(pid: int | str = "self", field: str = "VmRSS") -> int:
+    """Resident set size of one process in bytes (0 if it is gone); ``field`` ``RssAnon`` gives its
+    anonymous part only (heap, not the mapped binary and files)."""
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
-                if line.startswith("VmRSS:"):
+                if line.startswith(f"{field}:"):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass

@@ -155,6 +155,7 @@ def read_sample(t: float, rollouts: int, home: Path, pids: dict[str, int]) -> Sa
         load1=round(os.getloadavg()[0], 2),
         store_disk_bytes=disk_bytes(home / "store.sqlite", home / "blobs"),
         temporal_disk_bytes=disk_bytes(home / "temporal.sqlite"),
+        server_rss_anon=rss_bytes(s, "RssAnon"),
     )
 
 

@@ -53,6 +53,8 @@ class Sample:
     """The machine's 1-minute load average (other processes share the CPUs)."""
     store_disk_bytes: int = 0
     temporal_disk_bytes: int = 0
+    server_rss_anon: int = 0
+    """The Temporal server's anonymous resident bytes (its Go heap; the rest is its mapped binary)."""
     """The same on disk: the SQLite files with their ``-wal`` and ``-shm`` (the WAL stays at its high-water
     mark between checkpoints, so this is noisy at small sizes)."""
 
@@ -128,6 +130,9 @@ def deciles(samples: list[Sample], total: int, parts: int = PARTS) -> list[dict[
                 "worker_rss_mib_max": round(max(s.worker_rss for s in inside) / MIB, 1),
                 "server_rss_mib_mean": round(sum(s.server_rss for s in inside) / len(inside) / MIB, 1),
                 "server_rss_mib_max": round(max(s.server_rss for s in inside) / MIB, 1),
+                "server_rss_anon_mib_mean": round(
+                    sum(s.server_rss_anon for s in inside) / len(inside) / MIB, 1
+                ),
                 "load1_mean": round(sum(s.load1 for s in inside) / len(inside), 2),
                 "worker_cpu_share": round(delta("worker_cpu_s") / wall, 3) if wall > 0 else 0.0,
                 "server_cpu_share": round(delta("server_cpu_s") / wall, 3) if wall > 0 else 0.0,
