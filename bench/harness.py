@@ -9,7 +9,8 @@ the script directory on sys.path).
   tokenize the retry observation and append it), with the same dispatch shape as `RunWorkflow`: at most
   ``run.max_inflight_groups`` groups in flight, every member of a group at once.
 - `pipeline_round`: the same run through the full durable pipeline (RunWorkflow -> groups -> rollouts).
-- `cpu_s` / `child_pids`: process CPU time from /proc, for CPU-per-turn accounting.
+- `cpu_s` / `rss_bytes` / `child_pids`: process CPU time and resident memory from /proc, for CPU-per-turn
+  accounting and memory over a long run.
 """
 
 from __future__ import annotations
@@ -140,6 +141,19 @@ def cpu_s(pid: int | str = "self") -> float:
     except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / _CLK_TCK  # utime, stime (fields 14 and 15 of stat)
+
+
+def rss_bytes(pid: int | str = "self", field: str = "VmRSS") -> int:
+    """Resident set size of one process in bytes (0 if it is gone); ``field`` ``RssAnon`` gives its
+    anonymous part only (heap, not the mapped binary and files)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(f"{field}:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 def child_pids(parent: int | None = None) -> list[int]:

@@ -1,0 +1,165 @@
+"""The long-run benchmark's arithmetic (bench/long_run_stats.py) on synthetic samples: tenths of the
+rollouts (not of the time), crossing times interpolated between samples, bytes per rollout with and
+without the fixed start-up bytes, and the issue's acceptance bounds. The long run itself is not run here."""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+
+import pytest
+
+from bench.long_run_stats import (
+    MIB,
+    Sample,
+    acceptance,
+    bounds,
+    crossing_time,
+    deciles,
+    page,
+    per_rollout,
+    segment_summary,
+)
+
+
+def _run(
+    total: int,
+    rate: float,
+    *,
+    slow_after: int | None = None,
+    rss_growth: float = 0.0,
+    step_s: float = 1.0,
+) -> list[Sample]:
+    """Samples every ``step_s`` of a run recording ``rate`` rollouts/s (half that once ``slow_after`` are
+    recorded); the worker's RSS grows linearly by ``rss_growth`` over the run; the store holds 1 MiB plus
+    2,000 bytes per rollout, Temporal 4 MiB plus 30,000; CPU 0.1 s (worker) and 0.3 s (server) per rollout."""
+    out, t, n = [], 0.0, 0.0
+    while True:
+        k = min(total, int(n))
+        out.append(
+            Sample(
+                t=t,
+                rollouts=k,
+                worker_rss=int(100 * MIB * (1 + rss_growth * k / total)),
+                server_rss=200 * MIB,
+                worker_cpu_s=0.1 * k,
+                server_cpu_s=0.3 * k,
+                store_bytes=MIB + 2_000 * k,
+                temporal_bytes=4 * MIB + 30_000 * k,
+                load1=1.5,
+            )
+        )
+        if k >= total:
+            return out
+        t += step_s
+        n += step_s * (rate / 2 if slow_after is not None and n >= slow_after else rate)
+
+
+def test_bounds_are_tenths_of_the_rollouts() -> None:
+    assert bounds(2000) == [200, 400, 600, 800, 1000, 1200, 1400, 1600, 1800, 2000]
+    assert bounds(25)[-1] == 25 and len(bounds(25)) == 10
+    with pytest.raises(ValueError, match="9 rollouts"):
+        bounds(9)
+
+
+def test_crossing_time_interpolates_between_the_samples_around_it() -> None:
+    s = [
+        Sample(0.0, 0, 0, 0, 0, 0, 0, 0),
+        Sample(10.0, 100, 0, 0, 0, 0, 0, 0),
+        Sample(20.0, 100, 0, 0, 0, 0, 0, 0),
+    ]
+    assert crossing_time(s, 50) == pytest.approx(5.0)
+    assert crossing_time(s, 100) == pytest.approx(10.0)
+    with pytest.raises(ValueError):
+        crossing_time(s, 101)
+
+
+def test_per_rollout_bytes() -> None:
+    assert per_rollout(3_000, 4) == 750
+    assert per_rollout(3_000, 0) == 0.0
+
+
+def test_a_flat_run_is_flat_in_every_tenth_and_states_its_bytes_per_rollout() -> None:
+    rows = deciles(_run(2000, 10.0), 2000)
+    assert [r["part"] for r in rows] == list(range(1, 11))
+    assert [r["rollouts_end"] for r in rows] == bounds(2000)
+    for r in rows:
+        assert r["rollouts_per_s"] == pytest.approx(10.0, rel=0.01)
+        assert r["worker_cpu_ms_per_rollout"] == pytest.approx(100.0, rel=0.01)
+        assert r["server_cpu_ms_per_rollout"] == pytest.approx(300.0, rel=0.01)
+        assert r["store_bytes_per_rollout_marginal"] == pytest.approx(2_000, rel=0.01)
+        assert r["temporal_bytes_per_rollout_marginal"] == pytest.approx(30_000, rel=0.01)
+    # cumulative bytes per rollout include the fixed start-up bytes; the steady figure does not
+    assert rows[-1]["store_bytes_per_rollout"] == pytest.approx(2_000 + MIB / 2000, rel=0.01)
+    acc = acceptance(rows)
+    assert acc["store_bytes_per_rollout_steady"] == pytest.approx(2_000, rel=0.01)
+    assert acc["temporal_bytes_per_rollout_steady"] == pytest.approx(30_000, rel=0.01)
+    assert acc["throughput_ok"] and acc["worker_rss_ok"]
+    assert acc["throughput_last_over_first"] == pytest.approx(1.0, rel=0.02)
+    assert acc["cpu_per_rollout_last_over_first"] == pytest.approx(1.0, rel=0.02)
+
+
+def test_a_run_that_slows_down_or_grows_fails_the_bounds() -> None:
+    slow = acceptance(deciles(_run(2000, 10.0, slow_after=1800), 2000))
+    assert slow["throughput_last_over_first"] == pytest.approx(0.5, rel=0.02)
+    assert not slow["throughput_ok"] and slow["worker_rss_ok"]
+    leak = acceptance(deciles(_run(2000, 10.0, rss_growth=0.5), 2000))
+    # the last tenth's mean RSS (~1.475x) over the second tenth's (~1.075x): growth after warm-up ~37 %
+    assert leak["worker_rss_growth_after_warmup"] == pytest.approx(1.475 / 1.075 - 1, abs=0.01)
+    assert leak["throughput_ok"] and not leak["worker_rss_ok"]
+
+
+def test_sparse_samples_still_give_ten_rows() -> None:
+    rows = deciles(_run(200, 10.0, step_s=7.0), 200)  # about three tenths per sample
+    assert len(rows) == 10
+    assert all(r["worker_rss_mib_mean"] == pytest.approx(100.0) for r in rows)
+
+
+def test_temporal_retention_gives_the_bytes_held_per_rollout_per_s() -> None:
+    acc = acceptance(deciles(_run(2000, 10.0), 2000), retention_s=86_400)
+    # 30,000 bytes per rollout kept for a day: 2.592 GB per rollout/s of throughput
+    assert acc["temporal_bytes_held_per_rollout_per_s"] == pytest.approx(30_000 * 86_400, rel=0.01)
+    assert "temporal_bytes_held_per_rollout_per_s" not in acceptance(deciles(_run(2000, 10.0), 2000))
+
+
+def test_the_page_is_well_formed_and_escapes_the_command() -> None:
+    rows = deciles(_run(400, 10.0), 400)
+    for r in rows:
+        r["rollout_history_events_mean"] = 25.0
+        r["run"] = {"carried_input_bytes": 2600, "segment_history_events": 300}
+    result = {"rollouts": 400, "command": "python bench/long_run.py --run-id '<x>&'", "deciles": rows}
+    result["acceptance"] = acceptance(rows)
+    html = page(result)
+    root = ET.fromstring(html.split("\n", 1)[1])  # the page past its doctype is XML
+    svgs = root.findall(".//svg")
+    assert len(svgs) == 6
+    assert not any("no data" in "".join(s.itertext()) for s in svgs)  # every chart found its series
+    assert len(root.findall(".//tr")) == 11  # a heading and ten tenths
+    assert "--run-id &#x27;&lt;x&gt;&amp;&#x27;" in html
+
+
+def _segment(i: int, status: str, carried: int, gap: float | None, failures: dict[str, int]) -> dict:
+    return {
+        "segment": i,
+        "status": status,
+        "events": 200 + i,
+        "carried_input_bytes": carried,
+        "workflow_task_failures": failures,
+        "last_start_to_end_s": gap,
+    }
+
+
+def test_segment_summary_states_the_carried_state_failures_and_continue_as_new_gaps() -> None:
+    segs = [
+        _segment(0, "CONTINUED_AS_NEW", 2600, 4.0, {}),
+        _segment(1, "CONTINUED_AS_NEW", 3700, 16.0, {"UNHANDLED_COMMAND": 3}),
+        _segment(2, "CONTINUED_AS_NEW", 3000, 2.0, {"UNHANDLED_COMMAND": 1}),
+        _segment(3, "COMPLETED", 3900, 30.0, {}),  # the last segment waits for its groups: not a gap
+    ]
+    out = segment_summary(segs)
+    assert out["segments"] == 4
+    assert out["carried_input_bytes_first_last_max"] == [2600, 3900, 3900]
+    assert out["history_events_max"] == 203
+    assert out["workflow_task_failures"] == {"UNHANDLED_COMMAND": 4}
+    assert out["continue_as_new_gap_s_mean"] == pytest.approx(22.0 / 3, abs=0.01)
+    assert out["continue_as_new_gap_s_max"] == 16.0
+    assert segment_summary([])["segments"] == 0
