@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import json
+from importlib.metadata import EntryPoint
+from pathlib import Path
+
 import pytest
 from temporalio.exceptions import ApplicationError
 
+from envs import registry
 from envs.base import Environment, Prompt, Step, Task, TurnContext, calling
 from errors import (
     EnvironmentCodeError,
@@ -93,3 +98,34 @@ def test_infra_reasons_keep_the_class_name() -> None:
     unknown = ApplicationError("boom", type="ZeroDivisionError")  # raised outside any hook: infrastructure
     assert failure_reason(unknown) == "infra: ZeroDivisionError: boom"
 
+
+class BrokenLoad(Env):
+    name = "broken-load"
+
+    def load_tasks(self, path: object) -> list[Task]:
+        return [Task(id=str(n)) for n in range(3)][:: len(str(path)) - len(str(path))]
+
+
+def test_a_load_tasks_that_raises_at_submit_is_one_line_naming_the_environment(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from typer.testing import CliRunner
+
+    from workers.cli import app
+
+    eps = {
+        **registry.installed(),
+        "broken-load": EntryPoint("broken-load", f"{__name__}:BrokenLoad", registry.GROUP),
+    }
+    monkeypatch.setattr(registry, "installed", lambda: eps)
+    registry.get.cache_clear()
+    try:
+        args = ["run", "--set", 'run.env="broken-load"', "--set", f"store.url={json.dumps(str(tmp_path))}"]
+        result = CliRunner().invoke(app, args)
+    finally:
+        registry.get.cache_clear()
+    assert result.exit_code == 3
+    assert (
+        result.output.strip()
+        == "error: run.env 'broken-load': load_tasks raised ValueError: slice step cannot be zero"
+    )
