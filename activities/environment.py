@@ -1,8 +1,10 @@
 """The environment step: a model turn in, an observation (stored) or the rollout's end out.
 
 Invariants:
-- Any environment, through the interface (``envs.base``): the turn's text goes to ``step``; a rollout
-  that is done without a reward, or truncated and scored, goes to ``score``.
+- Any environment, through the interface (``envs.base``): the turn's text goes to ``parse`` (and an
+  action to ``act``); a rollout that is done without a reward, or truncated and scored, goes to ``score``.
+  Every hook is called through ``envs.base.calling``: an exception of the environment's code fails the
+  step as `EnvironmentCodeError` (kind environment), never as infrastructure.
 - Idempotent on (rollout id, turn): what a step decided is recorded with the turn (segment meta ``step``)
   and its observation stored once, so a retried step returns what the first attempt did instead of
   acting again (a command is not run twice for one turn once its observation is stored).
@@ -34,18 +36,19 @@ from activities.transfer import StoreClock
 from contracts.types import EnvStepInput, EnvStepResult
 from engines.client import EngineClient
 from envs import registry
-from envs.base import Environment, Step, TurnContext
-from errors import EnvironmentFailure, RolloutError, SandboxGone, SandboxPathError, StoreError, names
+from envs.base import Environment, Step, TurnContext, calling
+from errors import RolloutError, SandboxGone, SandboxPathError, StoreError, names
 from store import RunStore, Segment, model_segment, obs_segment
 
 ENV_RETRY = RetryPolicy(
     initial_interval=timedelta(seconds=1),
     maximum_interval=timedelta(seconds=10),
     maximum_attempts=5,
-    non_retryable_error_types=names(EnvironmentFailure, SandboxGone, SandboxPathError),
+    non_retryable_error_types=names(SandboxGone, SandboxPathError),
 )
-"""A step retries transient trouble (engine, store, daemon); an environment failure or a lost sandbox is
-final for the attempt (the workflow recovers a lost sandbox by replay)."""
+"""A step retries transient trouble (engine, store, daemon); a lost sandbox is final for the attempt (the
+workflow recovers a lost sandbox by replay), and so is an environment failure, by its own flag
+(``non_retryable``), unless the environment declared it transient (``Environment.retryable_errors``)."""
 
 T = TypeVar("T")
 
@@ -91,18 +94,24 @@ class EnvironmentActivities:
         text = await self.engine.detokenize(inp.engine_url, inp.model, seg.token_ids)
         if inp.score_only:
             t1 = time.monotonic()
-            reward = await env.score(ctx, text)
+            with calling(env, "score", inp.rollout_id):
+                reward = await env.score(ctx, text)
             times = _Times(t1 - t0 - timed.seconds, time.monotonic() - t1, timed.seconds)
             return await self._done(inp, seg, reward, times)
-        parsed = env.parse(ctx, text)
+        with calling(env, "parse", inp.rollout_id):
+            parsed = env.parse(ctx, text)
         if isinstance(parsed, Step):
             step = parsed
         else:  # recorded before it runs: a recovery replays it, a test sees it start
             await timed(self.store.update_segment_meta, inp.rollout_id, seg.name, action=parsed)
-            step = await env.act(ctx, parsed)
+            with calling(env, "act", inp.rollout_id):
+                step = await env.act(ctx, parsed)
         t1 = time.monotonic()
         if step.done:
-            reward = step.reward if step.reward is not None else await env.score(ctx, text)
+            reward = step.reward
+            if reward is None:
+                with calling(env, "score", inp.rollout_id):
+                    reward = await env.score(ctx, text)
             times = _Times(t1 - t0 - timed.seconds, time.monotonic() - t1, timed.seconds)
             return await self._done(inp, seg, reward, times)
         n = await self._observe(env, inp, seg, step, timed)
@@ -115,7 +124,8 @@ class EnvironmentActivities:
 
     async def _context(self, env: Environment, inp: EnvStepInput, timed: StoreClock) -> TurnContext:
         row = await timed(self.store.get_task, inp.run_id, inp.task_id)
-        task = env.validate_task(row, where=f"run {inp.run_id} task {inp.task_id}")
+        with calling(env, "validate_task", inp.rollout_id):
+            task = env.validate_task(row, where=f"run {inp.run_id} task {inp.task_id}")
         sandbox = (
             await _timed_async(timed, self.sandboxes.bound(inp.rollout_id)) if env.uses_sandbox else None
         )

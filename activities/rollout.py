@@ -16,6 +16,7 @@ import asyncio
 import json
 import time
 from datetime import timedelta
+from typing import Any
 
 from temporalio import activity
 from temporalio.common import RetryPolicy
@@ -43,12 +44,12 @@ from contracts.types import (
 from engines.client import EngineClient
 from engines.watchdog import watching
 from envs import registry
+from envs.base import calling
 from errors import (
     ConfigError,
     ContextLengthExceeded,
     EngineBadRequest,
     EngineUnavailable,
-    EnvironmentFailure,
     RolloutError,
     TaskFileError,
     names,
@@ -72,8 +73,8 @@ def engine_retry(retry: RetrySettings) -> RetryPolicy:
         initial_interval=timedelta(seconds=retry.initial_s),
         maximum_interval=timedelta(seconds=retry.max_s),
         maximum_attempts=retry.max_attempts,
-        non_retryable_error_types=names(EngineBadRequest, TaskFileError, EnvironmentFailure, ConfigError),
-    )
+        non_retryable_error_types=names(EngineBadRequest, TaskFileError, ConfigError),
+    )  # an environment failure is final by its own flag, unless the environment declared it transient
 
 
 def env_traits(env: str) -> EnvTraits:
@@ -114,8 +115,9 @@ class RolloutActivities:
         try:
             traits = env_traits(inp.env)
             uploaded = await asyncio.to_thread(self.store.task_count, inp.run_id)
-            load = registry.get(inp.env).load_tasks
-            tasks = [] if uploaded else await asyncio.to_thread(load, inp.task_file)
+            env = registry.get(inp.env)
+            with calling(env, "load_tasks", inp.run_id):
+                tasks = [] if uploaded else await asyncio.to_thread(env.load_tasks, inp.task_file)
         except RolloutError as e:
             raise e.to_application_error() from e
         await asyncio.to_thread(self.store.register_run, inp.run_id, inp.config_json, inp.config_hash)
@@ -154,7 +156,10 @@ class RolloutActivities:
             try:
                 env = registry.get(inp.env)
                 row = await timed(self.store.get_task, inp.run_id, inp.task_id)
-                prompt = env.prompt(env.validate_task(row, where=f"run {inp.run_id} task {inp.task_id}"))
+                with calling(env, "validate_task", inp.rollout_id):
+                    task = env.validate_task(row, where=f"run {inp.run_id} task {inp.task_id}")
+                with calling(env, "prompt", inp.rollout_id):
+                    prompt = env.prompt(task)
                 ids = prompt.token_ids
                 if ids is None:
                     assert prompt.messages is not None
@@ -398,10 +403,10 @@ class RolloutActivities:
         ]
 
 
-def _extras(inp: FinalizeRolloutInput) -> dict[str, int | bool]:
+def _extras(inp: FinalizeRolloutInput) -> dict[str, Any]:
     """The record's optional counters, as stored (only those that say something)."""
     s = inp.state
-    out: dict[str, int | bool] = {}
+    out: dict[str, Any] = {}
     if inp.uses_sandbox:
         out["sandbox_replays"] = s.sandbox_replays
         if s.sandbox_slot_waits:
@@ -414,6 +419,8 @@ def _extras(inp: FinalizeRolloutInput) -> dict[str, int | bool]:
         out["score_truncated"] = inp.score_truncated  # whether this run scores truncated rollouts
     if inp.wasted_tokens is not None:
         out["wasted_tokens"] = inp.wasted_tokens
+    if inp.failure is not None:  # an environment exception's type, hook and last frames
+        out["failure"] = inp.failure
     return out
 
 

@@ -24,7 +24,7 @@ from activities.calls import Options, options
 from activities.heartbeat import heartbeating
 from contracts.sandbox import SandboxCreated, SandboxPlaceInput, SandboxPlacement, SandboxStepInput
 from envs import registry
-from envs.base import SandboxPlan, TurnContext
+from envs.base import SandboxPlan, TurnContext, calling
 from errors import EnvironmentFailure, RolloutError, SandboxGone, SandboxPathError, names
 from sandboxes import AsyncSandboxBackend, SandboxHandle
 from sandboxes.base import BoundSandbox
@@ -36,9 +36,10 @@ SANDBOX_RETRY = RetryPolicy(
     initial_interval=timedelta(seconds=1),
     maximum_interval=timedelta(seconds=10),
     maximum_attempts=5,
-    non_retryable_error_types=names(SandboxGone, SandboxPathError, EnvironmentFailure),
+    non_retryable_error_types=names(SandboxGone, SandboxPathError),
 )
-"""Sandbox operations: a daemon hiccup is retried; a lost sandbox, a bad path or a failed setup is not."""
+"""Sandbox operations: a daemon hiccup is retried; a lost sandbox, a bad path or a failed setup is not (an
+environment failure by its own flag, unless the environment declared it transient)."""
 
 
 class SandboxActivities:
@@ -71,8 +72,10 @@ class SandboxActivities:
     async def _plan(self, inp: SandboxStepInput) -> tuple[Any, SandboxPlan | None]:
         env = registry.get(inp.env)
         row = await asyncio.to_thread(self.store.get_task, inp.run_id, inp.task_id)
-        task = env.validate_task(row, where=f"run {inp.run_id} task {inp.task_id}")
-        return task, env.sandbox(task, inp.spec)
+        with calling(env, "validate_task", inp.rollout_id):
+            task = env.validate_task(row, where=f"run {inp.run_id} task {inp.task_id}")
+        with calling(env, "sandbox", inp.rollout_id):
+            return task, env.sandbox(task, inp.spec)
 
     @options(Options(timedelta(seconds=30), SANDBOX_RETRY))
     @activity.defn
@@ -167,7 +170,8 @@ class SandboxActivities:
                 action = seg.meta.get("action") if seg.kind == "model" else None
                 if seg.turn is None or seg.turn >= inp.turn or not action:
                     continue
-                await env.replay(ctx, action)
+                with calling(env, "replay", inp.rollout_id):
+                    await env.replay(ctx, action)
                 replayed += 1
                 activity.heartbeat(replayed)
             await asyncio.to_thread(self.store.put_sandbox, inp.rollout_id, handle)

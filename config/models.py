@@ -128,6 +128,10 @@ class RunConfig(_Strict):
     """Circuit breaker: this many consecutive infrastructure failures of one error type (no member of a
     closed group succeeding in between) pause admission instead of burning through the task list. None
     disables it."""
+    max_environment_failure_share: float = Field(0.0, ge=0.0, le=1.0)
+    """``rollouts run --wait`` exits 3 when more than this share of the run's rollouts failed by the
+    environment's fault (an exception in its code, a failed setup: reasons ``environment: ...``). 0 = any
+    environment failure; 1 = never. The run itself goes on either way."""
     breaker_probe_s: float = Field(60.0, gt=0, le=86_400)
     """While the breaker is open, one probe group is admitted this long after it opened (or after the last
     probe failed); a probe with a success closes it."""

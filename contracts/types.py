@@ -9,6 +9,7 @@ carries across continue-as-new), never one object that is both.
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -470,6 +471,9 @@ class FinalizeRolloutInput(_Data):
     """Set on rollouts cancelled for admission: the tokens they had sampled."""
     ended_at: float | None = None
     """Workflow time of scheduling the record; the stored end adds the record's reads (``_times``)."""
+    failure: dict[str, Any] | None = None
+    """Set on rollouts failed by an exception of the environment's code: its type, the hook that raised
+    it and the traceback's last frames (``errors.failure_details``); stored as ``extra_json["failure"]``."""
 
 
 class StoredOutcome(_Data):

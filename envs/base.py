@@ -30,21 +30,30 @@ Invariants the pipeline relies on:
   run more than once for one turn (activities are retried), so they must be safe to repeat.
 - An environment failure (the verifier crashed, the task cannot be set up) is raised as
   `EnvironmentFailure`; a sandbox failure propagates as the sandbox's own error. Neither is ever a reward.
+- Any other exception a hook raises (a bug: ``ZeroDivisionError`` in ``parse``, an action returned without
+  an ``act``) is the environment's too: the pipeline calls every hook through `calling`, which turns it
+  into `EnvironmentCodeError` (recorded ``environment: <Type>: <message>``, its last frames kept with the
+  record and logged by the worker). It is not retried unless its type is in ``retryable_errors`` (or is a
+  `RolloutError` subclass of the environment's own with ``retryable = True``).
 - ``env_version`` and ``verifier_version`` change whenever behaviour or reward could change: every record
   carries them (``lineage``).
 """
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+import errors
 from contracts.types import TruncationReason
-from errors import TaskFileError
+from errors import EnvironmentCodeError, RolloutError, TaskFileError
 from sandboxes.base import ExecResult, SandboxSpec
 
 Message = dict[str, str]
@@ -164,6 +173,10 @@ class Environment(ABC):
     (one activity per turn instead of two)."""
     observation_role: ClassVar[str] = "user"
     """Chat role of observation messages (``tool`` for tool results)."""
+    retryable_errors: ClassVar[tuple[type[BaseException], ...]] = ()
+    """Exception types of this environment's own code that are transient (a remote verifier's timeout):
+    a hook that raises one is retried like infrastructure trouble. Any other exception its hooks raise
+    fails the rollout at once, recorded ``environment: <Type>: <message>``."""
 
     def load_tasks(self, path: str | Path) -> list[Task]:
         """Read and validate a JSONL task file (one task per line, ids unique).
@@ -221,6 +234,36 @@ class Environment(ABC):
     async def replay(self, ctx: TurnContext, action: Action) -> None:
         """Redo a recorded action in a fresh sandbox (its output is not compared): ``act`` again."""
         await self.act(ctx, action)
+
+
+log = logging.getLogger(__name__)
+
+
+@contextmanager
+def calling(env: Environment, hook: str, where: str = "") -> Iterator[None]:
+    """The boundary of every call the pipeline makes to an environment's ``hook``::
+
+        with calling(env, "parse", rollout_id):
+            parsed = env.parse(ctx, text)
+
+    An exception of the environment's own code leaves as `EnvironmentCodeError` (its type, message, the
+    hook and the traceback's last frames; logged with them, naming ``where``); the project's own errors
+    raised inside (a sandbox call's `SandboxError`, a `TaskFileError`, an `EnvironmentFailure`) pass
+    unchanged, with their own kind.
+    """
+    try:
+        yield
+    except Exception as e:
+        if isinstance(e, RolloutError) and type(e).__module__ == errors.__name__:
+            raise
+        own_flag = isinstance(e, RolloutError) and e.retryable
+        retryable = own_flag or isinstance(e, env.retryable_errors)
+        failure = EnvironmentCodeError.from_exception(e, hook, retryable=retryable)
+        log.warning(
+            "environment %s: %s raised %s%s%s\n  %s", env.name, hook, failure,
+            f" ({where})" if where else "", " (retryable)" if retryable else "", "\n  ".join(failure.frames),
+        )  # fmt: skip
+        raise failure from e
 
 
 def _first_error(e: ValidationError) -> str:

@@ -42,7 +42,11 @@ def load_tasks(path: str | Path, env: str) -> list[dict[str, Any]]:
     Raises:
         TaskFileError: one line naming the file, line and field at fault.
         ConfigError: no environment of that name is installed.
+        EnvironmentCodeError: the environment's own ``load_tasks`` raised (a bug in its code).
     """
     from envs import registry
+    from envs.base import calling
 
-    return [t.model_dump(mode="json") for t in registry.get(env).load_tasks(path)]
+    environment = registry.get(env)
+    with calling(environment, "load_tasks", str(path)):
+        return [t.model_dump(mode="json") for t in environment.load_tasks(path)]

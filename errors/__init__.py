@@ -8,7 +8,14 @@ Invariants:
   (`RolloutError.to_application_error`); workflows classify what comes back with `error_type` /
   `is_error` against these classes, never against string literals, so a renamed class is a type error.
 - ``kind`` says whose fault a final failure is: ``infra`` (engine, sandbox, store, worker) or
-  ``environment`` (the verifier, the task's own setup). Infra failures are never recorded as a reward.
+  ``environment`` (the verifier, the task's own setup, any exception the environment's code raises).
+  Infra failures are never recorded as a reward.
+- An exception an environment's hook raises that is not one of these classes (a ``ZeroDivisionError`` in
+  ``parse``, the base class's ``NotImplementedError``) is the environment's: it crosses the boundary as
+  `EnvironmentCodeError` (``envs.base.calling``) and is recorded ``environment: <its type>: <message>``
+  (`failure_reason`), its traceback's last frames in the record (`failure_details`). Final unless the
+  environment declared it transient. The project's own errors raised inside a hook (a sandbox call's
+  `SandboxError`, a `TaskFileError`) keep their class and their kind.
 
 This module imports nothing heavier than ``temporalio.exceptions``: workflows, sandboxes, environments and
 config all import it.
@@ -16,6 +23,7 @@ config all import it.
 
 from __future__ import annotations
 
+import traceback
 from typing import Any
 
 from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflowError
@@ -28,6 +36,9 @@ class RolloutError(Exception):
     """Whether the activity that raised it should be retried by its retry policy."""
     kind = "infra"
     """``infra`` or ``environment``: whose fault a final failure is."""
+    names_cause = False
+    """``str(self)`` starts with the type name of the exception it carries, which a failure's reason
+    quotes instead of this class's name (`failure_reason`)."""
 
     def details(self) -> tuple[Any, ...]:
         """Extra values the workflow reads from the failure (``ApplicationError.details``)."""
@@ -128,6 +139,38 @@ class EnvironmentFailure(RolloutError):
     kind = "environment"
 
 
+FRAMES_KEPT = 5
+"""Traceback frames of an environment's exception kept with its failure (the innermost ones)."""
+
+
+class EnvironmentCodeError(EnvironmentFailure):
+    """An exception raised by an environment's own code (a hook of ``envs.base.Environment``): its type
+    name, message, the hook and the traceback's last frames, which the record keeps.
+
+    Final, unless the environment declared the exception transient (``Environment.retryable_errors``, or
+    an exception class of its own with ``retryable = True``): then the activity retries it like infra
+    trouble, and it is still recorded as the environment's if the retries run out.
+    """
+
+    names_cause = True
+
+    def __init__(self, type_name: str, message: str, hook: str, frames: list[str], retryable: bool = False):
+        super().__init__(f"{type_name}: {message}" if message else type_name)
+        self.type_name, self.hook, self.frames, self.retryable = type_name, hook, frames, retryable
+
+    def details(self) -> tuple[Any, ...]:
+        return ({"type": self.type_name, "hook": self.hook, "frames": self.frames},)
+
+    @classmethod
+    def from_exception(cls, exc: BaseException, hook: str, retryable: bool = False) -> EnvironmentCodeError:
+        """``exc`` as raised by the environment's ``hook``, with its traceback's last `FRAMES_KEPT` frames."""
+        frames = [
+            f"{f.filename}:{f.lineno} in {f.name}: {(f.line or '').strip()}"
+            for f in traceback.extract_tb(exc.__traceback__)[-FRAMES_KEPT:]
+        ]
+        return cls(type(exc).__name__, str(exc), hook, frames, retryable)
+
+
 class TaskFileError(RolloutError):
     """A task file is missing or malformed; the message names the file and line."""
 
@@ -188,3 +231,25 @@ def failure_kind(e: BaseException) -> str:
     """``environment`` for environment errors, else ``infra`` (unknown types are infrastructure)."""
     cls = error_class(error_type(e))
     return cls.kind if cls is not None else "infra"
+
+
+def failure_reason(e: BaseException) -> str:
+    """The reason a rollout that finally failed with ``e`` is recorded with: ``<kind>: <Type>: <message>``
+    (at most 500 characters). The Type is the failure's class, or for an exception of an environment's
+    own code its own type (``environment: ZeroDivisionError: division by zero``)."""
+    cause = e.cause if isinstance(e, ActivityError | ChildWorkflowError) and e.cause is not None else e
+    message = cause.message if isinstance(cause, ApplicationError) else str(cause)
+    cls = error_class(error_type(e))
+    label = message if cls is not None and cls.names_cause else f"{error_type(e)}: {message}"
+    return f"{failure_kind(e)}: {label}"[:500]
+
+
+def failure_details(e: BaseException) -> dict[str, Any] | None:
+    """What a failure carries for its record beyond the reason (an environment exception's type, hook and
+    last frames), or None."""
+    cls = error_class(error_type(e))
+    app = application_error(e)
+    if cls is None or not cls.names_cause or app is None or not app.details:
+        return None
+    details = app.details[0]
+    return details if isinstance(details, dict) else None

@@ -220,6 +220,14 @@ class RunStore(SegmentStore, LogStore):
         ).fetchall()
         return {r[0]: r[1] for r in rows}
 
+    def failure_reasons(self, run_id: str) -> dict[str, int]:
+        """The run's failed rollouts by reason (``<kind>: <Type>: <message>``)."""
+        rows = self.db.execute(
+            "SELECT reason, COUNT(*) FROM rollouts WHERE run_id=? AND outcome='failed' GROUP BY reason",
+            (run_id,),
+        ).fetchall()
+        return {r[0] or "": r[1] for r in rows}
+
     def group_counts(self, run_id: str, group_ids: list[str]) -> dict[str, tuple[int, int, int, int]]:
         """Per group: (records written, records cancelled for admission, records completed or truncated,
         their summed ``num_tokens``)."""

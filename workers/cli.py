@@ -1,8 +1,9 @@
 """The ``rollouts`` command: run, status, export, worker, stack.
 
 Invariant: user mistakes (config, task file, run id) print one line starting with ``error:`` and exit 2;
-an unreachable service prints one line and exits 1. Heavy imports happen inside commands, so ``--help``
-answers at once.
+an unreachable service prints one line and exits 1; ``run --wait`` on a run whose environment failures
+exceed ``run.max_environment_failure_share`` prints one line and exits 3. Heavy imports happen inside
+commands, so ``--help`` answers at once.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def run(
     from config.load import ConfigError, config_hash, load_config
     from config.paths import resolve_repo_path
     from envs.tasks import load_tasks
-    from errors import TaskFileError
+    from errors import EnvironmentCodeError, TaskFileError
 
     overrides = list(set_ or [])
     if task_file is not None:
@@ -90,6 +91,8 @@ def run(
         tasks = load_tasks(tasks_path, cfg.run.env)
     except TaskFileError as e:
         raise _fail(str(e)) from None
+    except EnvironmentCodeError as e:  # a bug in the environment's code: its failure, exit 3
+        raise _fail(f"run.env {cfg.run.env!r}: load_tasks raised {e}", 3) from None
     rid = run_id or _new_run_id()
     if not RUN_ID_RE.match(rid):
         raise _fail(f"--run-id {rid!r}: use letters, digits, '.', '_' and '-' (at most 128)")
@@ -131,10 +134,14 @@ async def _submit(cfg, cfg_hash: str, rid: str, wait: bool) -> None:
     typer.echo(rid)
     if attached:
         typer.echo(f"attached to existing run {rid} (its stored config applies)", err=True)
-    if wait:
-        from workers.progress import follow
+    if wait:  # exit 3 past run.max_environment_failure_share (workers.progress.wait_verdict)
+        from workers.progress import follow, wait_verdict
 
-        await follow(handle)
+        store = _store(cfg.store.url)
+        await follow(handle, store)
+        code, line = wait_verdict(store, rid, cfg.run.max_environment_failure_share)
+        if code:
+            raise _fail(line, code)
 
 
 @app.command()

@@ -1,10 +1,18 @@
 """Progress display for the CLI: a live bar (done/total by outcome), a final summary table and, where this
-machine's store holds the run, its time decomposition (totals and shares of wall time, per environment).
+machine's store holds the run, its failures by cause (infra, environment; top reasons) and its time
+decomposition (totals and shares of wall time, per environment).
+
+Invariant: ``rollouts run --wait`` exits `ENVIRONMENT_FAILURE_EXIT` when more than the run's
+``run.max_environment_failure_share`` of its rollouts failed by the environment's fault (`wait_verdict`),
+so a buggy environment fails the command instead of passing as a flaky cluster.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from rich.console import Console
@@ -22,6 +30,64 @@ if TYPE_CHECKING:
 
 console = Console(stderr=True)
 
+ENVIRONMENT_FAILURE_EXIT = 3
+"""Exit code of ``rollouts run --wait`` for a run with too many environment failures (2 is bad input, 1 an
+unreachable service)."""
+CAUSES = ("environment", "infra")
+"""The kinds of failure a reason starts with (``errors``: ``<kind>: <Type>: <message>``)."""
+
+
+@dataclass(frozen=True)
+class FailureCauses:
+    """A run's failed rollouts by cause: how many per kind, and per kind its most frequent error types."""
+
+    counts: dict[str, int] = field(default_factory=dict)
+    """Kind (``environment``, ``infra``, ``other`` for a reason of neither) -> failed rollouts."""
+    top: dict[str, list[tuple[str, int, str]]] = field(default_factory=dict)
+    """Kind -> (error type, failed rollouts, its most frequent message), most frequent first."""
+
+
+def failure_causes(reasons: dict[str, int], top: int = 3) -> FailureCauses:
+    """Group failure reasons (``RunStore.failure_reasons``) by kind and error type."""
+    counts: Counter[str] = Counter()
+    messages: dict[tuple[str, str], Counter[str]] = {}
+    for reason, n in reasons.items():
+        kind, _, rest = reason.partition(": ")
+        if kind not in CAUSES:
+            kind, rest = "other", reason
+        kind_type, _, message = rest.partition(": ")
+        counts[kind] += n
+        messages.setdefault((kind, kind_type), Counter())[message] += n
+    ranked: dict[str, list[tuple[str, int, str]]] = {}
+    for (kind, kind_type), msgs in sorted(messages.items(), key=lambda kv: -kv[1].total()):
+        if len(ranked.setdefault(kind, [])) < top:
+            ranked[kind].append((kind_type, msgs.total(), msgs.most_common(1)[0][0]))
+    return FailureCauses(dict(counts), ranked)
+
+
+def environment_failure_exit(environment_failures: int, rollouts: int, max_share: float) -> int:
+    """The exit code of ``--wait``: `ENVIRONMENT_FAILURE_EXIT` when environment failures are more than
+    ``max_share`` of the run's recorded rollouts (0: any at all), else 0."""
+    too_many = environment_failures > 0 and environment_failures > max_share * rollouts
+    return ENVIRONMENT_FAILURE_EXIT if too_many else 0
+
+
+def wait_verdict(store: RunStore, run_id: str, max_share: float) -> tuple[int, str]:
+    """Exit code and one line for ``rollouts run --wait`` once the run ended; the run's stored config's
+    ``run.max_environment_failure_share`` applies (``max_share`` for a run the store does not hold)."""
+    run = store.get_run(run_id)
+    if run is not None:
+        stored = json.loads(run["config_json"]).get("run", {})
+        max_share = float(stored.get("max_environment_failure_share", max_share))
+    causes = failure_causes(store.failure_reasons(run_id))
+    n, total = causes.counts.get("environment", 0), sum(store.count_rollouts(run_id).values())
+    code = environment_failure_exit(n, total, max_share)
+    worst = ", ".join(f"{t} x{k}" for t, k, _ in causes.top.get("environment", []))
+    return code, (
+        f"run {run_id}: {n} of {total} rollouts failed by the environment ({worst}), more than "
+        f"run.max_environment_failure_share={max_share:g}"
+    )
+
 
 def _outcomes_text(p: RunProgress) -> str:
     return " ".join(f"{k}={v}" for k, v in sorted(p.outcomes.items())) or "-"
@@ -34,8 +100,9 @@ async def _progress(handle: WorkflowHandle) -> RunProgress | None:
         return None
 
 
-async def follow(handle: WorkflowHandle) -> RunProgress:
-    """Show a progress bar until the run ends; print and return the final progress."""
+async def follow(handle: WorkflowHandle, store: RunStore | None = None) -> RunProgress:
+    """Show a progress bar until the run ends; print and return the final progress (the summary from
+    ``store``, else this machine's store)."""
     result_task = asyncio.ensure_future(handle.result())
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as bar:
@@ -47,17 +114,24 @@ async def follow(handle: WorkflowHandle) -> RunProgress:
                 bar.update(task, total=p.rollouts_total, completed=done, description=_outcomes_text(p))
             await asyncio.wait({result_task}, timeout=0.5)
     final = result_task.result()
-    print_summary(final)
+    print_summary(final, store)
     return final
 
 
-def summary_table(p: RunProgress, groups: list[dict] | None = None) -> Table:
-    """Outcome counts, and (when the run's group records are at hand) reward and variance figures."""
+def summary_table(
+    p: RunProgress, groups: list[dict] | None = None, causes: FailureCauses | None = None
+) -> Table:
+    """Outcome counts, failures by cause (when the run's records are at hand) and reward and variance
+    figures (when its group records are)."""
     table = Table(title=f"run {p.run_id}")
     table.add_column("outcome")
     table.add_column("rollouts", justify="right")
     for k, v in sorted(p.outcomes.items()):
         table.add_row(k, str(v))
+    for kind, n in sorted((causes.counts if causes else {}).items()):
+        table.add_row(f"failed by {kind}", str(n))
+        for kind_type, count, message in causes.top.get(kind, []) if causes else []:
+            table.add_row(f"  {kind_type}: {message}"[:100], str(count))
     table.add_row("total", f"{sum(p.outcomes.values())}/{p.rollouts_total}")
     table.add_row("groups", f"{p.groups_done}/{p.total_groups}")
     if p.cap is not None:
@@ -107,13 +181,15 @@ def run_totals(store: RunStore, run_id: str) -> dict[str, Totals]:
     return totals_by_env((row["env"], t) for row, t in rollout_times(store, run_id))
 
 
-def print_summary(p: RunProgress) -> None:
-    """Print the summary, with reward figures and the time decomposition when this machine's store holds
-    the run."""
+def print_summary(p: RunProgress, store: RunStore | None = None) -> None:
+    """Print the summary, with failures by cause, reward figures and the time decomposition when this
+    machine's store (or ``store``) holds the run."""
     from store import open_store, store_exists
 
-    store = open_store() if store_exists() else None
-    Console().print(summary_table(p, store.groups(p.run_id) if store else None))
+    if store is None:
+        store = open_store() if store_exists() else None
+    causes = failure_causes(store.failure_reasons(p.run_id)) if store else None
+    Console().print(summary_table(p, store.groups(p.run_id) if store else None, causes))
     totals = run_totals(store, p.run_id) if store else {}
     if totals:
         Console().print(time_table(p.run_id, totals))

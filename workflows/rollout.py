@@ -32,7 +32,6 @@ with workflow.unsafe.imports_passed_through():
         RAN_TO_END,
         EnvStepInput,
         EnvStepResult,
-        FailureKind,
         FinalizeRolloutInput,
         GenerateInput,
         Outcome,
@@ -46,7 +45,7 @@ with workflow.unsafe.imports_passed_through():
         TruncationReason,
         TurnResult,
     )
-    from errors import EngineUnavailable, error_type, failure_kind, is_error
+    from errors import EngineUnavailable, failure_details, failure_reason, is_error
     from workflows import search_attributes as sa
     from workflows.admission import CANCEL_REASON
     from workflows.calls import call
@@ -97,9 +96,11 @@ def pick_engine(urls: list[str], key: str) -> str:
 class _Ended(Exception):
     """Raised inside the turn loop when a limit or the environment ends the rollout."""
 
-    def __init__(self, outcome: Outcome, reason: str | None = None, reward: float | None = None) -> None:
+    def __init__(
+        self, outcome: Outcome, reason: str | None = None, reward: float | None = None, details: Any = None
+    ) -> None:
         super().__init__(reason)
-        self.outcome, self.reason, self.reward = outcome, reason, reward
+        self.outcome, self.reason, self.reward, self.details = outcome, reason, reward, details
 
 
 @workflow.defn(name="RolloutWorkflow")
@@ -452,6 +453,7 @@ class RolloutWorkflow:
                 score_truncated=inp.score_truncated if ended.outcome == Outcome.TRUNCATED else None,
                 wasted_tokens=s.sampled_tokens if ended.reason == CANCEL_REASON else None,
                 ended_at=workflow.now().timestamp(),
+                failure=ended.details,
             ),
         )
         if (stored.outcome, stored.reason) != (ended.outcome, ended.reason):
@@ -474,8 +476,6 @@ class RolloutWorkflow:
 
 
 def _failure(e: ActivityError | ApplicationError) -> _Ended:
-    """Attribute a finally-failed activity: environment errors vs everything else (infrastructure)."""
-    app = e.cause if isinstance(e, ActivityError) else e
-    message = app.message if isinstance(app, ApplicationError) else str(app)
-    kind = FailureKind(failure_kind(e))
-    return _Ended(Outcome.FAILED, f"{kind.value}: {error_type(e)}: {message}"[:500])
+    """Attribute a finally-failed activity: environment errors vs everything else (infrastructure); an
+    exception of the environment's own code keeps its type, message and last frames (``errors``)."""
+    return _Ended(Outcome.FAILED, failure_reason(e), details=failure_details(e))

@@ -39,3 +39,22 @@ def test_other_kinds_and_successes_in_between_do_not_trip_it() -> None:
 def test_disabled_it_never_opens() -> None:
     s = breaker.record(BreakerState(), "g0", {"X": 100}, 0, now=1.0, threshold=None)
     assert s == BreakerState() and breaker.admitted(s, "g1") == s
+
+
+def test_environment_failures_are_not_infra_failures_and_never_trip_it() -> None:
+    """A buggy environment (every member failing in its own code) does not look like a flaky cluster."""
+    from contracts.types import Outcome, RolloutResult
+    from workflows.group import close_group
+
+    bug = "environment: ZeroDivisionError: division by zero"
+    members = [RolloutResult(rollout_id=f"r/g0/{i}", sample_index=i, outcome=Outcome.FAILED, reason=bug)
+               for i in range(4)]  # fmt: skip
+    record, _ = close_group("r", "g0", "t", 4, members, 1e-6)
+    assert record.failed == 4 and record.successes == 0 and record.infra_failures == {}
+    s = BreakerState()
+    for i in range(5):
+        s = breaker.record(s, f"g{i}", record.infra_failures, record.successes, now=float(i), threshold=1)
+    assert s.open_since is None and s.streaks == {}
+    infra = members[0].model_copy(update={"reason": "infra: EngineUnavailable: refused"})
+    record, _ = close_group("r", "g0", "t", 4, [infra, *members[1:]], 1e-6)
+    assert record.infra_failures == {"EngineUnavailable": 1}
