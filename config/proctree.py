@@ -72,7 +72,8 @@ def stat(pid: int) -> list[str] | None:
     """Fields of /proc/PID/stat after the command name: state [0], ppid [1], pgrp [2], session [3],
     start time [19]; None if there is no such process."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].decode().split()
     except (OSError, IndexError):
         return None
 
@@ -99,7 +100,8 @@ def _leader_holds_ids(rec: Record) -> bool:
 
 def _has_marker(pid: int, marker: str) -> bool:
     try:
-        env = Path(f"/proc/{pid}/environ").read_bytes()
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = f.read()
     except OSError:
         return False
     return f"{MARKER_ENV}={marker}".encode() in env.split(b"\0")
@@ -120,8 +122,8 @@ def members(rec: Record) -> list[int]:
     reap(rec.pid)
     leader_holds = _leader_holds_ids(rec)
     found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and _ours(pid := int(entry.name), rec, leader_holds):
+    for name in os.listdir("/proc"):
+        if name.isdigit() and _ours(pid := int(name), rec, leader_holds):
             found.append(pid)
     return sorted(found, key=lambda p: p != rec.pid)
 
