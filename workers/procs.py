@@ -46,6 +46,8 @@ def exit_now(code: int | str | None = 0) -> NoReturn:
     """
     import logging
 
+    with contextlib.suppress(ValueError):  # main thread only: no KeyboardInterrupt on the way out
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     if isinstance(code, str):
         print(code, file=sys.stderr)
         code = 1
@@ -58,19 +60,27 @@ def exit_now(code: int | str | None = 0) -> NoReturn:
 
 def run_main(main: Callable[[], object]) -> NoReturn:
     """Run a process's entry point, then leave through ``exit_now``: with its ``SystemExit`` code, 130 on
-    Ctrl-C, 1 (and the traceback, as Python would print it) on any other exception."""
+    Ctrl-C, 1 (and the traceback, as Python would print it) on any other exception.
+
+    Once a SIGINT has arrived under ``workers.interrupt`` the status is 130 whatever the entry point did,
+    and an exception it raised while unwinding prints no traceback."""
+    from workers import interrupt
+
+    code: int | str | None = 0
+    interrupt.begin()
     try:
         main()
     except SystemExit as e:
-        exit_now(e.code)
+        code = e.code
     except KeyboardInterrupt:
-        exit_now(130)
+        code = 130
     except BaseException:
-        import traceback
+        if not interrupt.interrupted():
+            import traceback
 
-        traceback.print_exc()
-        exit_now(1)
-    exit_now(0)
+            traceback.print_exc()
+        code = 1
+    exit_now(130 if interrupt.interrupted() else code)
 
 
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
