@@ -2,11 +2,21 @@
 
 Invariant: user mistakes (config, task file, run id) print one line starting with ``error:`` and exit 2;
 an unreachable service prints one line and exits 1; ``run --wait`` on a run whose environment failures
-exceed ``run.max_environment_failure_share`` prints one line and exits 3. Heavy imports happen inside
-commands, so ``--help`` answers at once.
+exceed ``run.max_environment_failure_share`` prints one line and exits 3; Ctrl-C ends a command within
+``interrupt.GRACE_S`` (but ``stack up`` and ``worker``, which clean up first) with exit 130 and no traceback
+(``workers.interrupt``, installed before anything else is imported). Heavy imports happen inside commands,
+so ``--help`` answers at once.
 """
 
 from __future__ import annotations
+
+import os
+import sys
+
+from workers import interrupt
+
+if __name__ == "__main__" or os.path.basename(sys.argv[0]) == "rollouts":  # the program, not an importer
+    interrupt.install()  # first: Ctrl-C during the imports below returns at once too (workers/interrupt.py)
 
 import asyncio
 import re
@@ -265,11 +275,9 @@ def _ops(work: Callable[[], Coroutine[Any, Any, None]]) -> None:
 
     error = None
     try:
-        asyncio.run(work())
+        asyncio.run(work())  # Ctrl-C (how `top` ends) propagates: exit 130 (workers.interrupt)
     except OpsError as e:
         error = str(e)  # raised below, so no traceback keeps the client alive into interpreter shutdown
-    except KeyboardInterrupt:  # `top` ends on Ctrl-C
-        pass
     if error is not None:  # one line, exit 2 (main() leaves without finalizing: workers.procs.exit_now)
         typer.echo(f"error: {error}", err=True)
         raise typer.Exit(2)
@@ -428,6 +436,8 @@ def worker(
 ) -> None:
     """Start an additional worker (runs until Ctrl-C or SIGTERM)."""
     from workers.worker import main as worker_main
+
+    interrupt.patient()  # it drains on Ctrl-C (its own handler, once running); no watchdog cuts that short
 
     argv = ["--address", address, "--task-queue", task_queue] + (["--unsandboxed"] if unsandboxed else [])
     argv += ["--store", store] if store else []
