@@ -41,3 +41,14 @@ def test_summary_weights_group_means_by_scorable_members() -> None:
 def test_summary_without_group_records_shows_counts_only() -> None:
     text = render(summary_table(progress(), None))
     assert "completed" in text and "failed" in text and "mean reward" not in text
+
+
+def test_summary_names_the_groups_being_accounted_for_and_why() -> None:
+    reason = "infra: WorkflowTerminated: group terminated (web UI or CLI)"
+    p = progress().model_copy(
+        update={"groups_done": 1, "groups_inflight": 1, "done": False, "accounting": {"g000001": reason}}
+    )
+    flat = " ".join(render(summary_table(p, None)).replace("│", " ").split())  # cells wrap: one line
+    assert "groups in flight 1" in flat
+    assert "accounting for g000001" in flat and "closed without reporting" in flat
+    assert "WorkflowTerminated: group terminated (web UI or CLI)" in flat
