@@ -59,7 +59,7 @@ async def segments(client: Client, handle: WorkflowHandle) -> list[tuple[str, Ru
 async def test_groups_terminated_with_the_temporal_cli_before_and_after_a_continue_as_new(
     client: Client, ledger: Callable[..., Awaitable[LedgerReport]], task_queue: str, tmp_path: Path
 ) -> None:
-    """Six groups of two, three in flight, four per segment; rollouts of ~15 s. g0 is terminated in the
+    """Six groups of two, three in flight, four per segment; rollouts of ~30 s. g0 is terminated in the
     segment that started it (noticed by its handle; g3 takes its place, the fourth start: the run continues
     as new carrying g1, g2, g3); then g2, carried, is terminated (noticed by the check of carried groups),
     and so is one rollout of g1 (recorded by its group)."""
@@ -70,7 +70,7 @@ async def test_groups_terminated_with_the_temporal_cli_before_and_after_a_contin
             [url], task_queue,
             run={"num_groups": 6, "group_size": 2, "max_inflight_groups": 3, "groups_per_run_segment": 4,
                  "closed_group_check_s": 2.0, "task_file": never_tasks(tmp_path)},
-            rollout={"max_turns": 30, "max_total_tokens": 8192},
+            rollout={"max_turns": 60, "max_total_tokens": 8192},  # ~30 s each: the actions land first
         )  # fmt: skip
         async with worker(client, task_queue, tmp_path) as store:
             handle = await start_run(client, cfg, run_id)
@@ -83,6 +83,7 @@ async def test_groups_terminated_with_the_temporal_cli_before_and_after_a_contin
             await wait_for(lambda: running(6, g(0), g(1), g(2)), 90, "g0-g2's rollouts past their first turn")
             await asyncio.to_thread(temporal_terminate, client, g(0))
             await wait_for(lambda: running(2, g(3)), 60, "g3 started in g0's place")
+            assert await running(4, g(1), g(2)), "g3 took g0's slot, not that of a group that ended"
 
             async def continued() -> bool:
                 return len(await segments(client, handle)) >= 2

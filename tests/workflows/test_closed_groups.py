@@ -19,13 +19,15 @@ import asyncio
 import time
 from typing import Any
 
+import pytest
 from temporalio import activity
 from temporalio.client import Client, WorkflowHandle
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.exceptions import ApplicationError
+from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Replayer
 
-from config.models import Config, RolloutConfig, RunConfig
+from config.models import AdmissionSection, Config, RolloutConfig, RunConfig
 from contracts.types import (
     FinalizeRolloutInput,
     GenerateInput,
@@ -71,12 +73,17 @@ async def assert_replays(client: Client, handle: WorkflowHandle) -> None:
         await replayer.replay_workflow(history)
 
 
+@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed", "adaptive"])
 async def test_a_group_terminated_after_a_continue_as_new_is_accounted_by_the_run(
-    own_client: Client, uid: str
+    own_env: WorkflowEnvironment, uid: str, adaptive: bool
 ) -> None:
-    """Fixed cap 2, a segment of 2 groups: g0 and g1 start, the run continues as new carrying them, g1
-    ends and g2 starts; g0, whose members hold their model call, is terminated from outside."""
+    """Two groups in flight (a fixed cap, or adaptive admission at 4 rollouts), a segment of 2 groups: g0
+    and g1 start, the run continues as new carrying them, g1 ends and g2 starts; g0, whose members hold
+    their model call, is terminated from outside. The run checks every ``run.closed_group_check_s`` (fixed)
+    or every poll (adaptive)."""
+    own_client = own_env.client
     fakes = Fakes()
+    fakes.clock = own_env.get_current_time
     held = {group_id(0), group_id(2)}
     """g0's members hold until the worker stops (the test server does not terminate a terminated group's
     members, a real one does); g2's until released."""
@@ -103,6 +110,9 @@ async def test_a_group_terminated_after_a_continue_as_new_is_accounted_by_the_ru
             closed_group_check_s=1.0,
         ),
         rollout=RolloutConfig(max_turns=3),
+        admission=AdmissionSection(
+            enabled=adaptive, initial_cap=4, max_inflight=4, admit_window_s=0.0, poll_interval_s=1.0
+        ),
     )  # fmt: skip
     inp = RunInput(run_id=f"run-{uid}", config=cfg)
     g0 = f"{inp.run_id}/{group_id(0)}"
