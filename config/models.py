@@ -135,6 +135,10 @@ class RunConfig(_Strict):
     breaker_probe_s: float = Field(60.0, gt=0, le=86_400)
     """While the breaker is open, one probe group is admitted this long after it opened (or after the last
     probe failed); a probe with a success closes it."""
+    closed_group_check_s: float = Field(15.0, gt=0, le=3600)
+    """With a fixed cap (admission disabled): how often the run asks Temporal whether a group it carried over
+    continue-as-new closed without reporting (terminated from the web UI or CLI, failed, timed out), to
+    account for it; adaptive admission asks every ``admission.poll_interval_s`` instead."""
 
 
 class AdmissionConfig(BaseModel):

@@ -360,6 +360,9 @@ class RunProgress(_Data):
     """The circuit breaker, when open (one line); None when closed."""
     breaker_opened: int = 0
     """Times the circuit breaker opened in this run."""
+    accounting: dict[str, str] = Field(default_factory=dict)
+    """Groups that closed without reporting and that the run is accounting for now, with the reason their
+    members without a record get (workflows/closed_groups.py)."""
 
 
 def sampling_params(cfg: Config) -> SamplingParams:
@@ -498,6 +501,8 @@ class TerminatedGroupInput(_Data):
     reason: str = "manual"
     task_index: int = 0
     """Index of the group's task in the run's task file (the run fills it in)."""
+    size: int = 0
+    """The group's size (the run fills it in): its member attempts are also looked up in Temporal."""
 
 
 class TerminatedGroup(_Data):
@@ -508,6 +513,15 @@ class TerminatedGroup(_Data):
     """Every member attempt with a record, the ones just written included."""
     record: GroupResult | None = None
     """The group's record if the group wrote it before it was terminated."""
+    unended: list[str] = Field(default_factory=list)
+    """Its member attempts that Temporal holds and that did not complete (asked when ``size`` is given)."""
+
+
+class ClosedGroupsInput(_Data):
+    """Groups of a run to ask Temporal about (``DispatchActivities.closed_groups``)."""
+
+    run_id: str
+    groups: list[str]
 
 
 class FinalizeGroupInput(_Data):

@@ -134,6 +134,10 @@ def summary_table(
             table.add_row(f"  {kind_type}: {message}"[:100], str(count))
     table.add_row("total", f"{sum(p.outcomes.values())}/{p.rollouts_total}")
     table.add_row("groups", f"{p.groups_done}/{p.total_groups}")
+    if p.groups_inflight and not p.done:
+        table.add_row("groups in flight", str(p.groups_inflight))
+    for gid, why in sorted(p.accounting.items()):  # closed without reporting: the run records them now
+        table.add_row(f"accounting for {gid}", f"closed without reporting; members without a record: {why}")
     if p.cap is not None:
         table.add_row("admission cap (rollouts)", str(p.cap))
     if p.admission_cancelled:

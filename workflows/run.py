@@ -27,8 +27,10 @@ Invariants:
 - A group terminated by hand cannot report: ``rollouts terminate GROUP`` terminates it and then sends the
   run ``group_terminated``, and the run accounts for it itself (workflows/unreported.py: its unrecorded
   members recorded as failed infra, its record written from the store, counted with its full size), as if
-  it had reported. The CLI step is idempotent, so a group terminated from the web UI is accounted by
-  running it afterwards.
+  it had reported. A group that closes without reporting (terminated from the web UI or the ``temporal``
+  CLI, failed, timed out) is noticed by the run itself (workflows/closed_groups.py: its handle within a
+  segment, a check every poll interval for groups carried over continue-as-new) and accounted the same
+  way, once, whichever path comes first.
 - A run cancelled as a whole (``rollouts cancel RUN``, or its handle's ``cancel``) starts no more groups,
   tells each in-flight group ``cancel_all`` (every running member ends cancelled, reason ``run-cancelled``,
   with its record; sandboxes are destroyed as at any rollout's end) and waits for each to report, accounts
@@ -73,6 +75,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows import search_attributes as sa
     from workflows.admission import AdmissionController
     from workflows.calls import call
+    from workflows.closed_groups import NOTICE_PATCH, ClosedGroups
     from workflows.dispatch import (
         admission_room,
         cancels_by_group,
@@ -83,8 +86,8 @@ with workflow.unsafe.imports_passed_through():
         replica_load,
         spend_bucket,
     )
-    from workflows.group import RUN_CANCEL_REASON, GroupWorkflow, rollout_template
-    from workflows.unreported import record_unreported
+    from workflows.group import GroupWorkflow, rollout_template
+    from workflows.unreported import cancel_groups, record_unreported
 
 
 FINAL_DECISION_PATCH = "final-dispatch-decision"
@@ -128,7 +131,9 @@ class RunWorkflow:
         self._cap: int | None = None
         self._freed = False
         self._accounting: set[str] = set()
-        """Terminated groups being accounted for (``group_terminated``)."""
+        """Groups that cannot report, being or already accounted for (``_account_for``)."""
+        self._closed = ClosedGroups(self._run_id, self._state.slots, self._account_for)
+        """This segment's watch for groups closed without reporting (workflows/closed_groups.py)."""
 
     @workflow.signal
     def group_done(self, record: GroupResult) -> None:
@@ -167,11 +172,18 @@ class RunWorkflow:
         if slot is None or inp.group_id in self._accounting or st.env is None:
             return
         self._accounting.add(inp.group_id)
+        self._closed.why[inp.group_id] = reason
         idx = int(inp.group_id.removeprefix("g"))
         template = rollout_template(cfg, self._run_id, st.env)
-        record = await record_unreported(
-            inp, slot, idx % max(1, st.num_tasks), template, cfg.run.advantage_eps, outcome, reason
-        )
+        try:
+            record = await record_unreported(
+                inp, slot, idx % max(1, st.num_tasks), template, cfg.run.advantage_eps, outcome, reason
+            )
+        except Exception:
+            self._accounting.discard(inp.group_id)  # noticed again at the next check
+            raise
+        finally:
+            self._closed.why.pop(inp.group_id, None)
         self.group_done(record)
 
     @workflow.query
@@ -191,6 +203,7 @@ class RunWorkflow:
             wasted_tokens=st.wasted_tokens,
             breaker=breaker.describe(st.breaker, run.breaker_probe_s),
             breaker_opened=st.breaker.opened,
+            accounting=dict(self._closed.why),
         )
 
     def _may_admit(self) -> bool:
@@ -205,24 +218,9 @@ class RunWorkflow:
         except asyncio.CancelledError:
             if not workflow.patched(RUN_CANCEL_PATCH):
                 raise
-            await self._cancel_groups(inp)
+            await cancel_groups(inp.run_id, self._state.slots, self._account_for)
+            await call(RolloutActivities.finish_run, inp.run_id, "cancelled")  # the store marks it cancelled
             raise
-
-    async def _cancel_groups(self, inp: RunInput) -> None:
-        """The run was cancelled: tell every in-flight group to cancel its members and wait until each has
-        reported (one that cannot be told, its start cut short by the cancel or already ended, is accounted
-        for here); then the store marks the run cancelled."""
-        st = self._state
-        for gid in sorted(st.slots):
-            group = workflow.get_external_workflow_handle_for(GroupWorkflow.run, f"{inp.run_id}/{gid}")
-            try:
-                await group.signal(GroupWorkflow.cancel_all, RUN_CANCEL_REASON)
-            except Exception as e:
-                workflow.logger.info("run %s: group %s not told to cancel (%s)", inp.run_id, gid, e)
-                ask = TerminatedGroupInput(run_id=inp.run_id, group_id=gid, reason=RUN_CANCEL_REASON)
-                await self._account_for(ask, Outcome.CANCELLED, RUN_CANCEL_REASON)
-        await workflow.wait_condition(lambda: not st.slots)
-        await call(RolloutActivities.finish_run, inp.run_id, "cancelled")
 
     async def _run(self, inp: RunInput) -> RunProgress:
         st, cfg = self._state, self._cfg  # one state object, shared with the signal handler
@@ -240,6 +238,8 @@ class RunWorkflow:
             st.num_tasks, st.env = loaded.num_tasks, loaded.env
         assert st.env is not None
         template = rollout_template(cfg, inp.run_id, st.env)
+        if self._closed.carried and workflow.patched(NOTICE_PATCH):
+            self._closed.check_carried(st.slots, cfg)
         if cfg.admission.enabled:
             await self._dispatch_adaptive(inp, template)
         else:
@@ -293,7 +293,7 @@ class RunWorkflow:
     async def _maybe_continue_as_new(self, inp: RunInput, segment_full: bool) -> None:
         if not (segment_full or workflow.info().is_continue_as_new_suggested()):
             return
-        await workflow.wait_condition(workflow.all_handlers_finished)
+        await workflow.wait_condition(lambda: workflow.all_handlers_finished() and not self._closed.why)
         self._state.segment += 1
         workflow.continue_as_new(inp.model_copy(update={"state": self._state}))
 
@@ -473,7 +473,7 @@ class RunWorkflow:
         st.slots[gid] = GroupSlot(
             admitted_at=workflow.now().timestamp(), engine=engine or "", size=cfg.run.group_size
         )
-        return workflow.start_child_workflow(
+        start = workflow.start_child_workflow(
             GroupWorkflow.run,
             GroupInput(
                 run_id=inp.run_id,
@@ -496,3 +496,4 @@ class RunWorkflow:
                 ]
             ),
         )
+        return self._closed.watched(gid, start)

@@ -127,3 +127,14 @@ def test_the_verdict_reads_the_runs_records_and_its_stored_threshold(tmp_path: P
     assert "\n" not in line and "max_environment_failure_share=0" in line
     assert wait_verdict(store, "lenient", max_share=0.0)[0] == 0  # 1 of 4 <= 0.5
     assert json.loads(store.get_run("lenient")["config_json"])["run"]["max_environment_failure_share"] == 0.5
+
+
+def test_summary_names_the_groups_being_accounted_for_and_why() -> None:
+    reason = "infra: WorkflowTerminated: group terminated (web UI or CLI)"
+    p = progress().model_copy(
+        update={"groups_done": 1, "groups_inflight": 1, "done": False, "accounting": {"g000001": reason}}
+    )
+    flat = " ".join(render(summary_table(p, None)).replace("│", " ").split())  # cells wrap: one line
+    assert "groups in flight 1" in flat
+    assert "accounting for g000001" in flat and "closed without reporting" in flat
+    assert "WorkflowTerminated: group terminated (web UI or CLI)" in flat
