@@ -25,6 +25,7 @@ from activities.heartbeat import heartbeating
 from contracts.sandbox import SandboxCreated, SandboxPlaceInput, SandboxPlacement, SandboxStepInput
 from envs import registry
 from envs.base import SandboxPlan, TurnContext, calling
+from envs.registry import env_part
 from errors import EnvironmentFailure, RolloutError, SandboxGone, SandboxPathError, names
 from sandboxes import AsyncSandboxBackend, SandboxHandle
 from sandboxes.base import BoundSandbox
@@ -87,7 +88,10 @@ class SandboxActivities:
             host = await asyncio.to_thread(self.pool.place, inp.rollout_id, inp.pool, frozenset(inp.avoid))
         except RolloutError as e:
             raise e.to_application_error() from e
-        return SandboxPlacement(host=host.name, task_queue=host.task_queue)
+        # A run on an environment's queue uses the host's queue for that environment (workers/sandbox_host.py)
+        return SandboxPlacement(
+            host=host.name, task_queue=host.task_queue + env_part(activity.info().task_queue)
+        )
 
     @options(Options(timedelta(seconds=30), SANDBOX_RETRY))
     @activity.defn

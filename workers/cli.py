@@ -106,21 +106,25 @@ def run(
     rid = run_id or _new_run_id()
     if not RUN_ID_RE.match(rid):
         raise _fail(f"--run-id {rid!r}: use letters, digits, '.', '_' and '-' (at most 128)")
-    # Uploaded before the run starts: its workers read the tasks from the store, not from this host's file
-    # (an existing run keeps the tasks it has).
-    _store(cfg.store.url).put_tasks(rid, tasks)
-    asyncio.run(_submit(cfg, config_hash(cfg), rid, wait))
+    # Uploaded before the run starts, once a worker can take it: its workers read the tasks from the store,
+    # not from this host's file (an existing run keeps the tasks it has).
+    upload = lambda: _store(cfg.store.url).put_tasks(rid, tasks)  # noqa: E731
+    asyncio.run(_submit(cfg, config_hash(cfg), rid, wait, upload))
 
 
 def _toml_str(s: str) -> str:
     return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-async def _submit(cfg, cfg_hash: str, rid: str, wait: bool) -> None:
+async def _submit(cfg, cfg_hash: str, rid: str, wait: bool, upload: Callable[[], object]) -> None:
+    """Start the run (or attach to it): on its environment's task queue, once a live worker polls it
+    (envs/fleet.py; none: one line, exit 2, nothing started or uploaded)."""
     from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
     from temporalio.service import RPCError, RPCStatusCode
 
     from contracts.types import RunInput
+    from envs.fleet import require_worker
+    from errors import ConfigError
     from workflows.run import RunWorkflow
 
     client = await _client(cfg.temporal.address, cfg.temporal.namespace)
@@ -132,12 +136,21 @@ async def _submit(cfg, cfg_hash: str, rid: str, wait: bool) -> None:
         if e.status != RPCStatusCode.NOT_FOUND:
             raise _fail(f"run {rid}: {e}", 1) from None
         attached = False
+    if not attached:
+        try:
+            queue = await require_worker(client, cfg.temporal.task_queue, cfg.run.env)
+        except ConfigError as e:
+            raise _fail(str(e)) from None
+        except RPCError as e:
+            raise _fail(f"run {rid}: cannot ask Temporal for workers ({e})", 1) from None
+    upload()
+    if not attached:
         # USE_EXISTING closes the race with a concurrent submit of the same id: still one run.
         handle = await client.start_workflow(
             RunWorkflow.run,
             RunInput(run_id=rid, config=cfg, config_hash=cfg_hash),
             id=rid,
-            task_queue=cfg.temporal.task_queue,
+            task_queue=queue,
             id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
             id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
         )

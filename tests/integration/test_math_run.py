@@ -181,7 +181,7 @@ async def test_resubmitting_a_run_id_attaches_instead_of_duplicating(
         await first.result()
         from workers.cli import _submit
 
-        await _submit(cfg, "h", "once", wait=False)
+        await _submit(cfg, "h", "once", wait=False, upload=lambda: None)  # the run exists: it attaches
         progress = await client.get_workflow_handle("once").query(RunWorkflow.progress)
     runs = [w async for w in client.list_workflows('WorkflowId = "once"')]
     assert len(runs) == 1
