@@ -42,6 +42,8 @@ DEFAULT_WORKDIR = "/app"
 """Working directory when neither ``[environment].workdir`` nor the Dockerfile's ``WORKDIR`` says
 (Terminal-Bench tasks work in /app)."""
 _CANARY = re.compile(r"^(<!--.*canary.*-->|#.*canary.*)$", re.IGNORECASE)
+TASK_PARTS = ("instruction.md", "environment", "tests", "solution")
+"""What makes a folder a task directory even without its task.toml."""
 COMPOSE_FILES = ("docker-compose.yaml", "docker-compose.yml", "compose.yaml", "compose.yml")
 
 
@@ -82,8 +84,8 @@ def load_dataset(path: str | Path) -> list[HarborTask]:
     policy: str | None = None
     if p.is_file():
         dirs, policy = _listing(p)
-    elif (p / "task.toml").is_file():
-        dirs = [p]
+    elif (p / "task.toml").is_file() or any((p / part).exists() for part in TASK_PARTS):
+        dirs = [p]  # a task directory (one without task.toml is refused as such)
     elif p.is_dir():
         dirs = sorted(d for d in p.iterdir() if d.is_dir() and not d.name.startswith("."))
         if not dirs:

@@ -3,7 +3,8 @@ task and on the legacy spellings Harbor migrates.
 
 Harbor 0.25 needs Python >= 3.12 while the project's venv is 3.11: ``make harbor-venv`` (run by ``make
 test``) creates ``.venv-harbor`` with Python 3.12 and ``harbor==0.25.0``; this test runs Harbor's
-``Task(dir)`` and ``TaskConfig.model_validate_toml`` there in a subprocess and compares name, instruction and every field
+``Task(dir)`` and ``TaskConfig.model_validate_toml`` there in a subprocess and compares name, instruction
+and every field
 of the config with this plug-in's parse. The one intended difference: Harbor ignores unknown fields, the
 plug-in refuses them (tested in test_harbor_tasks.py).
 """
