@@ -123,7 +123,7 @@ class SandboxActivities:
             host = await self.backend.host()
         except RolloutError as e:
             raise e.to_application_error() from e
-        return SandboxCreated(created=True, host=host)
+        return SandboxCreated(created=True, host=host, timeout_s=plan.timeout_s)
 
     async def _image(self, plan: SandboxPlan, rollout_id: str) -> None:
         """Build the plan's image on this backend's daemon unless it has it (once per tag and host)."""

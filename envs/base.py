@@ -111,6 +111,10 @@ class SandboxPlan(BaseModel):
     (environment). Like every side effect they may run again on a retry: keep them idempotent."""
     setup_timeout_s: float = Field(600.0, gt=0)
     """Time limit of each setup command."""
+    timeout_s: float | None = Field(None, gt=0)
+    """This task's wall-clock limit of the rollout, counted from its sandbox's creation (e.g. a Harbor
+    task's agent timeout); reaching it truncates the rollout (``timeout``), as ``rollout.timeout_s`` does,
+    which still applies when shorter. None: only the run's limit."""
 
 
 class Step(BaseModel):

@@ -16,8 +16,9 @@ How one rollout goes (``run.env = "harbor"``, ``run.task_file`` a Harbor dataset
    writable tmpfs folders. Same hardening as every sandbox: no network, no capabilities, non-root.
 3. ``prompt``: the tool format, ``Task id: <name>``, the instruction (``instruction.md``), the working
    directory. Every turn is one tool call (``envs.tool_calls``: bash, write_file, read_file, submit),
-   recorded with the turn before it runs. A bash command's limit is the run's command timeout, capped
-   at ``[agent].timeout_sec``.
+   recorded with the turn before it runs. ``[agent].timeout_sec`` is the rollout's wall-clock limit from
+   its sandbox's creation (``SandboxPlan.timeout_s``: truncated, reason ``timeout``; the run's
+   ``rollout.timeout_s`` still applies when shorter), and caps each bash command's limit.
 4. ``score``: Harbor's verifier in the same container (`harbor_env.verifier`): reward from
    ``/logs/verifier/reward.json`` or ``reward.txt``; no reward or a timeout is `EnvironmentFailure`.
 
@@ -107,6 +108,7 @@ class HarborEnvironment(Environment):
                 "mkdir -p /logs/agent /logs/verifier",
             ],
             setup_timeout_s=600,
+            timeout_s=t.cfg.agent.timeout_sec,
         )
 
     def parse(self, ctx: TurnContext, text: str) -> dict[str, Any] | Step:
