@@ -205,6 +205,9 @@ class RolloutState(_Data):
     """Durable waits for an unavailable engine so far."""
     sandbox_s: float = 0.0
     """Workflow seconds in the sandbox's create, recover and destroy activities (environment time)."""
+    task_deadline: float | None = None
+    """Workflow time past which the task's own limit truncates the rollout (reason ``timeout``): its
+    sandbox's creation plus ``SandboxCreated.timeout_s``; None: only ``rollout.timeout_s`` applies."""
 
 
 class PrepareResult(_Data):

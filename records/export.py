@@ -128,6 +128,8 @@ def _turns(segs: list[Segment]) -> list[dict[str, Any]]:
             turn["transfer_s"] = m["transfer_s"]
         if "logprob_mode" in m:  # recorded from schema 4 on
             turn["logprob_mode"] = m["logprob_mode"]
+        if m.get("metrics"):  # an environment that reports more than the reward (envs.base.Score)
+            turn["metrics"] = m["metrics"]
         out.append(turn)
     return out
 

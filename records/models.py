@@ -83,6 +83,9 @@ class TurnRecord(_Record):
     """The logprobs mode the engine reported serving when it sampled the turn (vLLM's dev-mode
     ``/server_info``; from schema 4); null when the engine could not tell. A turn is never sampled by an
     engine whose reported mode differs from ``sampling.logprob_mode``."""
+    metrics: dict[str, float] | None = None
+    """The verifier's metrics when this turn was scored and the environment reports more than the reward
+    (e.g. every key of a Harbor task's ``reward.json``); absent otherwise."""
 
 
 class RolloutTime(_Record):

@@ -58,6 +58,8 @@ OUTAGE_BACKOFF_MAX_S = 30.0
 
 OPS_PATCH = "ops-search-attributes"
 """Patch id of the operating search attributes (progress time, replica, sandbox host, attempt)."""
+TASK_TIMEOUT_PATCH = "task-timeout"
+"""Patch id of a task's own wall-clock limit (``RolloutState.task_deadline``: a timer of its own)."""
 
 
 def utc_text(ts: float) -> str:
@@ -240,7 +242,10 @@ class RolloutWorkflow:
                 return await self._finalize(inp, ended)
             # A local activity's failure can arrive unwrapped (ApplicationError, no ActivityError).
             # The wall-clock limit cancels the in-flight activity, which may surface as its failure.
-            timed_out = workflow.now().timestamp() - started >= inp.timeout_s
+            now = workflow.now().timestamp()
+            timed_out = now - started >= inp.timeout_s or (
+                s.task_deadline is not None and now >= s.task_deadline
+            )
             ended = _Ended(Outcome.TRUNCATED, TruncationReason.TIMEOUT.value) if timed_out else _failure(e)
         return await self._finalize(inp, ended)
 
@@ -252,6 +257,17 @@ class RolloutWorkflow:
             self._sandbox_host = await self._sandbox.create(self._engine)
             prep: PrepareResult = await self._with_failover(inp, self._prepare_on)
             s.tokens = prep.prompt_tokens
+        deadline = s.task_deadline
+        if deadline is not None and workflow.patched(TASK_TIMEOUT_PATCH):
+            left = deadline - workflow.now().timestamp()
+            if left <= 0:
+                raise TimeoutError
+            await asyncio.wait_for(self._turns(inp), timeout=left)  # TimeoutError: truncated (timeout)
+        else:
+            await self._turns(inp)
+
+    async def _turns(self, inp: RolloutInput) -> None:
+        s = self._s
         while True:
             if s.turn >= inp.max_turns:
                 raise await self._score_truncated(inp, TruncationReason.MAX_TURNS)

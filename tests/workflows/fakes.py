@@ -24,6 +24,7 @@ from temporalio.client import Client
 from temporalio.worker import Worker
 
 from activities.closed_groups import closed_among, unended_members
+from contracts.sandbox import SandboxCreated
 from contracts.types import (
     RAN_TO_END,
     ClosedGroupsInput,
@@ -211,10 +212,12 @@ class Fakes:
 
     # -- SandboxActivities ----------------------------------------------------------------------------
     @activity.defn(name="sandbox_create")
-    async def sandbox_create(self, inp: SandboxStepInput) -> bool:
+    async def sandbox_create(self, inp: SandboxStepInput) -> bool | SandboxCreated:
         self._record("sandbox_create", inp)
         if self.sandbox_create_hook is not None:
             scripted = await self.sandbox_create_hook(inp)
+            if isinstance(scripted, SandboxCreated):
+                return scripted
             if scripted is not None:
                 return bool(scripted)
         return True
