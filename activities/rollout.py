@@ -80,7 +80,7 @@ def engine_retry(retry: RetrySettings) -> RetryPolicy:
 def env_traits(env: str) -> EnvTraits:
     """What the workflows need to know of the environment registered as ``env``."""
     e = registry.get(env)
-    return EnvTraits(name=e.name, uses_sandbox=e.uses_sandbox, inline_steps=e.inline_steps)
+    return EnvTraits(name=e.name, uses_sandbox=e.uses_sandbox, inline_steps=e.inline_steps, harness=e.harness)
 
 
 class RolloutActivities:

@@ -11,6 +11,7 @@ All methods block and are thread-safe; call them from asyncio through `AsyncSand
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import threading
 import time
@@ -32,11 +33,13 @@ from sandboxes._docker_exec import (
     stream_exec,
 )
 from sandboxes.base import (
+    GATEWAY_MOUNT,
     ExecResult,
     ImageBuild,
     SandboxHandle,
     SandboxInfo,
     SandboxSpec,
+    gateway_dir,
     validate_relative_path,
 )
 
@@ -75,7 +78,7 @@ def container_name(key: str) -> str:
 
 def _spec_digest(spec: SandboxSpec) -> str:
     # A spec without mounts hashes as it did before mounts existed (running sandboxes stay reattachable).
-    exclude = {"mounts"} if not spec.mounts else None
+    exclude = ({"mounts"} if not spec.mounts else set()) | ({"gateway"} if not spec.gateway else set())
     return hashlib.sha256(spec.model_dump_json(exclude=exclude).encode()).hexdigest()[:16]
 
 
@@ -176,6 +179,11 @@ class DockerBackend:
             return None
 
     def _create_container(self, name: str, labels: dict[str, str], spec: SandboxSpec) -> str:
+        binds = {}
+        if spec.gateway:  # the rollout's own gateway folder only (no Docker socket, no network)
+            folder = gateway_dir(labels[LABEL_ROLLOUT])
+            os.makedirs(folder, mode=0o755, exist_ok=True)
+            binds[folder] = {"bind": GATEWAY_MOUNT, "mode": "ro"}
         try:
             self.api.inspect_image(spec.image)
         except docker.errors.ImageNotFound as exc:
@@ -205,6 +213,7 @@ class DockerBackend:
             init=True,
             ipc_mode="private",
             ulimits=[docker.types.Ulimit(name="nofile", soft=4096, hard=4096)],
+            binds=binds or None,
         )
         created = self.api.create_container(
             spec.image,

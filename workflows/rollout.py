@@ -50,6 +50,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows.admission import CANCEL_REASON
     from workflows.calls import call
     from workflows.dispatch import replica_order
+    from workflows.harness_steps import HarnessSteps
     from workflows.sandbox_steps import SandboxSteps
 
 T = TypeVar("T")
@@ -128,6 +129,9 @@ class RolloutWorkflow:
         self._failed_attempts = 0
         """Attempts of engine calls that failed over, not yet folded into ``_attempt``."""
         self._sandbox_host: str | None = None
+        self._harness: HarnessSteps | None = None
+        self._calls: set[int] = set()
+        """Harness calls waiting at the gateway (``gateway_call`` signals), by index."""
 
     @workflow.signal
     def cancel_for(self, reason: str) -> None:
@@ -136,6 +140,11 @@ class RolloutWorkflow:
             self._cancel_reason = reason[:200]
         if self._task is not None and not self._task.done():
             self._task.cancel()
+
+    @workflow.signal
+    def gateway_call(self, index: int) -> None:
+        """The rollout's harness made model call ``index`` (its request is in the store)."""
+        self._calls.add(index)
 
     @workflow.query
     def state(self) -> dict:
@@ -221,6 +230,8 @@ class RolloutWorkflow:
         self._engine = self._order[min(s.engine_failovers, len(self._order) - 1)]
         if inp.env.uses_sandbox:
             self._sandbox = SandboxSteps(inp, s)
+            if inp.env.harness:
+                self._harness = HarnessSteps(inp, s, self._sandbox, self._calls, self._with_failover)
         remaining = inp.timeout_s - (workflow.now().timestamp() - started)
         try:
             if remaining <= 0:
@@ -255,16 +266,27 @@ class RolloutWorkflow:
             # Without a sandbox the prompt is built by the first model call's activity (one step less).
             self._enter(Phase.PREPARE)
             self._sandbox_host = await self._sandbox.create(self._engine)
-            prep: PrepareResult = await self._with_failover(inp, self._prepare_on)
-            s.tokens = prep.prompt_tokens
+            if self._harness is None:  # a harness writes its own prompt (its first call's)
+                prep: PrepareResult = await self._with_failover(inp, self._prepare_on)
+                s.tokens = prep.prompt_tokens
         deadline = s.task_deadline
         if deadline is not None and workflow.patched(TASK_TIMEOUT_PATCH):
             left = deadline - workflow.now().timestamp()
             if left <= 0:
                 raise TimeoutError
-            await asyncio.wait_for(self._turns(inp), timeout=left)  # TimeoutError: truncated (timeout)
+            await asyncio.wait_for(self._drive(inp), timeout=left)  # TimeoutError: truncated (timeout)
         else:
-            await self._turns(inp)
+            await self._drive(inp)
+
+    async def _drive(self, inp: RolloutInput) -> None:
+        """The turn loop, or the harness with its calls served (workflows/harness_steps.py)."""
+        if self._harness is None:
+            return await self._turns(inp)
+        self._enter(Phase.GENERATE)
+        reason = await self._harness.run()
+        if reason is not None:
+            raise await self._score_truncated(inp, reason)
+        raise _Ended(Outcome.COMPLETED, None, (await self._env_step(inp, True, score_only=True)).reward)
 
     async def _turns(self, inp: RolloutInput) -> None:
         s = self._s
@@ -413,7 +435,8 @@ class RolloutWorkflow:
         else:
             sandbox = self._sandbox
             run = lambda: sandbox.on_host(EnvironmentActivities.env_step, step)  # noqa: E731
-            result = await sandbox.recovering(self._engine, self._s.turn, run)
+            # a harness's process cannot be replayed into a new sandbox: its loss fails the rollout (infra)
+            result = await (run() if self._harness else sandbox.recovering(self._engine, self._s.turn, run))
         self._stop_if_cancelled()
         return result
 
