@@ -134,7 +134,9 @@ async def _submit(cfg, cfg_hash: str, rid: str, wait: bool) -> None:
     if wait:
         from workers.progress import follow
 
-        await follow(handle)
+        final = await follow(handle)
+        if final.stopped is not None:  # a streak of environment failures stopped it: not a success
+            raise _fail(f"run {rid} stopped: {final.stopped}", 1)
 
 
 @app.command()

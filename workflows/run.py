@@ -35,6 +35,10 @@ Invariants:
   itself for a group it cannot tell (as for a terminated one, its members recorded cancelled), marks the run
   ``cancelled`` in the store and ends cancelled. Groups never started have no record: the ledger checks a
   cancelled run's started groups only, and does not ask it for a success.
+- A streak of ``run.max_consecutive_environment_failures`` environment failures (workflows/breaker.py)
+  stops the run: no group starts after it, the groups in flight are cancelled as for a run cancel (reason
+  ``run-stopped``), the store marks the run ``stopped`` and the run returns its progress with the reason
+  (``stopped``; also the workflow's current details).
 """
 
 from __future__ import annotations
@@ -83,7 +87,8 @@ with workflow.unsafe.imports_passed_through():
         replica_load,
         spend_bucket,
     )
-    from workflows.group import RUN_CANCEL_REASON, GroupWorkflow, rollout_template
+    from workflows.group import RUN_CANCEL_REASON, RUN_STOP_REASON, GroupWorkflow, rollout_template
+    from workflows.run_end import ENV_STOP_PATCH, cancel_groups
     from workflows.unreported import record_unreported
 
 
@@ -146,9 +151,10 @@ class RunWorkflow:
         for outcome, n in record.outcomes.items():
             st.outcomes[outcome] = st.outcomes.get(outcome, 0) + n
         run = self._cfg.run
+        env_stop = run.max_consecutive_environment_failures if workflow.patched(ENV_STOP_PATCH) else None
         st.breaker = breaker.record(
             st.breaker, record.group_id, record.infra_failures, record.successes, workflow.now().timestamp(),
-            run.breaker_failures,
+            run.breaker_failures, record.environment_failures, env_stop, record.environment_failure,
         )  # fmt: skip
 
     @workflow.signal
@@ -191,6 +197,7 @@ class RunWorkflow:
             wasted_tokens=st.wasted_tokens,
             breaker=breaker.describe(st.breaker, run.breaker_probe_s),
             breaker_opened=st.breaker.opened,
+            stopped=st.breaker.stopped,
         )
 
     def _may_admit(self) -> bool:
@@ -205,24 +212,9 @@ class RunWorkflow:
         except asyncio.CancelledError:
             if not workflow.patched(RUN_CANCEL_PATCH):
                 raise
-            await self._cancel_groups(inp)
+            st = self._state
+            await cancel_groups(inp.run_id, st.slots, self._account_for, RUN_CANCEL_REASON, "cancelled")
             raise
-
-    async def _cancel_groups(self, inp: RunInput) -> None:
-        """The run was cancelled: tell every in-flight group to cancel its members and wait until each has
-        reported (one that cannot be told, its start cut short by the cancel or already ended, is accounted
-        for here); then the store marks the run cancelled."""
-        st = self._state
-        for gid in sorted(st.slots):
-            group = workflow.get_external_workflow_handle_for(GroupWorkflow.run, f"{inp.run_id}/{gid}")
-            try:
-                await group.signal(GroupWorkflow.cancel_all, RUN_CANCEL_REASON)
-            except Exception as e:
-                workflow.logger.info("run %s: group %s not told to cancel (%s)", inp.run_id, gid, e)
-                ask = TerminatedGroupInput(run_id=inp.run_id, group_id=gid, reason=RUN_CANCEL_REASON)
-                await self._account_for(ask, Outcome.CANCELLED, RUN_CANCEL_REASON)
-        await workflow.wait_condition(lambda: not st.slots)
-        await call(RolloutActivities.finish_run, inp.run_id, "cancelled")
 
     async def _run(self, inp: RunInput) -> RunProgress:
         st, cfg = self._state, self._cfg  # one state object, shared with the signal handler
@@ -246,6 +238,8 @@ class RunWorkflow:
             started = 0
             while st.next_group < cfg.run.num_groups:
                 await self._room_for_a_group()
+                if st.breaker.stopped is not None:
+                    break
                 if workflow.patched(CONCURRENT_START_PATCH):
                     # every free slot at once; while the breaker is open, only its probe
                     k = self._free_slots() if st.breaker.open_since is None else 1
@@ -258,7 +252,11 @@ class RunWorkflow:
                     await self._start_group(inp, template, cfg.engine.urls)
                     started += 1
                 await self._maybe_continue_as_new(inp, started >= cfg.run.groups_per_run_segment)
-        await workflow.wait_condition(lambda: not st.slots)
+        await workflow.wait_condition(lambda: not st.slots or st.breaker.stopped is not None)
+        if st.breaker.stopped is not None:  # a streak of environment failures: cancel what still runs
+            workflow.set_current_details(f"stopped: {st.breaker.stopped}")
+            await cancel_groups(inp.run_id, st.slots, self._account_for, RUN_STOP_REASON, "stopped")
+            return self.progress()
         await call(RolloutActivities.finish_run, inp.run_id)
         return self.progress()
 
@@ -269,7 +267,7 @@ class RunWorkflow:
         st, run = self._state, self._cfg.run
         free = lambda: self._free_slots() > 0  # noqa: E731
         closed = lambda: st.breaker.open_since is None  # noqa: E731
-        while True:
+        while st.breaker.stopped is None:
             b = st.breaker
             if b.open_since is None:
                 await workflow.wait_condition(lambda: free() or not closed())
@@ -279,7 +277,7 @@ class RunWorkflow:
                 await workflow.wait_condition(lambda: st.breaker.probe is None or closed())
             elif (due := b.open_since + run.breaker_probe_s - workflow.now().timestamp()) > 0:
                 with contextlib.suppress(TimeoutError):
-                    await workflow.wait_condition(closed, timeout=due)
+                    await workflow.wait_condition(lambda: closed() or bool(st.breaker.stopped), timeout=due)
             else:
                 await workflow.wait_condition(lambda: free() or closed())
                 if free() and self._may_admit():
@@ -310,7 +308,7 @@ class RunWorkflow:
             adm = adm.model_copy(update={"predicted_fill": 0.0})
         ctl = AdmissionController(adm, ds.admission, group_size=cfg.run.group_size)
         size, started, over = cfg.run.group_size, 0, cfg.run.overprovision
-        while st.next_group < cfg.run.num_groups or st.slots:
+        while (st.next_group < cfg.run.num_groups or st.slots) and st.breaker.stopped is None:
             poll = await self._poll(inp, template)
             now = workflow.now().timestamp()
             for r in poll.readings:
@@ -485,6 +483,8 @@ class RunWorkflow:
                 run_workflow_id=workflow.info().workflow_id,
                 engine=engine,
                 redispatch_cancelled=cfg.admission.redispatch_cancelled,
+                infra_retries=cfg.rollout.infra_retries,
+                on_infra_failure=cfg.group.on_infra_failure,
             ),
             id=f"{inp.run_id}/{gid}",
             parent_close_policy=ParentClosePolicy.ABANDON,

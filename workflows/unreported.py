@@ -16,7 +16,6 @@ with workflow.unsafe.imports_passed_through():
     from activities.dispatch import DispatchActivities
     from activities.rollout import RolloutActivities
     from contracts.types import (
-        FinalizeGroupInput,
         FinalizeRolloutInput,
         GroupInput,
         GroupResult,
@@ -29,7 +28,7 @@ with workflow.unsafe.imports_passed_through():
         TerminatedGroupInput,
     )
     from workflows.calls import call
-    from workflows.group import close_group, member_input, slot_of
+    from workflows.group import close_group, finalize_input, member_input, slot_of
 
 
 async def record_unreported(
@@ -81,5 +80,5 @@ async def record_unreported(
             )
         )  # fmt: skip
     record, advantages = close_group(run_id, inp.group_id, seen.task_id, slot.size, attempts, advantage_eps)
-    await call(RolloutActivities.finalize_group, FinalizeGroupInput(record=record, advantages=advantages))
+    await call(RolloutActivities.finalize_group, finalize_input(record, advantages, attempts))
     return record
