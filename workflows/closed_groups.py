@@ -42,7 +42,7 @@ with workflow.unsafe.imports_passed_through():
     from config.models import Config
     from contracts.types import ClosedGroupsInput, FailureKind, GroupSlot, Outcome, TerminatedGroupInput
     from workflows.calls import call
-    from workflows.unreported import Account
+    from workflows.run_end import Account
 
 NOTICE_PATCH = "notice-closed-groups"
 """The run notices groups that closed without reporting (runs started before replay without)."""

@@ -37,6 +37,10 @@ Invariants:
   itself for a group it cannot tell (as for a terminated one, its members recorded cancelled), marks the run
   ``cancelled`` in the store and ends cancelled. Groups never started have no record: the ledger checks a
   cancelled run's started groups only, and does not ask it for a success.
+- A streak of ``run.max_consecutive_environment_failures`` environment failures (workflows/breaker.py)
+  stops the run: no group starts after it, the groups in flight are cancelled as for a run cancel (reason
+  ``run-stopped``), the store marks the run ``stopped`` and the run returns its progress with the reason
+  (``stopped``; also the workflow's current details).
 """
 
 from __future__ import annotations
@@ -86,8 +90,9 @@ with workflow.unsafe.imports_passed_through():
         replica_load,
         spend_bucket,
     )
-    from workflows.group import GroupWorkflow, rollout_template
-    from workflows.unreported import cancel_groups, record_unreported
+    from workflows.group import RUN_CANCEL_REASON, RUN_STOP_REASON, GroupWorkflow, rollout_template
+    from workflows.run_end import ENV_STOP_PATCH, cancel_groups
+    from workflows.unreported import record_unreported
 
 
 FINAL_DECISION_PATCH = "final-dispatch-decision"
@@ -151,9 +156,10 @@ class RunWorkflow:
         for outcome, n in record.outcomes.items():
             st.outcomes[outcome] = st.outcomes.get(outcome, 0) + n
         run = self._cfg.run
+        env_stop = run.max_consecutive_environment_failures if workflow.patched(ENV_STOP_PATCH) else None
         st.breaker = breaker.record(
             st.breaker, record.group_id, record.infra_failures, record.successes, workflow.now().timestamp(),
-            run.breaker_failures,
+            run.breaker_failures, record.environment_failures, env_stop, record.environment_failure,
         )  # fmt: skip
 
     @workflow.signal
@@ -204,6 +210,7 @@ class RunWorkflow:
             breaker=breaker.describe(st.breaker, run.breaker_probe_s),
             breaker_opened=st.breaker.opened,
             accounting=dict(self._closed.why),
+            stopped=st.breaker.stopped,
         )
 
     def _may_admit(self) -> bool:
@@ -218,8 +225,8 @@ class RunWorkflow:
         except asyncio.CancelledError:
             if not workflow.patched(RUN_CANCEL_PATCH):
                 raise
-            await cancel_groups(inp.run_id, self._state.slots, self._account_for)
-            await call(RolloutActivities.finish_run, inp.run_id, "cancelled")  # the store marks it cancelled
+            st = self._state
+            await cancel_groups(inp.run_id, st.slots, self._account_for, RUN_CANCEL_REASON, "cancelled")
             raise
 
     async def _run(self, inp: RunInput) -> RunProgress:
@@ -246,6 +253,8 @@ class RunWorkflow:
             started = 0
             while st.next_group < cfg.run.num_groups:
                 await self._room_for_a_group()
+                if st.breaker.stopped is not None:
+                    break
                 if workflow.patched(CONCURRENT_START_PATCH):
                     # every free slot at once; while the breaker is open, only its probe
                     k = self._free_slots() if st.breaker.open_since is None else 1
@@ -258,7 +267,11 @@ class RunWorkflow:
                     await self._start_group(inp, template, cfg.engine.urls)
                     started += 1
                 await self._maybe_continue_as_new(inp, started >= cfg.run.groups_per_run_segment)
-        await workflow.wait_condition(lambda: not st.slots)
+        await workflow.wait_condition(lambda: not st.slots or st.breaker.stopped is not None)
+        if st.breaker.stopped is not None:  # a streak of environment failures: cancel what still runs
+            workflow.set_current_details(f"stopped: {st.breaker.stopped}")
+            await cancel_groups(inp.run_id, st.slots, self._account_for, RUN_STOP_REASON, "stopped")
+            return self.progress()
         await call(RolloutActivities.finish_run, inp.run_id)
         return self.progress()
 
@@ -269,7 +282,7 @@ class RunWorkflow:
         st, run = self._state, self._cfg.run
         free = lambda: self._free_slots() > 0  # noqa: E731
         closed = lambda: st.breaker.open_since is None  # noqa: E731
-        while True:
+        while st.breaker.stopped is None:
             b = st.breaker
             if b.open_since is None:
                 await workflow.wait_condition(lambda: free() or not closed())
@@ -279,7 +292,7 @@ class RunWorkflow:
                 await workflow.wait_condition(lambda: st.breaker.probe is None or closed())
             elif (due := b.open_since + run.breaker_probe_s - workflow.now().timestamp()) > 0:
                 with contextlib.suppress(TimeoutError):
-                    await workflow.wait_condition(closed, timeout=due)
+                    await workflow.wait_condition(lambda: closed() or bool(st.breaker.stopped), timeout=due)
             else:
                 await workflow.wait_condition(lambda: free() or closed())
                 if free() and self._may_admit():
@@ -310,7 +323,7 @@ class RunWorkflow:
             adm = adm.model_copy(update={"predicted_fill": 0.0})
         ctl = AdmissionController(adm, ds.admission, group_size=cfg.run.group_size)
         size, started, over = cfg.run.group_size, 0, cfg.run.overprovision
-        while st.next_group < cfg.run.num_groups or st.slots:
+        while (st.next_group < cfg.run.num_groups or st.slots) and st.breaker.stopped is None:
             poll = await self._poll(inp, template)
             now = workflow.now().timestamp()
             for r in poll.readings:
@@ -485,6 +498,8 @@ class RunWorkflow:
                 run_workflow_id=workflow.info().workflow_id,
                 engine=engine,
                 redispatch_cancelled=cfg.admission.redispatch_cancelled,
+                infra_retries=cfg.rollout.infra_retries,
+                on_infra_failure=cfg.group.on_infra_failure,
             ),
             id=f"{inp.run_id}/{gid}",
             parent_close_policy=ParentClosePolicy.ABANDON,
