@@ -57,7 +57,8 @@ with workflow.unsafe.imports_passed_through():
     from workflows.admission import CANCEL_REASON
     from workflows.calls import call
     from workflows.grpo import group_stats
-    from workflows.rollout import OPS_PATCH, RolloutWorkflow
+    from workflows.patches import INFRA_RETRIES, OPS
+    from workflows.rollout import RolloutWorkflow
 
 
 def rollout_template(cfg: Config, run_id: str, env: EnvTraits) -> RolloutInput:
@@ -121,9 +122,6 @@ def member_seed(base: int | None, rid: str) -> int | None:
 MAX_REDISPATCH = 3
 """Most times one group slot is restarted after admission cancels (then it stays cancelled)."""
 
-INFRA_RETRY_PATCH = "infra-retries"
-"""A slot whose member failed for infrastructure runs again (``GroupInput.infra_retries``); groups of
-0.2.0 never did."""
 
 RETRY_REASON = "manual-retry"
 """Cancel reason of a member an operator retried (``rollouts retry``)."""
@@ -327,8 +325,10 @@ class GroupWorkflow:
                 SearchAttributePair(sa.ENV, m.env.name),
                 SearchAttributePair(sa.PHASE, "queued"),
             ]
-            if workflow.patched(OPS_PATCH):  # a queued rollout is findable as stuck too
-                attrs.append(SearchAttributePair(sa.PROGRESS_AT, workflow.now()))
+            workflow.deprecate_patch(OPS.id)  # retired (workflows/patches.py)
+            attrs.append(
+                SearchAttributePair(sa.PROGRESS_AT, workflow.now())
+            )  # a queued rollout shows as stuck
             handle = await workflow.start_child_workflow(
                 RolloutWorkflow.run,
                 m,
@@ -361,7 +361,7 @@ class GroupWorkflow:
                 _infra(result)
                 and not terminated
                 and infra_retried < inp.infra_retries
-                and workflow.patched(INFRA_RETRY_PATCH)
+                and workflow.patched(INFRA_RETRIES.id)
             ):
                 attempt, infra_retried = attempt + 1, infra_retried + 1
                 continue

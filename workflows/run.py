@@ -79,7 +79,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows import search_attributes as sa
     from workflows.admission import AdmissionController
     from workflows.calls import call
-    from workflows.closed_groups import NOTICE_PATCH, ClosedGroups
+    from workflows.closed_groups import ClosedGroups
     from workflows.dispatch import (
         admission_room,
         cancels_by_group,
@@ -91,32 +91,19 @@ with workflow.unsafe.imports_passed_through():
         spend_bucket,
     )
     from workflows.group import RUN_CANCEL_REASON, RUN_STOP_REASON, GroupWorkflow, rollout_template
-    from workflows.run_end import ENV_STOP_PATCH, cancel_groups
+    from workflows.patches import (
+        CONCURRENT_START,
+        ENV_STOP,
+        FINAL_DECISION,
+        FOOTPRINT,
+        NOTICE_CLOSED_GROUPS,
+        PROBE_ADMISSION,
+        PROBE_RAMP,
+        RUN_CANCEL,
+    )
+    from workflows.run_end import cancel_groups
     from workflows.unreported import record_unreported
 
-
-FINAL_DECISION_PATCH = "final-dispatch-decision"
-"""Runs started from 0.2.0 on step the controller once more after the last group and log it (histories of
-0.2.0 replay the old path)."""
-
-PROBE_ADMISSION_PATCH = "probe-admission"
-"""Runs started after 0.2.0 run the admission preset their config names (default ``probe``); histories of
-0.2.0, whose configs predate the preset, replay with ``prime-rl``, the only rules they knew."""
-
-PROBE_RAMP_PATCH = "probe-ramp"
-"""The probe preset ramps (rule P0) and holds near a storm (P4); runs started before both replay without
-them (``ramp_below_usage`` 0, ``near_storm_fraction`` 1)."""
-
-RUN_CANCEL_PATCH = "run-cancel"
-"""A cancelled run cancels its groups and waits for them (runs of 0.2.0 just ended, abandoning them)."""
-
-FOOTPRINT_PATCH = "probe-footprint"
-"""The probe preset predicts rollouts' final footprints from the ended ones (rule P5); runs started before it
-replay without (``predicted_fill`` 0)."""
-
-CONCURRENT_START_PATCH = "concurrent-group-start"
-"""Groups admitted at one decision start in one workflow task (0.2.0 started them one after another, each
-awaited, and its histories replay that path)."""
 
 TASK_ID_BATCH = 32
 """Task ids the run looks up at once (one local activity per this many groups, off the critical path)."""
@@ -156,7 +143,7 @@ class RunWorkflow:
         for outcome, n in record.outcomes.items():
             st.outcomes[outcome] = st.outcomes.get(outcome, 0) + n
         run = self._cfg.run
-        env_stop = run.max_consecutive_environment_failures if workflow.patched(ENV_STOP_PATCH) else None
+        env_stop = run.max_consecutive_environment_failures if workflow.patched(ENV_STOP.id) else None
         st.breaker = breaker.record(
             st.breaker, record.group_id, record.infra_failures, record.successes, workflow.now().timestamp(),
             run.breaker_failures, record.environment_failures, env_stop, record.environment_failure,
@@ -223,7 +210,7 @@ class RunWorkflow:
         try:
             return await self._run(inp)
         except asyncio.CancelledError:
-            if not workflow.patched(RUN_CANCEL_PATCH):
+            if not workflow.patched(RUN_CANCEL.id):
                 raise
             st = self._state
             await cancel_groups(inp.run_id, st.slots, self._account_for, RUN_CANCEL_REASON, "cancelled")
@@ -245,7 +232,7 @@ class RunWorkflow:
             st.num_tasks, st.env = loaded.num_tasks, loaded.env
         assert st.env is not None
         template = rollout_template(cfg, inp.run_id, st.env)
-        if self._closed.carried and workflow.patched(NOTICE_PATCH):
+        if self._closed.carried and workflow.patched(NOTICE_CLOSED_GROUPS.id):
             self._closed.check_carried(st.slots, cfg)
         if cfg.admission.enabled:
             await self._dispatch_adaptive(inp, template)
@@ -255,7 +242,7 @@ class RunWorkflow:
                 await self._room_for_a_group()
                 if st.breaker.stopped is not None:
                     break
-                if workflow.patched(CONCURRENT_START_PATCH):
+                if workflow.patched(CONCURRENT_START.id):
                     # every free slot at once; while the breaker is open, only its probe
                     k = self._free_slots() if st.breaker.open_since is None else 1
                     k = min(k, cfg.run.num_groups - st.next_group, cfg.run.groups_per_run_segment - started)
@@ -315,11 +302,11 @@ class RunWorkflow:
         the last groups run)."""
         st, cfg = self._state, self._cfg
         ds, adm = st.dispatch, cfg.admission
-        if adm.preset != "prime-rl" and not workflow.patched(PROBE_ADMISSION_PATCH):
+        if adm.preset != "prime-rl" and not workflow.patched(PROBE_ADMISSION.id):
             adm = adm.model_copy(update={"preset": "prime-rl"})
-        if adm.preset == "probe" and not workflow.patched(PROBE_RAMP_PATCH):
+        if adm.preset == "probe" and not workflow.patched(PROBE_RAMP.id):
             adm = adm.model_copy(update={"ramp_below_usage": 0.0, "near_storm_fraction": 1.0})
-        if adm.preset == "probe" and not workflow.patched(FOOTPRINT_PATCH):
+        if adm.preset == "probe" and not workflow.patched(FOOTPRINT.id):
             adm = adm.model_copy(update={"predicted_fill": 0.0})
         ctl = AdmissionController(adm, ds.admission, group_size=cfg.run.group_size)
         size, started, over = cfg.run.group_size, 0, cfg.run.overprovision
@@ -348,7 +335,7 @@ class RunWorkflow:
             left, admitted = room.rollouts, 0
             if not self._may_admit():
                 room.reasons.append(f"breaker {breaker.describe(st.breaker, cfg.run.breaker_probe_s)}")
-            concurrent = workflow.patched(CONCURRENT_START_PATCH)
+            concurrent = workflow.patched(CONCURRENT_START.id)
             starts = []
             while (
                 st.next_group < cfg.run.num_groups
@@ -383,7 +370,7 @@ class RunWorkflow:
             await self._maybe_continue_as_new(inp, started >= cfg.run.groups_per_run_segment)
             if st.next_group >= cfg.run.num_groups and not st.slots:
                 last = await self._poll(inp, template)  # writes the last decision to the dispatch log
-                if workflow.patched(FINAL_DECISION_PATCH):
+                if workflow.patched(FINAL_DECISION.id):
                     await self._log_final_decision(inp, template, ctl, last)
             else:
                 self._freed = False
@@ -462,7 +449,7 @@ class RunWorkflow:
         return start
 
     async def _start_group(self, inp: RunInput, template: RolloutInput, healthy: list[str]) -> None:
-        """Runs of 0.2.0 (before CONCURRENT_START_PATCH): one group, its start awaited."""
+        """Runs of 0.2.0 (before the CONCURRENT_START patch): one group, its start awaited."""
         st = self._state
         idx = st.next_group
         task_id = await self._task_id(inp, idx)

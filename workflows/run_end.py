@@ -19,9 +19,6 @@ with workflow.unsafe.imports_passed_through():
     from workflows.calls import call
     from workflows.group import GroupWorkflow
 
-ENV_STOP_PATCH = "environment-stop"
-"""A streak of environment failures stops the run (``run.max_consecutive_environment_failures``); runs
-started before it never stop that way."""
 
 Account = Callable[[TerminatedGroupInput, Outcome, str], Awaitable[None]]
 """The run's accounting for a group that cannot report (``RunWorkflow._account_for``)."""
