@@ -75,7 +75,7 @@ with workflow.unsafe.imports_passed_through():
         TerminatedGroupInput,
         group_id,
     )
-    from workflows import breaker
+    from workflows import breaker, patches
     from workflows import search_attributes as sa
     from workflows.admission import AdmissionController
     from workflows.calls import call
@@ -91,16 +91,6 @@ with workflow.unsafe.imports_passed_through():
         spend_bucket,
     )
     from workflows.group import RUN_CANCEL_REASON, RUN_STOP_REASON, GroupWorkflow, rollout_template
-    from workflows.patches import (
-        CONCURRENT_START,
-        ENV_STOP,
-        FINAL_DECISION,
-        FOOTPRINT,
-        NOTICE_CLOSED_GROUPS,
-        PROBE_ADMISSION,
-        PROBE_RAMP,
-        RUN_CANCEL,
-    )
     from workflows.run_end import cancel_groups
     from workflows.unreported import record_unreported
 
@@ -143,7 +133,7 @@ class RunWorkflow:
         for outcome, n in record.outcomes.items():
             st.outcomes[outcome] = st.outcomes.get(outcome, 0) + n
         run = self._cfg.run
-        env_stop = run.max_consecutive_environment_failures if workflow.patched(ENV_STOP.id) else None
+        env_stop = run.max_consecutive_environment_failures if workflow.patched(patches.ENV_STOP.id) else None
         st.breaker = breaker.record(
             st.breaker, record.group_id, record.infra_failures, record.successes, workflow.now().timestamp(),
             run.breaker_failures, record.environment_failures, env_stop, record.environment_failure,
@@ -210,7 +200,7 @@ class RunWorkflow:
         try:
             return await self._run(inp)
         except asyncio.CancelledError:
-            if not workflow.patched(RUN_CANCEL.id):
+            if not workflow.patched(patches.RUN_CANCEL.id):
                 raise
             st = self._state
             await cancel_groups(inp.run_id, st.slots, self._account_for, RUN_CANCEL_REASON, "cancelled")
@@ -232,7 +222,7 @@ class RunWorkflow:
             st.num_tasks, st.env = loaded.num_tasks, loaded.env
         assert st.env is not None
         template = rollout_template(cfg, inp.run_id, st.env)
-        if self._closed.carried and workflow.patched(NOTICE_CLOSED_GROUPS.id):
+        if self._closed.carried and workflow.patched(patches.NOTICE_CLOSED_GROUPS.id):
             self._closed.check_carried(st.slots, cfg)
         if cfg.admission.enabled:
             await self._dispatch_adaptive(inp, template)
@@ -242,7 +232,7 @@ class RunWorkflow:
                 await self._room_for_a_group()
                 if st.breaker.stopped is not None:
                     break
-                if workflow.patched(CONCURRENT_START.id):
+                if workflow.patched(patches.CONCURRENT_START.id):
                     # every free slot at once; while the breaker is open, only its probe
                     k = self._free_slots() if st.breaker.open_since is None else 1
                     k = min(k, cfg.run.num_groups - st.next_group, cfg.run.groups_per_run_segment - started)
@@ -302,11 +292,11 @@ class RunWorkflow:
         the last groups run)."""
         st, cfg = self._state, self._cfg
         ds, adm = st.dispatch, cfg.admission
-        if adm.preset != "prime-rl" and not workflow.patched(PROBE_ADMISSION.id):
+        if adm.preset != "prime-rl" and not workflow.patched(patches.PROBE_ADMISSION.id):
             adm = adm.model_copy(update={"preset": "prime-rl"})
-        if adm.preset == "probe" and not workflow.patched(PROBE_RAMP.id):
+        if adm.preset == "probe" and not workflow.patched(patches.PROBE_RAMP.id):
             adm = adm.model_copy(update={"ramp_below_usage": 0.0, "near_storm_fraction": 1.0})
-        if adm.preset == "probe" and not workflow.patched(FOOTPRINT.id):
+        if adm.preset == "probe" and not workflow.patched(patches.FOOTPRINT.id):
             adm = adm.model_copy(update={"predicted_fill": 0.0})
         ctl = AdmissionController(adm, ds.admission, group_size=cfg.run.group_size)
         size, started, over = cfg.run.group_size, 0, cfg.run.overprovision
@@ -335,7 +325,7 @@ class RunWorkflow:
             left, admitted = room.rollouts, 0
             if not self._may_admit():
                 room.reasons.append(f"breaker {breaker.describe(st.breaker, cfg.run.breaker_probe_s)}")
-            concurrent = workflow.patched(CONCURRENT_START.id)
+            concurrent = workflow.patched(patches.CONCURRENT_START.id)
             starts = []
             while (
                 st.next_group < cfg.run.num_groups
@@ -370,7 +360,7 @@ class RunWorkflow:
             await self._maybe_continue_as_new(inp, started >= cfg.run.groups_per_run_segment)
             if st.next_group >= cfg.run.num_groups and not st.slots:
                 last = await self._poll(inp, template)  # writes the last decision to the dispatch log
-                if workflow.patched(FINAL_DECISION.id):
+                if workflow.patched(patches.FINAL_DECISION.id):
                     await self._log_final_decision(inp, template, ctl, last)
             else:
                 self._freed = False

@@ -16,7 +16,7 @@ WORKFLOWS = Path(patches.__file__).parent
 
 def patch_calls() -> list[tuple[str, str, str]]:
     """(file, call name, patch constant) for every ``workflow.patched(X.id)`` and
-    ``workflow.deprecate_patch(X.id)`` in workflows/."""
+    ``workflow.deprecate_patch(X.id)`` (or ``patches.X.id``) in workflows/."""
     out = []
     for path in sorted(WORKFLOWS.glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -25,8 +25,11 @@ def patch_calls() -> list[tuple[str, str, str]]:
             if node.func.attr not in ("patched", "deprecate_patch"):
                 continue
             arg = node.args[0] if node.args else None
-            if isinstance(arg, ast.Attribute) and arg.attr == "id" and isinstance(arg.value, ast.Name):
-                out.append((path.name, node.func.attr, arg.value.id))
+            target = arg.value if isinstance(arg, ast.Attribute) and arg.attr == "id" else None
+            if isinstance(target, ast.Attribute) and ast.unparse(target.value) == "patches":
+                target = ast.Name(target.attr)  # patches.X.id
+            if isinstance(target, ast.Name):
+                out.append((path.name, node.func.attr, target.id))
             else:
                 out.append((path.name, node.func.attr, ast.unparse(arg) if arg is not None else ""))
     return out
