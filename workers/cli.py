@@ -158,10 +158,12 @@ async def _submit(cfg, cfg_hash: str, rid: str, wait: bool, upload: Callable[[],
     if attached:
         typer.echo(f"attached to existing run {rid} (its stored config applies)", err=True)
     if wait:  # exit 3 past run.max_environment_failure_share (workers.progress.wait_verdict)
-        from workers.progress import follow, wait_verdict
+        from workers.progress import ENVIRONMENT_FAILURE_EXIT, follow, wait_verdict
 
         store = _store(cfg.store.url)
-        await follow(handle, store)
+        final = await follow(handle, store)
+        if final.stopped is not None:  # a streak of environment failures stopped it: not a success
+            raise _fail(f"run {rid} stopped: {final.stopped}", ENVIRONMENT_FAILURE_EXIT)
         code, line = wait_verdict(store, rid, cfg.run.max_environment_failure_share)
         if code:
             raise _fail(line, code)

@@ -142,6 +142,8 @@ def summary_table(
         table.add_row("admission cap (rollouts)", str(p.cap))
     if p.admission_cancelled:
         table.add_row("cancelled for admission", f"{p.admission_cancelled} ({p.wasted_tokens} tokens wasted)")
+    if p.stopped is not None:
+        table.add_row("stopped", p.stopped)
     if p.breaker is not None or p.breaker_opened:
         table.add_row("circuit breaker", p.breaker or f"closed (opened {p.breaker_opened}x)")
     if groups:
@@ -208,6 +210,8 @@ async def show_status(client: Client, run_id: str) -> None:
         raise SystemExit(2) from None
     p = await _progress(handle)
     console.print(f"run {run_id}: workflow {desc.status.name if desc.status else '?'}")
+    if p is not None and p.stopped is not None:
+        console.print(f"run {run_id}: stopped: {p.stopped}")
     if p is not None:
         print_summary(p)
         _print_dispatch(run_id)

@@ -16,9 +16,9 @@ written from the store, the group counted):
   (`DispatchActivities.closed_groups`). The first check comes one interval into the segment, so carried
   groups that report within it cost nothing; once none is in flight the checks stop.
 
-Both paths are behind `NOTICE_PATCH` (histories of earlier releases replay without them). The accounting
-is idempotent: a group noticed here and then signalled ``group_terminated`` (or the other way round), or
-noticed by both paths, is accounted once.
+Both paths are behind the `notice-closed-groups` patch (histories of earlier releases replay without
+them). The accounting is idempotent: a group noticed here and then signalled ``group_terminated`` (or
+the other way round), or noticed by both paths, is accounted once.
 """
 
 from __future__ import annotations
@@ -42,10 +42,9 @@ with workflow.unsafe.imports_passed_through():
     from config.models import Config
     from contracts.types import ClosedGroupsInput, FailureKind, GroupSlot, Outcome, TerminatedGroupInput
     from workflows.calls import call
-    from workflows.unreported import Account
+    from workflows.patches import NOTICE_CLOSED_GROUPS
+    from workflows.run_end import Account
 
-NOTICE_PATCH = "notice-closed-groups"
-"""The run notices groups that closed without reporting (runs started before replay without)."""
 
 OUTSIDE = "web UI or CLI"
 """Who terminated a group the run noticed itself (Temporal does not tell the run who did)."""
@@ -108,7 +107,7 @@ class ClosedGroups:
         return handle
 
     async def _noticed(self, gid: str, e: BaseException) -> None:
-        if not workflow.patched(NOTICE_PATCH):
+        if not workflow.patched(NOTICE_CLOSED_GROUPS.id):
             return
         workflow.logger.warning("run %s: group %s closed without reporting: %s", self.run_id, gid, e)
         await self._notice(gid, reason_of(status_of(e)))
@@ -119,7 +118,7 @@ class ClosedGroups:
 
     def check_carried(self, slots: dict[str, GroupSlot], cfg: Config) -> None:
         """Start the check of carried groups (the caller starts it only when ``carried`` is not empty, behind
-        `NOTICE_PATCH`)."""
+        `NOTICE_CLOSED_GROUPS.id`)."""
         every = cfg.admission.poll_interval_s if cfg.admission.enabled else cfg.run.closed_group_check_s
         task = asyncio.create_task(self._check(slots, every))
         self._tasks.add(task)

@@ -32,10 +32,8 @@ with workflow.unsafe.imports_passed_through():
     from contracts.harness import GatewayCallInput, GatewayCallResult, HarnessExit, HarnessRunInput
     from contracts.types import RolloutInput, RolloutState, TruncationReason
     from workflows.calls import call
+    from workflows.patches import HARNESS
     from workflows.sandbox_steps import SandboxSteps
-
-HARNESS_PATCH = "harness-rollouts"
-"""Patch id of the harness rollouts' commands (a new path: histories of other rollouts never take it)."""
 
 Failover = Callable[[RolloutInput, Callable[[RolloutInput, str], Awaitable[Any]]], Awaitable[Any]]
 
@@ -55,7 +53,7 @@ class HarnessSteps:
 
     async def run(self) -> TruncationReason | None:
         """Run the harness to its exit (None: it exited 0 after calling the model) or to a limit."""
-        workflow.patched(HARNESS_PATCH)
+        workflow.patched(HARNESS.id)
         inp, s = self.inp, self.state
         ask = HarnessRunInput(
             run_id=inp.run_id, rollout_id=inp.rollout_id, task_id=inp.task_id, env=inp.env.name,

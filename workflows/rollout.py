@@ -8,8 +8,8 @@ Invariants:
 - Search attributes are upserted only inside workflow tasks the rollout runs anyway (never a task of their
   own): on a phase, version, outcome, replica or sandbox-host change, and for progress alone (a turn, the
   attempt count) at most once per ``search_attributes.PROGRESS_INDEX_INTERVAL_S`` of workflow time. The
-  operating attributes (progress time, replica, sandbox host, attempt) are behind the ``OPS_PATCH`` patch,
-  so histories of earlier releases replay unchanged.
+  operating attributes (progress time, replica, sandbox host, attempt) are always indexed (their patch,
+  ``ops-search-attributes``, is retired: ``workflows/patches.py``).
 - The live details say what the rollout waits on and since when (UTC), e.g.
   ``waiting on model call (turn 3, http://e:8000) since 2026-12-01T10:00:00Z | phase=generate ...``.
 """
@@ -51,16 +51,12 @@ with workflow.unsafe.imports_passed_through():
     from workflows.calls import call
     from workflows.dispatch import replica_order
     from workflows.harness_steps import HarnessSteps
+    from workflows.patches import OPS, TASK_TIMEOUT
     from workflows.sandbox_steps import SandboxSteps
 
 T = TypeVar("T")
 OUTAGE_BACKOFF_MAX_S = 30.0
 """Longest wait between two tries of an engine that is out (the outage budget bounds the total)."""
-
-OPS_PATCH = "ops-search-attributes"
-"""Patch id of the operating search attributes (progress time, replica, sandbox host, attempt)."""
-TASK_TIMEOUT_PATCH = "task-timeout"
-"""Patch id of a task's own wall-clock limit (``RolloutState.task_deadline``: a timer of its own)."""
 
 
 def utc_text(ts: float) -> str:
@@ -117,8 +113,6 @@ class RolloutWorkflow:
         self._sandbox: SandboxSteps | None = None
         self._cancel_reason: str | None = None
         self._task: asyncio.Task[None] | None = None
-        self._ops = False
-        """Whether this execution indexes the operating attributes (``OPS_PATCH``)."""
         self._progress_at = 0.0
         """Workflow time of the last progress (start, phase change, finished turn)."""
         self._progress_upserted: float | None = None
@@ -184,13 +178,10 @@ class RolloutWorkflow:
             self._progress_at = now
         idx = self._indexed
         forced = changed_phase or outcome is not None or s.version != idx.get(sa.POLICY_VERSION.name)
-        if self._ops:
-            forced = forced or (self._engine or None) != idx.get(sa.ENGINE.name)
-            forced = forced or self._sandbox_host != idx.get(sa.SANDBOX_HOST.name)
-        progress = (
-            self._ops
-            and self._progress_at > (self._progress_upserted or 0.0)
-            and sa.progress_due(self._progress_upserted, now)
+        forced = forced or (self._engine or None) != idx.get(sa.ENGINE.name)
+        forced = forced or self._sandbox_host != idx.get(sa.SANDBOX_HOST.name)
+        progress = self._progress_at > (self._progress_upserted or 0.0) and sa.progress_due(
+            self._progress_upserted, now
         )
         if index and (forced or progress):
             wanted: dict[SearchAttributeKey[Any], Any] = {
@@ -198,13 +189,12 @@ class RolloutWorkflow:
                 sa.TURN: s.turn,
                 sa.POLICY_VERSION: s.version,
                 sa.OUTCOME: outcome.value if outcome else None,
+                sa.ENGINE: self._engine or None,
+                sa.SANDBOX_HOST: self._sandbox_host,
+                sa.ATTEMPT: self._attempt,
+                sa.PROGRESS_AT: datetime.fromtimestamp(self._progress_at, UTC),
+                sa.REASON: sa.reason_key(reason) if reason else None,
             }
-            if self._ops:
-                wanted[sa.ENGINE] = self._engine or None
-                wanted[sa.SANDBOX_HOST] = self._sandbox_host
-                wanted[sa.ATTEMPT] = self._attempt
-                wanted[sa.PROGRESS_AT] = datetime.fromtimestamp(self._progress_at, UTC)
-                wanted[sa.REASON] = sa.reason_key(reason) if reason else None
             changed = {k: v for k, v in wanted.items() if v is not None and idx.get(k.name) != v}
             if changed:
                 workflow.upsert_search_attributes([k.value_set(v) for k, v in changed.items()])
@@ -223,7 +213,7 @@ class RolloutWorkflow:
         if s.started_at is None:
             s.started_at = workflow.now().timestamp()
         started = s.started_at
-        self._ops = workflow.patched(OPS_PATCH)
+        workflow.deprecate_patch(OPS.id)  # retired: 0.2.0 and later always index them (workflows/patches.py)
         self._progress_at = workflow.now().timestamp()
         self._sandbox_host = s.sandbox_host
         self._order = rollout_replicas(inp)
@@ -270,7 +260,7 @@ class RolloutWorkflow:
                 prep: PrepareResult = await self._with_failover(inp, self._prepare_on)
                 s.tokens = prep.prompt_tokens
         deadline = s.task_deadline
-        if deadline is not None and workflow.patched(TASK_TIMEOUT_PATCH):
+        if deadline is not None and workflow.patched(TASK_TIMEOUT.id):
             left = deadline - workflow.now().timestamp()
             if left <= 0:
                 raise TimeoutError

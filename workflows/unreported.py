@@ -13,15 +13,12 @@ accounting writes nothing twice.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
     from activities.dispatch import DispatchActivities
     from activities.rollout import RolloutActivities
     from contracts.types import (
-        FinalizeGroupInput,
         FinalizeRolloutInput,
         GroupInput,
         GroupResult,
@@ -34,26 +31,7 @@ with workflow.unsafe.imports_passed_through():
         TerminatedGroupInput,
     )
     from workflows.calls import call
-    from workflows.group import RUN_CANCEL_REASON, GroupWorkflow, close_group, member_input, slot_of
-
-Account = Callable[[TerminatedGroupInput, Outcome, str], Awaitable[None]]
-"""Close a group that cannot report with an outcome and reason for its members (``RunWorkflow._account_for``,
-which calls `record_unreported` and counts the group)."""
-
-
-async def cancel_groups(run_id: str, slots: dict[str, GroupSlot], account: Account) -> None:
-    """The run was cancelled: tell every in-flight group (``slots``) to cancel its members and wait until each
-    has reported (one that cannot be told, its start cut short by the cancel or already ended, is accounted
-    for with ``account``, its members cancelled)."""
-    for gid in sorted(slots):
-        group = workflow.get_external_workflow_handle_for(GroupWorkflow.run, f"{run_id}/{gid}")
-        try:
-            await group.signal(GroupWorkflow.cancel_all, RUN_CANCEL_REASON)
-        except Exception as e:
-            workflow.logger.info("run %s: group %s not told to cancel (%s)", run_id, gid, e)
-            ask = TerminatedGroupInput(run_id=run_id, group_id=gid, reason=RUN_CANCEL_REASON)
-            await account(ask, Outcome.CANCELLED, RUN_CANCEL_REASON)
-    await workflow.wait_condition(lambda: not slots)
+    from workflows.group import close_group, finalize_input, member_input, slot_of
 
 
 async def record_unreported(
@@ -107,5 +85,5 @@ async def record_unreported(
             )
         )  # fmt: skip
     record, advantages = close_group(run_id, inp.group_id, seen.task_id, slot.size, attempts, advantage_eps)
-    await call(RolloutActivities.finalize_group, FinalizeGroupInput(record=record, advantages=advantages))
+    await call(RolloutActivities.finalize_group, finalize_input(record, advantages, attempts))
     return record
