@@ -81,7 +81,8 @@ print(json.dumps(out))
 
 def start_engine(port: int) -> subprocess.Popen[bytes]:
     argv = [sys.executable, "-m", "simengine", "--port", str(port), "--policy", "random",
-            "--random-median-tokens", "48", "--max-model-len", "65536", "--num-gpu-blocks", "65536"]  # fmt: skip
+            "--random-median-tokens", "48", "--max-model-len", "65536",
+            "--num-gpu-blocks", "65536"]  # fmt: skip
     return subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -110,7 +111,8 @@ async def tool_path(store: RunStore, engine: EngineClient, url: str, calls: int)
         context = await asyncio.to_thread(store.token_ids, rid)
         gen = await engine.generate(url, "tiny", context, SAMPLING, 64, f"{rid}/{turn}/1")
         seg = Segment(name=model_segment(turn), kind="model", turn=turn, start=len(context),
-                      token_ids=gen.token_ids, logprobs=gen.logprobs, policy_versions=gen.policy_versions)  # fmt: skip
+                      token_ids=gen.token_ids, logprobs=gen.logprobs,
+                      policy_versions=gen.policy_versions)  # fmt: skip
         seg = await asyncio.to_thread(store.put_segment, rid, seg)
         await engine.detokenize(url, "tiny", seg.token_ids)  # the env step parses the turn
         obs = await engine.tokenize_text(url, "tiny", f"<|user|>{OBSERVATION}<|end|><|assistant|>")
@@ -131,6 +133,8 @@ async def gateway_path(
     server = GatewayServer(store, secret="bench")
     turns = GatewayTurns(store, engine)
 
+    running: set[asyncio.Task[None]] = set()
+
     async def signal(rollout_id: str, index: int) -> None:  # the worker's gateway_call activity, in process
         inp = GatewayCallInput(rollout_id=rollout_id, index=index, engine_url=url, model="tiny",
                                sampling=SAMPLING, max_tokens=64, max_total_tokens=0)  # fmt: skip
@@ -139,7 +143,9 @@ async def gateway_path(
             await turns.answer(inp)
             server.notify(rollout_id, index)
 
-        asyncio.ensure_future(run())
+        task = asyncio.ensure_future(run())
+        running.add(task)
+        task.add_done_callback(running.discard)
 
     path = await server.serve(rid, "tiny", signal)
     c0 = time.process_time()
