@@ -53,28 +53,11 @@ with workflow.unsafe.imports_passed_through():
     from workflows.harness_steps import HarnessSteps
     from workflows.patches import OPS, TASK_TIMEOUT
     from workflows.sandbox_steps import SandboxSteps
+    from workflows.search_attributes import utc_text, waiting_on
 
 T = TypeVar("T")
 OUTAGE_BACKOFF_MAX_S = 30.0
 """Longest wait between two tries of an engine that is out (the outage budget bounds the total)."""
-
-
-def utc_text(ts: float) -> str:
-    """Workflow seconds as the UTC text the live details and ``rollouts stuck`` show."""
-    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def waiting_on(phase: Phase, turn: int, engine: str, sandbox_host: str | None) -> str:
-    """What a rollout in ``phase`` waits on, in words (the live details' first part)."""
-    where = f" on {sandbox_host}" if sandbox_host else ""
-    return {
-        Phase.PREPARE: f"waiting on its sandbox{where} and prompt",
-        Phase.GENERATE: f"waiting on model call (turn {turn}, {engine})",
-        Phase.ENV: f"waiting on env step (turn {turn}{where})",
-        Phase.PAUSED: "waiting for a newer policy version",
-        Phase.FINALIZE: "writing its record",
-        Phase.DONE: "done",
-    }.get(phase, f"in {phase.value}")
 
 
 def rollout_replicas(inp: RolloutInput) -> list[str]:
