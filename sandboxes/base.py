@@ -135,6 +135,18 @@ def gateway_dir(key: str) -> str:
     return os.path.join(root, hashlib.sha256(key.encode()).hexdigest()[:32])
 
 
+def gateway_binds(spec: SandboxSpec, key: str) -> dict[str, dict[str, str]] | None:
+    """Docker's ``binds`` of sandbox ``key``: its own gateway folder, read-only, when ``spec.gateway``
+    (created here, mode 0755); None otherwise."""
+    if not spec.gateway:
+        return None
+    import os
+
+    folder = gateway_dir(key)
+    os.makedirs(folder, mode=0o755, exist_ok=True)
+    return {folder: {"bind": GATEWAY_MOUNT, "mode": "ro"}}
+
+
 def _check_mount_path(value: str, what: str) -> str:
     if not value.startswith("/") or posixpath.normpath(value) != value or value == "/":
         raise ValueError(f"{what} must be a normalised absolute path other than '/': {value!r}")

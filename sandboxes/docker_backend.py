@@ -11,7 +11,6 @@ All methods block and are thread-safe; call them from asyncio through `AsyncSand
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 import threading
 import time
@@ -33,13 +32,12 @@ from sandboxes._docker_exec import (
     stream_exec,
 )
 from sandboxes.base import (
-    GATEWAY_MOUNT,
     ExecResult,
     ImageBuild,
     SandboxHandle,
     SandboxInfo,
     SandboxSpec,
-    gateway_dir,
+    gateway_binds,
     validate_relative_path,
 )
 
@@ -181,11 +179,6 @@ class DockerBackend:
             return None
 
     def _create_container(self, name: str, labels: dict[str, str], spec: SandboxSpec) -> str:
-        binds = {}
-        if spec.gateway:  # the rollout's own gateway folder only (no Docker socket, no network)
-            folder = gateway_dir(labels[LABEL_ROLLOUT])
-            os.makedirs(folder, mode=0o755, exist_ok=True)
-            binds[folder] = {"bind": GATEWAY_MOUNT, "mode": "ro"}
         try:
             self.api.inspect_image(spec.image)
         except docker.errors.ImageNotFound as exc:
@@ -215,7 +208,7 @@ class DockerBackend:
             init=True,
             ipc_mode="private",
             ulimits=[docker.types.Ulimit(name="nofile", soft=4096, hard=4096)],
-            binds=binds or None,
+            binds=gateway_binds(spec, labels[LABEL_ROLLOUT]),  # its own gateway folder, nothing else
         )
         created = self.api.create_container(
             spec.image,

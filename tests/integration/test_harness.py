@@ -57,7 +57,7 @@ def _plugin_site(site: Path) -> None:
     if registry.find("mini-swe-agent") is None:
         eps += "mini-swe-agent = harness_env:MiniSweAgentEnvironment\n"
     (info / "entry_points.txt").write_text(eps)
-    for p in (str(site), str(HARNESS)):
+    for p in (str(site), str(HARNESS), str(HARBOR)):  # this checkout's plug-ins before an editable install
         if p not in sys.path:
             sys.path.insert(0, p)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from simengine import Mode, ModeRule, SimEngine, SimSettings
 from store.runstore import RunStore
 from tests.integration.support import assert_no_containers, export, start_run
 from tests.integration.test_harness import (  # noqa: F401  (fixtures)
+    HARBOR,
     HARNESS,
     assert_token_exact,
     dataset,
@@ -58,7 +60,8 @@ async def slow_sim(
 
 def spawn(env: WorkflowEnvironment, task_queue: str, home: Path, name: str, site: Path) -> int:
     address = env.client.service_client.config.target_host
-    path = os.pathsep.join([str(site), str(HARNESS), str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])
+    parts = [site, HARNESS, HARBOR, REPO_ROOT]
+    path = os.pathsep.join([*map(str, parts), os.environ.get("PYTHONPATH", "")])
     return procs.spawn(
         name,
         procs.worker_argv(address, task_queue),
@@ -93,6 +96,7 @@ async def test_worker_sigkill_while_a_harness_call_waits(
             )
         killed_at = calls[-1].index
         os.killpg(first, signal.SIGKILL)
+        kill_time = time.time()
         assert rid in [i.key for i in docker.list_containers(run_id)]  # the harness's sandbox lives on
         second = spawn(temporal_env, task_queue, tmp_path, "worker-2", harness_image)
         await asyncio.wait_for(handle.result(), timeout=600)
@@ -109,5 +113,9 @@ async def test_worker_sigkill_while_a_harness_call_waits(
     # Every call answered and sampled exactly once; the one pending at the kill among them.
     assert [c.index for c in calls] == [s.turn for s in model] == list(range(len(calls)))
     assert killed_at < len(calls) and all(c.status == 200 for c in calls)
+    (answered_at,) = store.db.execute(
+        "SELECT answered_at FROM gateway_calls WHERE rollout_id=? AND idx=?", (rid, killed_at)
+    ).fetchone()
+    assert answered_at > kill_time  # the pending call was answered by the second worker
     assert_token_exact(store, rec)
     assert_no_containers(docker, run_id)
