@@ -73,7 +73,7 @@ class GatewayTurns:
         if inp.limit is not None:
             return await self._limit(call, inp.limit, total, attempt)
         t0 = time.monotonic()
-        ctx = await self._context(inp, call)
+        ctx, canon = await self._context(inp, call)
         seq_start = int(ctx.meta.get("sequence_start", 0))
         tokens = await asyncio.to_thread(self.store.token_ids, rid)
         room = inp.max_total_tokens - len(tokens) if inp.max_total_tokens else inp.max_tokens
@@ -114,7 +114,7 @@ class GatewayTurns:
         body = chat.completion(rid, idx, inp.model, parsed, finish, seg.start - seq_start, len(seg.token_ids))
         versions = [v for v in seg.policy_versions or [] if v is not None]
         detail = {
-            "messages": ctx.meta.get("messages"), "raw": raw, "closing": closing[k:],
+            "messages": canon, "raw": raw, "closing": closing[k:],
             "sequence_start": seq_start,
             "start": seg.start, "end": seg.end, "finish_reason": seg.meta.get("finish_reason"),
             "version": versions[-1] if versions else None, "rewrite": "rewrite" in ctx.meta,
@@ -133,23 +133,26 @@ class GatewayTurns:
         )
         return _result(stored, attempt)
 
-    async def _context(self, inp: GatewayCallInput, call: GatewayCall) -> Segment:
-        """The segment of what the harness added before this call (stored once)."""
+    async def _context(
+        self, inp: GatewayCallInput, call: GatewayCall
+    ) -> tuple[Segment, list[dict[str, str]]]:
+        """The segment of what the harness added before this call (stored once), and the conversation as
+        the template renders it (recomputed: pure, from the request and the earlier answers)."""
         rid, idx, name = inp.rollout_id, inp.index, ctx_segment(inp.index)
-        seg = await asyncio.to_thread(self.store.get_segment, rid, name)
-        if seg is not None:
-            return seg
         messages, tools = chat.request_messages(call.request)
-        earlier = await asyncio.to_thread(self.store.gateway_calls, rid)
+        earlier = await asyncio.to_thread(self.store.gateway_calls, rid, idx)
         answers = [
             (c.response["choices"][0]["message"], c.detail["raw"])
             for c in earlier
-            if c.index < idx and c.status == 200 and c.detail and "raw" in c.detail and c.response
+            if c.status == 200 and c.detail and "raw" in c.detail and c.response
         ]
         canon = chat.canonical(messages, answers)
+        seg = await asyncio.to_thread(self.store.get_segment, rid, name)
+        if seg is not None:
+            return seg, canon
         url, model = inp.engine_url, inp.model
         start = len(await asyncio.to_thread(self.store.token_ids, rid))
-        meta: dict[str, Any] = {"gateway_call": idx, "messages": canon}
+        meta: dict[str, Any] = {"gateway_call": idx}
         prev = next((c for c in reversed(earlier) if c.index == idx - 1), None)
         if prev is None:
             kind, ids = "prompt", await self.engine.tokenize_chat(url, model, canon, tools)
@@ -162,7 +165,7 @@ class GatewayTurns:
                 kind, ids = "context", await self.engine.tokenize_chat(url, model, canon, tools)
                 meta.update(sequence_start=start, rewrite={"call": idx, "at_message": at, "why": why})
         seg = Segment(name=ctx_segment(idx), kind=kind, turn=None, start=start, token_ids=ids, meta=meta)
-        return await asyncio.to_thread(self.store.put_segment, rid, seg)
+        return await asyncio.to_thread(self.store.put_segment, rid, seg), canon
 
     async def _extension(
         self, url: str, model: str, canon: list[dict[str, str]], tools: Any, prev: GatewayCall

@@ -96,9 +96,11 @@ class GatewayCallStore:
             raise KeyError(f"rollout {rollout_id}: no gateway call {index}")
         return stored
 
-    def gateway_calls(self, rollout_id: str) -> list[GatewayCall]:
+    def gateway_calls(self, rollout_id: str, below: int | None = None) -> list[GatewayCall]:
+        """The rollout's calls in order (those before index ``below`` only, if given)."""
         rows = self.db.execute(
-            "SELECT * FROM gateway_calls WHERE rollout_id=? ORDER BY idx", (rollout_id,)
+            "SELECT * FROM gateway_calls WHERE rollout_id=? AND idx < ? ORDER BY idx",
+            (rollout_id, below if below is not None else 1 << 62),
         ).fetchall()
         return [_call(r) for r in rows]
 
