@@ -54,6 +54,7 @@ from errors import (
     TaskFileError,
     names,
 )
+from gateway.turn import sequence_starts
 from records.export import rollout_lineage
 from store import RunStore, Segment, model_segment
 
@@ -335,6 +336,8 @@ class RolloutActivities:
             **_times(inp, timed.seconds, time.monotonic() - t0),
             "lineage": rollout_lineage(run, inp.env, segs, image),
         }
+        if starts := sequence_starts(segs):  # a harness rewrote its history: where and why
+            extra["sequences"] = starts
         prompt_len = segs[0].end if segs and segs[0].kind == "prompt" else 0
         rec = {
             "rollout_id": inp.rollout_id,

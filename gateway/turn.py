@@ -198,6 +198,14 @@ class GatewayTurns:
         return self._closing[key]
 
 
+def sequence_starts(segs: list[Segment]) -> list[dict[str, Any]]:
+    """Where a rewritten history started a new token sequence (the record's ``sequences``; empty when the
+    harness never rewrote its history)."""
+    return [
+        {"start": s.start, **s.meta["rewrite"]} for s in segs if s.kind == "context" and "rewrite" in s.meta
+    ]
+
+
 def _sampled_closing(sampled: list[int], closing: list[int]) -> int:
     """How many of the template's closing tokens the model sampled at the end of its turn (e.g. its EOS)."""
     for k in range(min(len(closing), len(sampled)), 0, -1):

@@ -119,6 +119,7 @@ def assert_token_exact(store: Any, rec: dict[str, Any], rewrites: bool = False) 
     assert [t for s in segs for t in s.token_ids] == rec["token_ids"]
     starts = [s.start for s in segs if s.kind in ("prompt", "context")]
     assert rewrites or starts == [0], "no history rewrite expected"
+    assert [s["start"] for s in rec.get("sequences", [])] == starts[1:]  # the record says where (and why)
     for s in segs:
         span = rec["logprobs"][s.start : s.end]
         if s.kind == "model":

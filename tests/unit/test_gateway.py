@@ -14,7 +14,7 @@ from contracts.types import SamplingParams, TruncationReason
 from engines.client import Generation
 from errors import ContextLengthExceeded
 from gateway import chat
-from gateway.turn import GatewayTurns
+from gateway.turn import GatewayTurns, sequence_starts
 from simengine.tokenizer import SimTokenizer
 from store import RunStore
 from store.gateway_calls import CallInFlight
@@ -177,6 +177,7 @@ async def test_a_rewritten_history_starts_a_new_sequence(store: RunStore) -> Non
     new = [{"role": "user", "content": "Task id: t1 (summary: one)"}, {"role": "assistant", "content": "two"}]
     rendered = eng.tok.render_chat([*new, {"role": "user", "content": "go"}], True)
     assert eng.prompts[2] == ctx.token_ids == eng.ids(rendered)
+    assert sequence_starts(store.segments(RID)) == [{"start": ctx.start, **ctx.meta["rewrite"]}]
     detail = store.get_call(RID, 2)
     assert detail is not None and detail.detail is not None and detail.detail["sequence_start"] == ctx.start
 
