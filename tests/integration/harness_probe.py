@@ -40,7 +40,8 @@ try:
     out["wrong_key"] = 200
 except urllib.error.HTTPError as e:
     out["wrong_key"] = e.code
-body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "PROBE " + json.dumps(out)}]})
+text = os.environ["TASK_LINE"] + "\nPROBE " + json.dumps(out)
+body = json.dumps({"model": "m", "messages": [{"role": "user", "content": text}]})
 req = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/chat/completions", data=body.encode(),
     headers={"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"], "Content-Type": "application/json"})
 print(json.loads(urllib.request.urlopen(req, timeout=60).read())["choices"][0]["finish_reason"])
@@ -55,5 +56,9 @@ class ProbeEnvironment(MiniSweAgentEnvironment):
     """Another rollout's gateway socket, as a host path (the test sets it)."""
 
     def harness_command(self, task: Task) -> HarnessCommand:
-        env = {"HOST_PORT": str(self.host_port), "OTHER_SOCKET": self.other}
+        env = {
+            "HOST_PORT": str(self.host_port),
+            "OTHER_SOCKET": self.other,
+            "TASK_LINE": f"Task id: {task.id}",
+        }
         return HarnessCommand(command=f"python3 - <<'EOF'\n{PROBE}\nEOF", env=env, tcp_port=8011)

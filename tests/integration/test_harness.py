@@ -171,8 +171,9 @@ async def test_a_harness_sandbox_reaches_its_own_gateway_and_nothing_else(
     for rec in recs:
         calls = store.gateway_calls(rec["rollout_id"])
         assert len(calls) == 1, rec["reason"]
+        assert rec["outcome"] == "completed", rec["reason"]  # it exited 0 after its call: scored
         text = calls[0].request["messages"][0]["content"]
-        found = json.loads(text.removeprefix("PROBE "))
+        found = json.loads(text.split("PROBE ", 1)[1])
         assert found["gateway_dir"] == ["gw.sock"]  # its own socket, nothing else of the host
         assert found["other_gateway"].startswith("FileNotFoundError")  # another rollout's is not there
         assert found["docker_sock"].startswith("FileNotFoundError")
