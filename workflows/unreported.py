@@ -17,7 +17,6 @@ with workflow.unsafe.imports_passed_through():
     from activities.rollout import RolloutActivities
     from contracts.types import (
         FinalizeGroupInput,
-        FinalizeRolloutInput,
         GroupInput,
         GroupResult,
         GroupSlot,
@@ -30,6 +29,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from workflows.calls import call
     from workflows.group import close_group, member_input, slot_of
+    from workflows.rollout import finalize_input
 
 
 async def record_unreported(
@@ -67,13 +67,8 @@ async def record_unreported(
         i, attempt = slot_of(rid)
         m = member_input(ginp, i, attempt)
         stored: StoredOutcome = await call(
-            RolloutActivities.finalize_rollout,
-            FinalizeRolloutInput(
-                run_id=m.run_id, group_id=m.group_id, rollout_id=m.rollout_id, task_id=m.task_id,
-                sample_index=i, env=m.env.name, outcome=outcome, reason=reason, reward=None,
-                scorable=False, sampling=m.sampling, turns=0,
-            ),
-        )  # fmt: skip
+            RolloutActivities.finalize_rollout, finalize_input(m, outcome, reason)
+        )
         attempts.append(
             RolloutResult(
                 rollout_id=rid, sample_index=i, outcome=stored.outcome, reason=stored.reason,
