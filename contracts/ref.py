@@ -3,6 +3,8 @@
 Invariants:
 - Built once per member, from its workflow input (``RolloutInput.ref``), never field by field at a call
   site; the activity inputs of a rollout (prepare, generate, env step, sandbox, finalize) carry it whole.
+- Sent once per input: a nested input of the same rollout (a generate input's prepare and inline step)
+  is sent without it and takes its parent's when decoded.
 - Inputs of 0.2.0 workflows (scheduled before their workers were upgraded, so already in history) carry
   the same ids as fields of their own: ``legacy_ref`` gathers them into the reference when such an input is
   decoded, so a new worker runs an old workflow's pending activity (docs/upgrades.md).
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, SerializerFunctionWrapHandler, model_serializer, model_validator
 
 
 class RolloutRef(BaseModel):
@@ -87,7 +89,26 @@ class OfRollout(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _gather_ref(cls, data: Any) -> Any:
-        return legacy_ref(data, *cls._nested)
+        data = legacy_ref(data, *cls._nested)
+        if not (cls._nested and isinstance(data, dict) and "ref" in data):
+            return data
+        out = dict(data)
+        for key in cls._nested:  # a nested input of the same rollout is sent without its reference
+            inner = out.get(key)
+            if isinstance(inner, dict) and "ref" not in inner and "rollout_id" not in inner:
+                out[key] = {**inner, "ref": out["ref"]}
+        return out
+
+    @model_serializer(mode="wrap")
+    def _ref_once(self, handler: SerializerFunctionWrapHandler) -> Any:
+        """The reference is sent once per input: a nested input of the same rollout (a generate input's
+        prepare and inline step) leaves its own out and takes its parent's when decoded."""
+        out = handler(self)
+        for key in self._nested:
+            inner = out.get(key) if isinstance(out, dict) else None
+            if isinstance(inner, dict) and inner.get("ref") == out.get("ref"):
+                inner.pop("ref")
+        return out
 
     # The reference's ids, read through the input (``inp.rollout_id`` is ``inp.ref.rollout_id``).
     @property

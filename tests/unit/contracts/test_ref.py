@@ -87,3 +87,19 @@ def test_the_reference_is_the_members_ids_and_new_inputs_round_trip() -> None:
     inp = EnvStepInput(ref=ref, turn=2, last_turn=True, engine_url="http://e")
     assert EnvStepInput.model_validate_json(inp.model_dump_json()) == inp
     assert (inp.rollout_id, inp.run_id, inp.sample_index) == (m.rollout_id, m.run_id, m.sample_index)
+
+
+def test_a_generate_input_sends_the_reference_once() -> None:
+    """Its prepare and inline step are of the same rollout: they leave theirs out and take it back when
+    decoded, so history holds the ids once per model call (as many bytes as 0.2.0's flat fields)."""
+    ref = rollout_input("u").ref()
+    sampling = rollout_input("u").sampling
+    inp = GenerateInput(
+        ref=ref, turn=0, engine_url="http://e", sampling=sampling, max_tokens=8,
+        env_after=EnvStepInput(ref=ref, turn=0, last_turn=False, engine_url="http://e"),
+        prepare=PrepareInput(ref=ref, engine_url="http://e"),
+    )  # fmt: skip
+    [payload] = pydantic_data_converter.payload_converter.to_payloads([inp])
+    assert payload.data.decode().count(ref.rollout_id) == 1
+    [back] = pydantic_data_converter.payload_converter.from_payloads([payload], [GenerateInput])
+    assert back == inp and back.env_after.ref == back.prepare.ref == ref
