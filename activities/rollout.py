@@ -223,9 +223,11 @@ class RolloutActivities:
     @options(Options(timedelta(seconds=60), RECORD_RETRY, local=True))
     @activity.defn
     async def finalize_group(self, inp: FinalizeGroupInput) -> bool:
-        """Write the group record and its members' advantages (idempotent on run + group id)."""
+        """Write the group record, its members' advantages and what the close says of its members (the
+        superseded attempts, an unscorable group's members); idempotent on run + group id."""
         rec = inp.record
         await asyncio.to_thread(self.store.set_advantages, inp.advantages)
+        await asyncio.to_thread(self.store.mark_members, inp.superseded, inp.unscorable)
         return await asyncio.to_thread(
             self.store.put_group, rec.run_id, rec.group_id, rec.task_id, rec.model_dump(mode="json")
         )

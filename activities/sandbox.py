@@ -8,6 +8,9 @@ Invariants:
   setup), derived from the run's default spec.
 - A dead sandbox surfaces as ``SandboxGone``, never as command output; recovery replays the actions the
   environment recorded with earlier turns into a fresh container.
+- A plan's image (``SandboxPlan.image_build``) is built by the daemon that runs the sandbox, before its
+  container is created, once per tag and host across every worker (``sandboxes.images``: the claim is in
+  the store); a failed build is an ``EnvironmentFailure`` naming the task and the log's last lines.
 """
 
 from __future__ import annotations
@@ -25,10 +28,12 @@ from activities.heartbeat import heartbeating
 from contracts.sandbox import SandboxCreated, SandboxPlaceInput, SandboxPlacement, SandboxStepInput
 from envs import registry
 from envs.base import SandboxPlan, TurnContext, calling
+from envs.registry import env_part
 from errors import EnvironmentFailure, RolloutError, SandboxGone, SandboxPathError, names
 from sandboxes import AsyncSandboxBackend, SandboxHandle
 from sandboxes.base import BoundSandbox
 from sandboxes.hosts import SandboxHosts
+from sandboxes.images import ImageBuilds, ensure_image
 from sandboxes.pool import SandboxPool
 from store import RunStore
 
@@ -88,7 +93,10 @@ class SandboxActivities:
             host = await asyncio.to_thread(self.pool.place, inp.rollout_id, inp.pool, frozenset(inp.avoid))
         except RolloutError as e:
             raise e.to_application_error() from e
-        return SandboxPlacement(host=host.name, task_queue=host.task_queue)
+        # A run on an environment's queue uses the host's queue for that environment (workers/sandbox_host.py)
+        return SandboxPlacement(
+            host=host.name, task_queue=host.task_queue + env_part(activity.info().task_queue)
+        )
 
     @options(Options(timedelta(seconds=30), SANDBOX_RETRY))
     @activity.defn
@@ -97,7 +105,8 @@ class SandboxActivities:
         its reaper removes it when the host comes back). Absent is fine."""
         await asyncio.to_thread(self.pool.release, rollout_id)
 
-    @options(Options(timedelta(minutes=5), SANDBOX_RETRY, heartbeat=timedelta(seconds=30)))
+    # Long enough for an image build (sandboxes.images); a dead worker is noticed by the heartbeat.
+    @options(Options(timedelta(minutes=45), SANDBOX_RETRY, heartbeat=timedelta(seconds=30)))
     @activity.defn
     async def sandbox_create(self, inp: SandboxStepInput) -> SandboxCreated:
         """Create (or reattach to) the rollout's sandbox, lay out the task's files and run its setup.
@@ -113,6 +122,7 @@ class SandboxActivities:
                 return SandboxCreated(created=False)
             if inp.pool is not None and inp.pool.placement == "local":  # "hosts": sandbox_place held it
                 await asyncio.to_thread(self.pool.acquire, inp.rollout_id, inp.pool)
+            await heartbeating(self._image(plan, inp.rollout_id))
             handle = await heartbeating(self.backend.create(inp.rollout_id, inp.ref.run_id, plan.spec))
             known = await asyncio.to_thread(self.store.get_sandbox, inp.rollout_id)
             if known is None or known.container_id != handle.container_id:
@@ -121,7 +131,14 @@ class SandboxActivities:
             host = await self.backend.host()
         except RolloutError as e:
             raise e.to_application_error() from e
-        return SandboxCreated(created=True, host=host)
+        return SandboxCreated(created=True, host=host, timeout_s=plan.timeout_s)
+
+    async def _image(self, plan: SandboxPlan, rollout_id: str) -> None:
+        """Build the plan's image on this backend's daemon unless it has it (once per tag and host)."""
+        if plan.image_build is None:
+            return
+        host = await self.backend.host() or "local"
+        await ensure_image(ImageBuilds(self.store.db), self.backend, host, plan.image_build, rollout_id)
 
     async def _lay_out(self, handle: SandboxHandle, plan: SandboxPlan, rollout_id: str) -> None:
         for path, content in plan.files.items():
@@ -161,6 +178,7 @@ class SandboxActivities:
             if plan is None:
                 raise SandboxGone(f"rollout {inp.rollout_id}: no sandbox to recover")
             await self.backend.destroy(inp.rollout_id)
+            await heartbeating(self._image(plan, inp.rollout_id))
             handle = await self.backend.create(inp.rollout_id, inp.ref.run_id, plan.spec)
             await self._lay_out(handle, plan, inp.rollout_id)
             env = registry.get(inp.ref.env)

@@ -100,6 +100,13 @@ class RolloutConfig(_Strict):
     under the new weights; its record keeps every token's version. None = never pause."""
     partial_poll_s: float = Field(5.0, gt=0.0, le=3600.0)
     """How often a paused rollout checks the store for a newer published version."""
+    infra_retries: int = Field(1, ge=0, le=10)
+    """Times a group slot whose rollout failed for infrastructure (reason ``infra: ...``: an engine or
+    sandbox lost past its own retries, a worker's workflow timed out) runs again as a fresh rollout (next
+    attempt id ``<i>r<n>``, a new sandbox, a new seed); the failed attempt keeps its record, marked
+    superseded. 1 by default: one flaky host no longer takes a member, usually a long one, out of its group's
+    comparison, at the cost of at most one extra rollout per failure (a persistent fault is the breaker's).
+    A member terminated by hand is never run again (``rollouts retry`` is for that). 0 = never."""
 
 
 class RunConfig(_Strict):
@@ -135,6 +142,26 @@ class RunConfig(_Strict):
     breaker_probe_s: float = Field(60.0, gt=0, le=86_400)
     """While the breaker is open, one probe group is admitted this long after it opened (or after the last
     probe failed); a probe with a success closes it."""
+    closed_group_check_s: float = Field(15.0, gt=0, le=3600)
+    """With a fixed cap (admission disabled): how often the run asks Temporal whether a group it carried over
+    continue-as-new closed without reporting (terminated from the web UI or CLI, failed, timed out), to
+    account for it; adaptive admission asks every ``admission.poll_interval_s`` instead."""
+    max_consecutive_environment_failures: int | None = Field(20, ge=1, le=1_000_000)
+    """Stop the run after this many consecutive rollouts failed in the environment's code (reasons
+    ``environment: ...``; no member of a closed group succeeding in between): no more groups start, the
+    groups in flight are cancelled (reason run-stopped), the store marks the run ``stopped`` and `rollouts
+    status` says why. An environment that fails every rollout stops within a few groups instead of burning
+    the fleet through the task list. None = never stop."""
+
+
+class GroupConfig(_Strict):
+    """What a group does with members that failed for infrastructure (see ``rollout.infra_retries``)."""
+
+    on_infra_failure: Literal["exclude", "fail-group"] = "exclude"
+    """A member still failed for infrastructure once its slot's retries are spent: "exclude" leaves it out
+    of the group's statistics (the others are compared among themselves), "fail-group" makes the whole
+    group unscorable (no advantages; the trainer feed discards it, reason ``unscorable``), so a group is
+    compared whole or not at all."""
 
 
 class AdmissionConfig(BaseModel):
@@ -322,6 +349,7 @@ class Config(_Strict):
     run: RunConfig = Field(default_factory=RunConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    group: GroupConfig = Field(default_factory=GroupConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
     temporal: TemporalConfig = Field(default_factory=TemporalConfig)
     sandbox: SandboxSpec = Field(default_factory=SandboxSpec)

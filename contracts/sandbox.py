@@ -42,6 +42,9 @@ class SandboxCreated(_Data):
     """False when the environment gives this task no sandbox."""
     host: str | None = None
     """The Docker daemon running it (its name as ``docker info`` reports it); None if unknown."""
+    timeout_s: float | None = None
+    """The task's own wall-clock limit of the rollout from now on (``SandboxPlan.timeout_s``, e.g. a Harbor
+    task's ``[agent].timeout_sec``); None: only the run's ``rollout.timeout_s``."""
 
     @model_validator(mode="before")
     @classmethod

@@ -9,7 +9,7 @@ carries across continue-as-new), never one object that is both.
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -220,6 +220,9 @@ class RolloutState(_Data):
     """Durable waits for an unavailable engine so far."""
     sandbox_s: float = 0.0
     """Workflow seconds in the sandbox's create, recover and destroy activities (environment time)."""
+    task_deadline: float | None = None
+    """Workflow time past which the task's own limit truncates the rollout (reason ``timeout``): its
+    sandbox's creation plus ``SandboxCreated.timeout_s``; None: only ``rollout.timeout_s`` applies."""
 
 
 class PrepareResult(_Data):
@@ -284,6 +287,12 @@ class GroupInput(_Data):
     """Replica the dispatcher assigned to the group (its members share the prompt prefix there)."""
     redispatch_cancelled: bool = False
     """Restart a slot whose rollout was cancelled for admission (new rollout id ``<i>r<n>``)."""
+    infra_retries: int = 0
+    """``rollout.infra_retries``: times a slot whose member failed for infrastructure runs again (next
+    attempt id); 0 for groups started before the setting existed."""
+    on_infra_failure: Literal["exclude", "fail-group"] = "exclude"
+    """``group.on_infra_failure``: what a member still failed for infrastructure after its retries does to
+    its group (left out of the statistics, or the whole group unscorable)."""
 
 
 class GroupResult(_Data):
@@ -309,6 +318,16 @@ class GroupResult(_Data):
     """Members with a reward (scorable)."""
     complete_tokens: int = 0
     """Summed ``num_tokens`` of the members that completed or were truncated."""
+    superseded: int = 0
+    """Attempts that failed for infrastructure and whose slot ran again (``rollout.infra_retries``); they
+    count in ``failed`` and ``outcomes``, never in the statistics."""
+    unscorable_reason: str | None = None
+    """Set when the group is unscorable as a whole (``group.on_infra_failure = "fail-group"``): no member is
+    scorable, no advantages, the trainer feed discards it."""
+    environment_failures: int = 0
+    """Members that failed in the environment's code (reasons ``environment: ...``)."""
+    environment_failure: str | None = None
+    """The first of those reasons (for the run's stop line)."""
 
 
 class BreakerState(_Data):
@@ -324,6 +343,10 @@ class BreakerState(_Data):
     """The probe group in flight while open."""
     opened: int = 0
     """Times it opened in this run."""
+    env_streak: int = 0
+    """Consecutive environment failures since the last success."""
+    stopped: str | None = None
+    """Set once a streak of environment failures stopped the run (one line); never cleared."""
 
 
 class RunInput(_Data):
@@ -375,6 +398,11 @@ class RunProgress(_Data):
     """The circuit breaker, when open (one line); None when closed."""
     breaker_opened: int = 0
     """Times the circuit breaker opened in this run."""
+    accounting: dict[str, str] = Field(default_factory=dict)
+    """Groups that closed without reporting and that the run is accounting for now, with the reason their
+    members without a record get (workflows/closed_groups.py)."""
+    stopped: str | None = None
+    """Why the run was stopped before its end (a streak of environment failures); None otherwise."""
 
 
 def sampling_params(cfg: Config) -> SamplingParams:
@@ -509,6 +537,8 @@ class TerminatedGroupInput(_Data):
     reason: str = "manual"
     task_index: int = 0
     """Index of the group's task in the run's task file (the run fills it in)."""
+    size: int = 0
+    """The group's size (the run fills it in): its member attempts are also looked up in Temporal."""
 
 
 class TerminatedGroup(_Data):
@@ -519,11 +549,24 @@ class TerminatedGroup(_Data):
     """Every member attempt with a record, the ones just written included."""
     record: GroupResult | None = None
     """The group's record if the group wrote it before it was terminated."""
+    unended: list[str] = Field(default_factory=list)
+    """Its member attempts that Temporal holds and that did not complete (asked when ``size`` is given)."""
+
+
+class ClosedGroupsInput(_Data):
+    """Groups of a run to ask Temporal about (``DispatchActivities.closed_groups``)."""
+
+    run_id: str
+    groups: list[str]
 
 
 class FinalizeGroupInput(_Data):
     record: GroupResult
     advantages: dict[str, float | None]
+    superseded: dict[str, str] = Field(default_factory=dict)
+    """Failed (infra) attempts whose slot ran again: rollout id -> the id of the attempt after it."""
+    unscorable: list[str] = Field(default_factory=list)
+    """Members of an unscorable group (``record.unscorable_reason``): stored as not scorable."""
 
 
 RunInput.model_rebuild()

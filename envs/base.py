@@ -21,7 +21,8 @@ How the pipeline drives an environment, per rollout:
 5. ``act(ctx, action)``: run the action (in the sandbox, for environments that have one) and return the
    `Step`: its observation, or the end of the rollout.
 6. ``score(ctx, text)``: the reward of a rollout that is done without one, or truncated (when the run
-   scores truncated rollouts). ``text`` is the last model turn, if any.
+   scores truncated rollouts). ``text`` is the last model turn, if any. A `Score` adds the verifier's
+   other metrics, kept with the turn.
 7. ``replay(ctx, action)``: a lost sandbox is replaced and the recorded actions of earlier turns replayed
    into the fresh one before the turn is retried (default: ``act`` again, its result ignored).
 
@@ -54,7 +55,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 import errors
 from contracts.types import TruncationReason
 from errors import EnvironmentCodeError, RolloutError, TaskFileError
-from sandboxes.base import ExecResult, SandboxSpec
+from sandboxes.base import ExecResult, ImageBuild, SandboxSpec
 
 Message = dict[str, str]
 """One chat message: ``{"role": ..., "content": ...}``."""
@@ -108,6 +109,10 @@ class SandboxPlan(BaseModel):
 
     spec: SandboxSpec
     """Image (local tag, never pulled) and limits of this task's sandbox."""
+    image_build: ImageBuild | None = None
+    """How to build ``spec.image`` when the sandbox host's daemon does not have it: built there, once per
+    tag and host (``sandboxes.images``); a failed build fails the rollout (environment). None: the image
+    must exist."""
     files: dict[str, str] = Field(default_factory=dict)
     """Relative path -> content, written into the workdir before the setup commands."""
     setup: list[str] = Field(default_factory=list)
@@ -115,6 +120,10 @@ class SandboxPlan(BaseModel):
     (environment). Like every side effect they may run again on a retry: keep them idempotent."""
     setup_timeout_s: float = Field(600.0, gt=0)
     """Time limit of each setup command."""
+    timeout_s: float | None = Field(None, gt=0)
+    """This task's wall-clock limit of the rollout, counted from its sandbox's creation (e.g. a Harbor
+    task's agent timeout); reaching it truncates the rollout (``timeout``), as ``rollout.timeout_s`` does,
+    which still applies when shorter. None: only the run's limit."""
 
 
 class Step(BaseModel):
@@ -129,6 +138,16 @@ class Step(BaseModel):
     reward: float | None = None
     truncated: TruncationReason | None = None
     """The step hit a limit (e.g. ``command_timeout``): the rollout ends truncated after the observation."""
+
+
+class Score(BaseModel):
+    """What ``score`` may return instead of a bare reward: the reward and the verifier's other metrics
+    (kept with the scored turn, exported as its ``metrics``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    reward: float
+    metrics: dict[str, float] = Field(default_factory=dict)
 
 
 class Sandbox(Protocol):
@@ -227,8 +246,9 @@ class Environment(ABC):
         need not implement it."""
         raise NotImplementedError(f"environment {self.name} has no actions")
 
-    async def score(self, ctx: TurnContext, text: str | None) -> float | None:
-        """The reward of the rollout as it stands (``text``: its last model turn); None = unscorable."""
+    async def score(self, ctx: TurnContext, text: str | None) -> float | Score | None:
+        """The reward of the rollout as it stands (``text``: its last model turn); None = unscorable; a
+        `Score` carries the verifier's other metrics too."""
         return None
 
     async def replay(self, ctx: TurnContext, action: Action) -> None:

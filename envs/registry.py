@@ -8,6 +8,12 @@ the group ``durable_rollouts.environments`` of every installed distribution (thi
     swe = "swe_env:SweEnvironment"
 
 An entry point names an `Environment` subclass; it is instantiated once per process (no arguments).
+
+Entry points are read once per process, so a worker knows the environments installed when it started. A worker
+advertises each environment it loaded by polling that environment's task queue (`env_queue`: the run's queue
+plus the name and ``env_version``), and `rollouts run` starts a run on the queue of its environment at the
+version the submitter sees: so a run's workflows and activities only ever go to workers that can load its
+environment at its version, and submission refuses a run no live worker can take (workers/env_queues.py).
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ from envs.base import Environment
 from errors import ConfigError
 
 GROUP = "durable_rollouts.environments"
+ENV_QUEUE_MARK = "@env-"
+"""What separates a task queue from the environment part of its name (`env_queue`)."""
 
 
 def installed() -> dict[str, EntryPoint]:
@@ -57,3 +65,35 @@ def find(name: str) -> Environment | None:
         return get(name)
     except ConfigError:
         return None
+
+
+def loadable() -> dict[str, str]:
+    """The environments this process can load, name -> ``env_version`` (a broken one is left out)."""
+    found = {}
+    for name in sorted(installed()):
+        env = find(name)
+        if env is not None:
+            found[name] = env.env_version
+    return found
+
+
+def env_queue(task_queue: str, name: str, env_version: str) -> str:
+    """The task queue of runs of environment ``name`` at ``env_version`` on ``task_queue``: polled only by
+    workers that loaded that environment at that version."""
+    return f"{task_queue}{ENV_QUEUE_MARK}{name}:{env_version}"
+
+
+def run_queue(task_queue: str, name: str) -> str:
+    """The queue a run of ``name`` is started on: its environment's, at the version this process loads.
+
+    Raises:
+        ConfigError: no such environment here, or it does not load.
+    """
+    return env_queue(task_queue, name, get(name).env_version)
+
+
+def env_part(queue: str) -> str:
+    """The environment part of a queue name (``@env-NAME:VERSION``; empty for a queue of no environment):
+    what a sandbox host's queue carries for runs of that environment (``host queue + env_part``)."""
+    at = queue.rfind(ENV_QUEUE_MARK)
+    return queue[at:] if at >= 0 else ""

@@ -4,7 +4,8 @@ What it checks, from the run store (and, when given, Temporal and the sandbox ba
 
 - every group of the run closed, with its full size (``run.num_groups`` groups of ``run.group_size``);
 - every slot ``<run>/<group>/<i>`` has exactly one final record: earlier attempts of a slot (``<i>r<n>``)
-  are cancelled (reason admission or manual), the last is not, and no attempt is missing;
+  are cancelled (reason admission or manual) or failed for infrastructure and marked superseded by the
+  next attempt (``rollout.infra_retries``), the last is not, and no attempt is missing;
 - with a Temporal client: every RolloutWorkflow of the run has a record;
 - failed or cancelled members are not scorable, carry no reward and no advantage; no infra failure is
   recorded as a reward;
@@ -14,10 +15,10 @@ What it checks, from the run store (and, when given, Temporal and the sandbox ba
 - at least one rollout succeeded (completed with a reward): a chaos run with zero successes has failed;
 - with a Temporal client: every GroupWorkflow of the run has a group record.
 
-A run cancelled as a whole (store status ``cancelled``) is held to the same rules for the groups it
-started (those with a group record or member records: each closed with its full size, every slot one
-final record); groups it never started have no records and are no
-violation, and it need not have a success (it may have been cancelled before any rollout ended).
+A run cancelled as a whole (store status ``cancelled``, or ``stopped`` by a streak of environment failures)
+is held to the same rules for the groups it started (those with a group record or member records: each
+closed with its full size, every slot one final record); groups it never started have no records and are
+no violation, and it need not have a success (it may have been cancelled before any rollout ended).
 
 Invariant: the check only reads. It never raises on a violation; it returns them (``Violation.line``).
 """
@@ -81,7 +82,7 @@ def check_store(store: RunStore, run_id: str) -> LedgerReport:
         return LedgerReport(run_id, 0, 0, 0, [Violation("missing-run", f"run {run_id} is not in the store")])
     cfg = json.loads(run["config_json"])
     num_groups, size = int(cfg["run"]["num_groups"]), int(cfg["run"]["group_size"])
-    cancelled = run.get("status") == "cancelled"
+    cancelled = run.get("status") in ("cancelled", "stopped")
     rows = store.rollouts(run_id)
     groups = {g["group_id"]: g for g in store.groups(run_id)}
     out: list[Violation] = []
@@ -140,13 +141,19 @@ def _slots(run_id: str, gid: str, size: int, rows: list[dict[str, Any]]) -> list
         if sorted(tried) != list(range(last + 1)):
             out.append(Violation("missing-record", f"slot {prefix}{i}: attempts {sorted(tried)} have a gap"))
         for n, r in sorted(tried.items()):
-            if n < last and r["outcome"] != "cancelled":
+            if n < last and r["outcome"] != "cancelled" and not _superseded(r, f"{prefix}{i}r{n + 1}"):
                 out.append(
                     Violation("duplicate", f"{r['rollout_id']} is {r['outcome']} but slot {i} ran again")
                 )
     for i in sorted(set(attempts) - set(range(size))):
         out.append(Violation("unknown-rollout", f"slot {prefix}{i} is beyond the group size {size}"))
     return out
+
+
+def _superseded(r: dict[str, Any], by: str) -> bool:
+    """Whether ``r`` failed for infrastructure and its group marked it superseded by attempt ``by``."""
+    infra = r["outcome"] == "failed" and (r["reason"] or "").startswith("infra:")
+    return infra and json.loads(r.get("extra_json") or "{}").get("superseded_by") == by
 
 
 def _record(r: dict[str, Any]) -> list[Violation]:

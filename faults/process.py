@@ -13,16 +13,20 @@ way gets the same faults::
     w = process.restart(w, down_s=3)   # SIGKILL, 3 s down, the same command line started again
 
 Invariants:
-- Only a pid whose recorded start time still matches is signalled (a reused pid is never touched), and
-  every signal goes to the process group it leads (each component leads its own session).
+- A target is found by a pid whose recorded start time still matches (a reused pid is never touched), and
+  every signal goes to its whole process tree (each component leads its own session): each process of that
+  session or group proven to be of the same spawn first (``config.proctree``: the spawn's marker in its
+  environment), so a kill also reaches the tree of a leader that died meanwhile, and a recycled group id
+  is never signalled.
 - A frozen group is stopped when ``frozen`` returns, and always thawed: SIGCONT on the way out, even on
   an exception.
 - A restart starts the same command line, environment and working directory as the process it replaces
-  (read from /proc before the kill), appends to the same log and rewrites the same pid file, so the stack's
-  own ``status`` and ``down`` see the new process.
+  (read from /proc before the kill; only the spawn marker is new), appends to the same log and rewrites the
+  same pid file, so the stack's own ``status`` and ``down`` see the new process; it starts only once nothing
+  of the old tree is left.
 
-This module does not import ``workers`` (``workers`` imports ``faults``; no cycle): it reads the pid-file
-format itself.
+This module does not import ``workers`` (``workers`` imports ``faults``; no cycle): the pid-file format and
+the tree's membership check live in ``config.proctree``.
 """
 
 from __future__ import annotations
@@ -35,6 +39,9 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from config import proctree
+from config.proctree import Record
 
 
 class ProcessFaultError(RuntimeError):
@@ -51,33 +58,11 @@ class Target:
     argv: tuple[str, ...]
     env: dict[str, str]
     cwd: str
+    record: Record
+    """What its pid file recorded (start time, spawn marker): how its tree is found and proven ours."""
 
     def __str__(self) -> str:
         return f"{self.name} pid {self.pid}"
-
-
-def _stat(pid: int) -> list[str] | None:
-    """Fields of /proc/PID/stat after the command name (state is [0], pgid [2], start time [19])."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-
-def _alive(pid: int) -> bool:
-    with contextlib.suppress(ChildProcessError, OSError):
-        os.waitpid(pid, os.WNOHANG)  # reap our own exited children
-    fields = _stat(pid)
-    return fields is not None and fields[0] not in ("Z", "X")
-
-
-def _group(pgid: int) -> list[int]:
-    """Non-zombie processes of process group ``pgid``."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and (f := _stat(int(entry.name))) and int(f[2]) == pgid and f[0] != "Z":
-            out.append(int(entry.name))
-    return out
 
 
 def pid_file(home: Path, name: str) -> Path:
@@ -86,16 +71,10 @@ def pid_file(home: Path, name: str) -> Path:
 
 def find(home: Path, name: str) -> Target | None:
     """The live process named by ``<home>/pids/<name>.pid``, or None (no file, exited, pid reused)."""
-    try:
-        fields = pid_file(home, name).read_text().split()
-    except FileNotFoundError:
+    rec = Record.read(pid_file(home, name))
+    if rec is None or not proctree.leader_alive(rec):
         return None
-    if not fields or not fields[0].isdigit():
-        return None
-    pid = int(fields[0])
-    stat = _stat(pid)
-    if stat is None or not _alive(pid) or (len(fields) > 1 and stat[19] != fields[1]):
-        return None
+    pid = rec.pid
     try:
         argv = tuple(a.decode() for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if a)
         raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
@@ -103,7 +82,7 @@ def find(home: Path, name: str) -> Target | None:
     except OSError:
         return None
     env = dict(kv.decode(errors="replace").split("=", 1) for kv in raw if b"=" in kv)
-    return Target(home, name, pid, argv, env, cwd)
+    return Target(home, name, pid, argv, env, cwd, rec)
 
 
 def targets(home: Path, component: str) -> list[Target]:
@@ -119,44 +98,40 @@ def targets(home: Path, component: str) -> list[Target]:
 
 
 def _signal(t: Target, sig: signal.Signals) -> None:
-    current = find(t.home, t.name)
-    if current is None or current.pid != t.pid:
-        raise ProcessFaultError(f"{t}: no longer running (its pid file names no live process of ours)")
-    try:
-        os.killpg(t.pid, sig)
-    except ProcessLookupError:
-        raise ProcessFaultError(f"{t}: exited before {sig.name}") from None
+    """Send ``sig`` to every process of the target's tree (its leader alive or not)."""
+    if not proctree.signal_tree(t.record, sig):
+        raise ProcessFaultError(f"{t}: no longer running (nothing of its process tree is left)")
 
 
-def _wait_gone(pgid: int, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while _group(pgid):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    with contextlib.suppress(ChildProcessError, OSError):
-        os.waitpid(pgid, os.WNOHANG)
-    return True
+def _wait_gone(t: Target, timeout_s: float) -> bool:
+    gone = proctree.wait_gone(t.record, timeout_s)
+    proctree.reap(t.pid)
+    return gone
+
+
+def tree(t: Target) -> list[int]:
+    """The live processes of the target's tree (the leader first, if alive): what a kill reaches."""
+    return proctree.members(t.record)
 
 
 def kill(t: Target, timeout_s: float = 10.0) -> None:
-    """SIGKILL the target's process group and wait until it is gone.
+    """SIGKILL the target's whole process tree and wait until it is gone.
 
     Raises:
-        ProcessFaultError: the target is not running, or its group outlives the wait.
+        ProcessFaultError: nothing of the target is running, or some of it outlives the wait.
     """
     _signal(t, signal.SIGKILL)
-    if not _wait_gone(t.pid, timeout_s):
-        raise ProcessFaultError(f"{t}: process group still alive {timeout_s:.0f} s after SIGKILL")
+    if not _wait_gone(t, timeout_s):
+        raise ProcessFaultError(f"{t}: process tree still alive {timeout_s:.0f} s after SIGKILL")
 
 
 def stop(t: Target, timeout_s: float = 30.0) -> None:
-    """SIGTERM the group (a graceful stop), SIGKILL what is left after ``timeout_s``."""
+    """SIGTERM the tree (a graceful stop), SIGKILL what is left after ``timeout_s``."""
     _signal(t, signal.SIGTERM)
-    if not _wait_gone(t.pid, timeout_s):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(t.pid, signal.SIGKILL)
-        _wait_gone(t.pid, 10.0)
+    proctree.signal_tree(t.record, signal.SIGCONT)  # a frozen tree sees the SIGTERM too
+    if not _wait_gone(t, timeout_s):
+        proctree.signal_tree(t.record, signal.SIGKILL)
+        _wait_gone(t, 10.0)
 
 
 @contextlib.contextmanager
@@ -166,14 +141,13 @@ def frozen(t: Target) -> Iterator[Target]:
     _signal(t, signal.SIGSTOP)
     try:
         deadline = time.monotonic() + 5.0
-        while any((f := _stat(p)) and f[0] not in "Tt" for p in _group(t.pid)):
+        while any((f := proctree.stat(p)) and f[0] not in "Tt" for p in tree(t)):
             if time.monotonic() > deadline:
                 raise ProcessFaultError(f"{t}: not stopped 5 s after SIGSTOP")
             time.sleep(0.01)
         yield t
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(t.pid, signal.SIGCONT)
+        proctree.signal_tree(t.record, signal.SIGCONT)
 
 
 def freeze(t: Target, seconds: float) -> None:
@@ -183,12 +157,16 @@ def freeze(t: Target, seconds: float) -> None:
 
 
 def start(t: Target) -> Target:
-    """Start ``t``'s command line again (same environment and directory, own session), appending to its log
-    and rewriting its pid file; returns the new target.
+    """Start ``t``'s command line again (same environment and directory, a fresh spawn marker, own session),
+    appending to its log and rewriting its pid file; returns the new target. What is left of ``t``'s tree
+    (an engine's EngineCore when only its API server died) is killed first.
 
     Raises:
-        ProcessFaultError: the process exits at once (its log says why).
+        ProcessFaultError: the process exits at once (its log says why), or the old tree outlives SIGKILL.
     """
+    if proctree.signal_tree(t.record, signal.SIGKILL) and not _wait_gone(t, 10.0):
+        raise ProcessFaultError(f"{t}: process tree still alive 10 s after SIGKILL")
+    marker = proctree.new_marker()
     log = t.home / "logs" / f"{t.name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("ab") as out:
@@ -200,12 +178,12 @@ def start(t: Target) -> Target:
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
-            env=t.env,
+            env={**t.env, proctree.MARKER_ENV: marker},
             cwd=t.cwd,
             start_new_session=True,
         )
-    stat = _stat(proc.pid)
-    pid_file(t.home, t.name).write_text(f"{proc.pid} {stat[19] if stat else ''}\n")
+    stat = proctree.stat(proc.pid)
+    pid_file(t.home, t.name).write_text(Record(proc.pid, stat[19] if stat else None, marker).line())
     new = find(t.home, t.name)
     if new is None:
         raise ProcessFaultError(f"{t.name}: exited at once after a restart; see {log}")

@@ -128,6 +128,8 @@ def _turns(segs: list[Segment]) -> list[dict[str, Any]]:
             turn["transfer_s"] = m["transfer_s"]
         if "logprob_mode" in m:  # recorded from schema 4 on
             turn["logprob_mode"] = m["logprob_mode"]
+        if m.get("metrics"):  # an environment that reports more than the reward (envs.base.Score)
+            turn["metrics"] = m["metrics"]
         out.append(turn)
     return out
 
@@ -220,6 +222,8 @@ def group_record(rec: dict[str, Any], trainer_wait_s: float | None = None) -> di
         "outcomes": rec.get("outcomes", {}),
         "admission_cancelled": rec.get("admission_cancelled", 0),
         "wasted_tokens": rec.get("wasted_tokens", 0),
+        "superseded": rec.get("superseded", 0),
+        "unscorable_reason": rec.get("unscorable_reason"),
         **({} if trainer_wait_s is None else {"trainer_wait_s": trainer_wait_s}),
     }
     return GroupRecord.model_validate(fields).model_dump(mode="json", exclude_unset=True)

@@ -18,9 +18,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 """Version of the export format written today (1 = the implicit format before ``schema_version``; 3 added
-the time decomposition: ``time`` and the turns' ``transfer_s``)."""
+the time decomposition: ``time`` and the turns' ``transfer_s``; 5 the infra retries: a rollout's
+``superseded_by``, a group's ``superseded`` and ``unscorable_reason``)."""
 
 ROLLOUT_OPTIONAL = (
     "sandbox_replays",
@@ -30,6 +31,7 @@ ROLLOUT_OPTIONAL = (
     "reprefill_tokens",
     "score_truncated",
     "wasted_tokens",
+    "superseded_by",
 )
 """Optional rollout fields, as the rollout workflow stores them (``extra_json``) when they apply."""
 
@@ -83,6 +85,9 @@ class TurnRecord(_Record):
     """The logprobs mode the engine reported serving when it sampled the turn (vLLM's dev-mode
     ``/server_info``; from schema 4); null when the engine could not tell. A turn is never sampled by an
     engine whose reported mode differs from ``sampling.logprob_mode``."""
+    metrics: dict[str, float] | None = None
+    """The verifier's metrics when this turn was scored and the environment reports more than the reward
+    (e.g. every key of a Harbor task's ``reward.json``); absent otherwise."""
 
 
 class RolloutTime(_Record):
@@ -158,6 +163,9 @@ class RolloutRecord(_Record):
     """Truncated rollouts only: whether the run scores truncated rollouts."""
     wasted_tokens: int = Field(0, ge=0)
     """Cancelled rollouts only: tokens sampled before the cancel."""
+    superseded_by: str | None = None
+    """Present on a rollout that failed for infrastructure and whose slot ran again
+    (``rollout.infra_retries``): the id of the attempt that replaced it; the slot's last attempt counts."""
     kind: Literal["rollout"]
     """Line type."""
     run_id: str
@@ -240,6 +248,13 @@ class GroupRecord(_Record):
     trainer_wait_s: float | None = Field(None, ge=0)
     """Present once the trainer feed consumed the group: seconds from its record to the feed handing it
     to a trainer."""
+    superseded: int = Field(0, ge=0)
+    """Attempts that failed for infrastructure and whose slot ran again (counted in ``failed`` and
+    ``outcomes``, never in the statistics; their records carry ``superseded_by``)."""
+    unscorable_reason: str | None = None
+    """Set when the whole group is unscorable (``group.on_infra_failure = "fail-group"`` and a member still
+    failed for infrastructure after its retries: that member and its reason): no member is scorable, no
+    advantages, and the trainer feed discards the group."""
 
 
 RECORDS: dict[str, type[_Record]] = {"rollout": RolloutRecord, "group": GroupRecord}

@@ -68,25 +68,35 @@ class SandboxSpec(BaseModel):
     labels: dict[str, str] = Field(default_factory=dict)
     """Extra container labels; keys must not start with `durable-rollouts`."""
 
+    mounts: dict[str, int] = Field(default_factory=dict)
+    """Extra size-capped tmpfs folders (absolute path -> MiB), writable by `user`, like the workdir (e.g.
+    Harbor's ``/logs`` and ``/tests``); they count against `memory_mb` with the workdir and /tmp."""
+
     @model_validator(mode="after")
     def _check_tmpfs_fits_memory(self) -> SandboxSpec:
         # tmpfs pages are charged to the container's memory cgroup: a full workdir must not starve processes
         # into OOM kills instead of failing writes with ENOSPC.
-        if self.workdir_size_mb + self.tmp_size_mb >= self.memory_mb:
+        tmpfs = self.workdir_size_mb + self.tmp_size_mb + sum(self.mounts.values())
+        if tmpfs >= self.memory_mb:
             raise ValueError(
-                f"workdir_size_mb + tmp_size_mb ({self.workdir_size_mb + self.tmp_size_mb}) must be below "
+                f"workdir_size_mb + tmp_size_mb + mounts ({tmpfs}) must be below "
                 f"memory_mb ({self.memory_mb}): tmpfs contents count against the memory limit"
             )
         return self
 
+    @field_validator("mounts")
+    @classmethod
+    def _check_mounts(cls, value: dict[str, int]) -> dict[str, int]:
+        for path, size in value.items():
+            _check_mount_path(path, "mount")
+            if not 1 <= size <= 65536:
+                raise ValueError(f"mount {path!r}: size must be in [1, 65536] MiB, got {size}")
+        return value
+
     @field_validator("workdir")
     @classmethod
     def _check_workdir(cls, value: str) -> str:
-        if not value.startswith("/") or posixpath.normpath(value) != value or value == "/":
-            raise ValueError(f"workdir must be a normalised absolute path other than '/': {value!r}")
-        if value.split("/")[1] in {"proc", "sys", "dev", "etc", "tmp", "usr", "bin", "sbin", "lib"}:
-            raise ValueError(f"workdir may not shadow a system directory: {value!r}")
-        return value
+        return _check_mount_path(value, "workdir")
 
     @field_validator("user")
     @classmethod
@@ -103,6 +113,32 @@ class SandboxSpec(BaseModel):
         if reserved:
             raise ValueError(f"labels starting with {RESERVED_LABEL_PREFIX!r} are reserved: {reserved}")
         return value
+
+
+def _check_mount_path(value: str, what: str) -> str:
+    if not value.startswith("/") or posixpath.normpath(value) != value or value == "/":
+        raise ValueError(f"{what} must be a normalised absolute path other than '/': {value!r}")
+    if value.split("/")[1] in {"proc", "sys", "dev", "etc", "tmp", "usr", "bin", "sbin", "lib"}:
+        raise ValueError(f"{what} may not shadow a system directory: {value!r}")
+    return value
+
+
+class ImageBuild(BaseModel):
+    """An image built on the Docker daemon that runs the sandbox, from a build context (``sandboxes.images``
+    builds it once per tag and host, the tag naming the context's content hash)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    tag: str = Field(min_length=1, max_length=255)
+    """Local tag of the image; a content hash, so equal contexts share one image per host."""
+    context: dict[str, str] = Field(default_factory=dict)
+    """Relative path -> base64 content of the build context; ``Dockerfile`` names the Dockerfile."""
+    executables: list[str] = Field(default_factory=list)
+    """Paths of ``context`` with the executable bit."""
+    timeout_s: float = Field(600.0, gt=0)
+    """Most seconds one build may take; past it the build fails."""
+    what: str = "image"
+    """Who needs it, for messages (e.g. ``task hello-world``)."""
 
 
 class SandboxHandle(BaseModel):
@@ -256,6 +292,19 @@ class AsyncSandboxBackend:
     async def destroy(self, key: str) -> None:
         """See `SandboxBackend.destroy`."""
         await asyncio.to_thread(self.backend.destroy, key)
+
+    async def has_image(self, tag: str) -> bool:
+        """Whether the backend's daemon has the image (backends without ``has_image`` answer True)."""
+        fn = getattr(self.backend, "has_image", None)
+        return True if fn is None else bool(await asyncio.to_thread(fn, tag))
+
+    async def build_image(self, build: ImageBuild) -> tuple[bool, str]:
+        """Build an image on the backend's daemon: (succeeded, log). Needs a backend with ``build_image``."""
+        fn = getattr(self.backend, "build_image", None)
+        if fn is None:
+            return False, f"this sandbox backend cannot build images ({type(self.backend).__name__})"
+        ok, log = await asyncio.to_thread(fn, build)
+        return bool(ok), str(log)
 
     async def host(self) -> str | None:
         """The host running this backend's sandboxes (the Docker daemon's name), if the backend says

@@ -20,6 +20,7 @@ import docker
 import docker.errors
 
 from errors import SandboxError, SandboxFileError, SandboxGone, SandboxNotReady, SandboxPathError
+from sandboxes._docker_build import build_image
 from sandboxes._docker_exec import (
     EXEC_WRAPPER,
     KILL_AFTER_S,
@@ -32,6 +33,7 @@ from sandboxes._docker_exec import (
 )
 from sandboxes.base import (
     ExecResult,
+    ImageBuild,
     SandboxHandle,
     SandboxInfo,
     SandboxSpec,
@@ -72,7 +74,9 @@ def container_name(key: str) -> str:
 
 
 def _spec_digest(spec: SandboxSpec) -> str:
-    return hashlib.sha256(spec.model_dump_json().encode()).hexdigest()[:16]
+    # A spec without mounts hashes as it did before mounts existed (running sandboxes stay reattachable).
+    exclude = {"mounts"} if not spec.mounts else None
+    return hashlib.sha256(spec.model_dump_json(exclude=exclude).encode()).hexdigest()[:16]
 
 
 class DockerBackend:
@@ -189,6 +193,10 @@ class DockerBackend:
             tmpfs={
                 spec.workdir: f"{_TMPFS_OPTS},size={spec.workdir_size_mb}m,uid={uid},gid={gid},mode=0755",
                 "/tmp": f"{_TMPFS_OPTS},size={spec.tmp_size_mb}m,mode=1777",
+                **{
+                    path: f"{_TMPFS_OPTS},size={size}m,uid={uid},gid={gid},mode=0755"
+                    for path, size in spec.mounts.items()
+                },
             },
             mem_limit=f"{spec.memory_mb}m",
             memswap_limit=f"{spec.memory_mb}m",
@@ -291,6 +299,30 @@ class DockerBackend:
                 self._remove(info.container_id)
             removed.append(info.name)
         return removed
+
+    # ------------------------------------------------------------------------------------------- images
+
+    def has_image(self, tag: str) -> bool:
+        """Whether this daemon has an image tagged ``tag``."""
+        with docker_errors(f"inspect image {tag}"):
+            try:
+                self.api.inspect_image(tag)
+            except docker.errors.ImageNotFound:
+                return False
+        return True
+
+    def build_image(self, build: ImageBuild) -> tuple[bool, str]:
+        """Build ``build`` on this daemon (never pulling: ``FROM`` must name a local image); returns whether
+        it succeeded and the build log (`sandboxes._docker_build`).
+
+        Raises:
+            SandboxNotReady: the daemon is unreachable.
+        """
+        with docker_errors(f"build image {build.tag}"):
+            ok, log = build_image(
+                self.api, build, {LABEL_PROJECT: "1", f"{LABEL_PROJECT}.image": build.what[:200]}
+            )
+        return ok and self.has_image(build.tag), log
 
     # ------------------------------------------------------------------------------------------ commands
 

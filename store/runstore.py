@@ -179,6 +179,29 @@ class RunStore(SegmentStore, LogStore):
                 [(a, rid) for rid, a in advantages.items()],
             )
 
+    def mark_members(self, superseded: dict[str, str], unscorable: list[str]) -> None:
+        """What a group's close says of its members' records (idempotent): each failed attempt in
+        ``superseded`` names the attempt that replaced it (``extra_json["superseded_by"]``), and the members
+        of an unscorable group are stored as not scorable."""
+        if not superseded and not unscorable:
+            return
+        with self.db.tx() as db:
+            for rid, by in sorted(superseded.items()):
+                row = db.execute(
+                    "SELECT extra_json FROM rollouts WHERE rollout_id=?" + self.db.for_update, (rid,)
+                ).fetchone()
+                if row is None:
+                    continue
+                extra = json.loads(row[0] or "{}")
+                if extra.get("superseded_by") != by:
+                    extra["superseded_by"] = by
+                    db.execute(
+                        "UPDATE rollouts SET extra_json=? WHERE rollout_id=?", (json.dumps(extra), rid)
+                    )
+            db.executemany(
+                "UPDATE rollouts SET scorable=0 WHERE rollout_id=?", [(rid,) for rid in unscorable]
+            )
+
     def put_group(self, run_id: str, group_id: str, task_id: str, record: dict[str, Any]) -> bool:
         with self.db.tx() as db:
             cur = db.execute(

@@ -80,12 +80,22 @@ CREATE TABLE IF NOT EXISTS sandbox_hosts (
 ALTER TABLE pool_holders ADD COLUMN host TEXT;
 """,
     ),
+    (
+        5,
+        """
+CREATE TABLE IF NOT EXISTS image_builds (
+    host TEXT NOT NULL, tag TEXT NOT NULL, state TEXT NOT NULL, owner TEXT, builds INTEGER NOT NULL,
+    what TEXT, started_at REAL, beat_at REAL, finished_at REAL, log TEXT, error TEXT,
+    PRIMARY KEY (host, tag));
+""",
+    ),
 ]
 """(version, DDL) in order. 1: the manual-actions log of ``rollouts cancel/retry/terminate``. 2: token
 arrays packed in the segment row (``tokens`` int32, ``logprobs`` float32, little-endian; ``versions`` the
 policy version of each token, run-length encoded JSON); rows written before it keep ``tokens`` NULL and
 name their JSON file under the store root in ``blob``, and are read from there. 3: the sandbox pool's
 state (sandboxes/pool.py), shared by every worker of the store instead of one file per host. 4: sandbox
-hosts (sandboxes/hosts.py) and the host each pool slot is held on."""
+hosts (sandboxes/hosts.py) and the host each pool slot is held on. 5: image builds per sandbox host
+(sandboxes/images.py): one build of a tag per host at a time, its log, and how many builds it took."""
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]

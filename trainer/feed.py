@@ -17,6 +17,9 @@ Invariants:
   finished late is taken before younger ones): lateness alone never drops or discards a group, only its
   versions can (lag > max_lag). This is what makes over-provisioning (``run.overprovision``: extra groups
   in flight) keep batches unskewed toward short rollouts; :meth:`TrainerFeed.length_mix` shows it.
+- An unscorable group (its record's ``unscorable_reason``: ``group.on_infra_failure = "fail-group"``) is
+  never handed out: the first take that sees it complete discards it, reason ``unscorable: ...``, so its
+  records stay in the books.
 - Metrics: :meth:`TrainerFeed.take` counts the groups whose marks it won (``metrics.record_feed``), so
   concurrent feeds never count a group twice.
 """
@@ -145,7 +148,8 @@ class TrainerFeed:
     ) -> Batch:
         """Consume up to ``n_groups`` complete groups that are fresh for ``current_version``.
 
-        Every complete waiting group is judged: stale (lag > ``max_lag`` or an unpublished version), with
+        Every complete waiting group is judged: unscorable (its group record says so), stale (lag >
+        ``max_lag`` or an unpublished version), with
         ``logprob_mode`` a group whose records declare another logprobs mode than the trainer asks for,
         and with ``drop_zero_variance`` zero-variance groups are discarded with a reason (counted in the
         books); fresh ones are consumed oldest first up to ``n_groups``; the rest keep waiting.
@@ -161,6 +165,8 @@ class TrainerFeed:
         for cand in self._complete_waiting():
             versions = self._versions(cand.rows)
             lag, reason = _judge(versions, current_version, max_lag, order)
+            if cand.group.get("unscorable_reason"):  # never trained on, whatever its versions
+                reason = f"unscorable: {cand.group['unscorable_reason']}"
             if reason is None and logprob_mode is not None:
                 reason = _mode_mismatch(cand.rows, logprob_mode)
             if reason is None and lag is None:

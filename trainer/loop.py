@@ -220,6 +220,8 @@ class Loop:
 
         from contracts.client import connect
         from contracts.types import RunInput
+        from envs.fleet import require_worker
+        from errors import ConfigError
         from workflows.run import RunWorkflow
 
         client = self.client
@@ -239,13 +241,17 @@ class Loop:
         except RPCError as e:
             if e.status != RPCStatusCode.NOT_FOUND:
                 raise
+        try:  # on its environment's queue, once a live worker polls it (envs/fleet.py)
+            queue = await require_worker(client, self.cfg.temporal.task_queue, self.cfg.run.env)
+        except ConfigError as e:
+            raise TrainerError(str(e)) from None
         return await client.start_workflow(
             RunWorkflow.run,
             RunInput(
                 run_id=self.run_id, config=self.cfg.model_dump(mode="json"), config_hash=config_hash(self.cfg)
             ),
             id=self.run_id,
-            task_queue=self.cfg.temporal.task_queue,
+            task_queue=queue,
         )
 
     # -- the loop -------------------------------------------------------------------------------------

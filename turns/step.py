@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 
 from contracts.types import EnvStepInput, EnvStepResult
 from envs import registry
-from envs.base import Environment, Step, TurnContext, calling
+from envs.base import Environment, Score, Step, TurnContext, calling
 from errors import StoreError
 from sandboxes.base import BoundSandbox
 from store import RunStore, Segment, model_segment, obs_segment
@@ -116,9 +116,13 @@ class EnvSteps:
             task=task, rollout_id=ref.rollout_id, turn=inp.turn, last_turn=inp.last_turn, sandbox=sandbox
         )
 
-    async def _done(self, inp: EnvStepInput, seg: Segment, reward: float | None, t: _Times) -> EnvStepResult:
-        """Record the end of the rollout with its turn (a retry returns it) and report it."""
+    async def _done(
+        self, inp: EnvStepInput, seg: Segment, score: float | Score | None, t: _Times
+    ) -> EnvStepResult:
+        """Record the end of the rollout with its turn (a retry returns it) and report it; a `Score`'s
+        metrics are kept with the turn (meta ``metrics``)."""
         m = seg.meta
+        reward = score.reward if isinstance(score, Score) else score
         transfer_s = t.transfer_s + (inp.transfer_s if not inp.score_only else 0.0)
         if inp.score_only:  # the turn's step already recorded its own times: add these beside them
             meta: dict[str, Any] = {
@@ -129,6 +133,8 @@ class EnvSteps:
         else:
             meta = {"env_s": t.env_s, "reward_s": t.reward_s, "step": {"done": True, "reward": reward},
                     "transfer_s": m.get("transfer_s", 0.0) + transfer_s}  # fmt: skip
+        if isinstance(score, Score) and score.metrics:
+            meta["metrics"] = dict(score.metrics)
         await asyncio.to_thread(self.store.update_segment_meta, inp.rollout_id, seg.name, **meta)
         return EnvStepResult(done=True, reward=reward, env_s=t.env_s, reward_s=t.reward_s)
 

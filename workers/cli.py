@@ -2,11 +2,21 @@
 
 Invariant: user mistakes (config, task file, run id) print one line starting with ``error:`` and exit 2;
 an unreachable service prints one line and exits 1; ``run --wait`` on a run whose environment failures
-exceed ``run.max_environment_failure_share`` prints one line and exits 3. Heavy imports happen inside
-commands, so ``--help`` answers at once.
+exceed ``run.max_environment_failure_share`` prints one line and exits 3; Ctrl-C ends a command within
+``interrupt.GRACE_S`` (but ``stack up`` and ``worker``, which clean up first) with exit 130 and no traceback
+(``workers.interrupt``, installed before anything else is imported). Heavy imports happen inside commands,
+so ``--help`` answers at once.
 """
 
 from __future__ import annotations
+
+import os
+import sys
+
+from workers import interrupt
+
+if __name__ == "__main__" or os.path.basename(sys.argv[0]) == "rollouts":  # the program, not an importer
+    interrupt.install()  # first: Ctrl-C during the imports below returns at once too (workers/interrupt.py)
 
 import asyncio
 import re
@@ -96,21 +106,25 @@ def run(
     rid = run_id or _new_run_id()
     if not RUN_ID_RE.match(rid):
         raise _fail(f"--run-id {rid!r}: use letters, digits, '.', '_' and '-' (at most 128)")
-    # Uploaded before the run starts: its workers read the tasks from the store, not from this host's file
-    # (an existing run keeps the tasks it has).
-    _store(cfg.store.url).put_tasks(rid, tasks)
-    asyncio.run(_submit(cfg, config_hash(cfg), rid, wait))
+    # Uploaded before the run starts, once a worker can take it: its workers read the tasks from the store,
+    # not from this host's file (an existing run keeps the tasks it has).
+    upload = lambda: _store(cfg.store.url).put_tasks(rid, tasks)  # noqa: E731
+    asyncio.run(_submit(cfg, config_hash(cfg), rid, wait, upload))
 
 
 def _toml_str(s: str) -> str:
     return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-async def _submit(cfg, cfg_hash: str, rid: str, wait: bool) -> None:
+async def _submit(cfg, cfg_hash: str, rid: str, wait: bool, upload: Callable[[], object]) -> None:
+    """Start the run (or attach to it): on its environment's task queue, once a live worker polls it
+    (envs/fleet.py; none: one line, exit 2, nothing started or uploaded)."""
     from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
     from temporalio.service import RPCError, RPCStatusCode
 
     from contracts.types import RunInput
+    from envs.fleet import require_worker
+    from errors import ConfigError
     from workflows.run import RunWorkflow
 
     client = await _client(cfg.temporal.address, cfg.temporal.namespace)
@@ -122,12 +136,21 @@ async def _submit(cfg, cfg_hash: str, rid: str, wait: bool) -> None:
         if e.status != RPCStatusCode.NOT_FOUND:
             raise _fail(f"run {rid}: {e}", 1) from None
         attached = False
+    if not attached:
+        try:
+            queue = await require_worker(client, cfg.temporal.task_queue, cfg.run.env)
+        except ConfigError as e:
+            raise _fail(str(e)) from None
+        except RPCError as e:
+            raise _fail(f"run {rid}: cannot ask Temporal for workers ({e})", 1) from None
+    upload()
+    if not attached:
         # USE_EXISTING closes the race with a concurrent submit of the same id: still one run.
         handle = await client.start_workflow(
             RunWorkflow.run,
             RunInput(run_id=rid, config=cfg, config_hash=cfg_hash),
             id=rid,
-            task_queue=cfg.temporal.task_queue,
+            task_queue=queue,
             id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
             id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
         )
@@ -135,10 +158,12 @@ async def _submit(cfg, cfg_hash: str, rid: str, wait: bool) -> None:
     if attached:
         typer.echo(f"attached to existing run {rid} (its stored config applies)", err=True)
     if wait:  # exit 3 past run.max_environment_failure_share (workers.progress.wait_verdict)
-        from workers.progress import follow, wait_verdict
+        from workers.progress import ENVIRONMENT_FAILURE_EXIT, follow, wait_verdict
 
         store = _store(cfg.store.url)
-        await follow(handle, store)
+        final = await follow(handle, store)
+        if final.stopped is not None:  # a streak of environment failures stopped it: not a success
+            raise _fail(f"run {rid} stopped: {final.stopped}", ENVIRONMENT_FAILURE_EXIT)
         code, line = wait_verdict(store, rid, cfg.run.max_environment_failure_share)
         if code:
             raise _fail(line, code)
@@ -265,11 +290,9 @@ def _ops(work: Callable[[], Coroutine[Any, Any, None]]) -> None:
 
     error = None
     try:
-        asyncio.run(work())
+        asyncio.run(work())  # Ctrl-C (how `top` ends) propagates: exit 130 (workers.interrupt)
     except OpsError as e:
         error = str(e)  # raised below, so no traceback keeps the client alive into interpreter shutdown
-    except KeyboardInterrupt:  # `top` ends on Ctrl-C
-        pass
     if error is not None:  # one line, exit 2 (main() leaves without finalizing: workers.procs.exit_now)
         typer.echo(f"error: {error}", err=True)
         raise typer.Exit(2)
@@ -428,6 +451,8 @@ def worker(
 ) -> None:
     """Start an additional worker (runs until Ctrl-C or SIGTERM)."""
     from workers.worker import main as worker_main
+
+    interrupt.patient()  # it drains on Ctrl-C (its own handler, once running); no watchdog cuts that short
 
     argv = ["--address", address, "--task-queue", task_queue] + (["--unsandboxed"] if unsandboxed else [])
     argv += ["--store", store] if store else []

@@ -15,8 +15,9 @@ Invariants:
   the slot runs again as ``<i>r<n+1>``);
   ``terminate`` of a rollout lets its group record it (failed, infra); ``terminate`` of a group terminates
   it (its members die with it) and then signals the run ``group_terminated``, which records the members
-  and the group from the store and counts the group done. That last step is idempotent, so it also
-  accounts for a group terminated from the web UI (run ``rollouts terminate GROUP`` afterwards).
+  and the group from the store and counts the group done. That last step is idempotent: the run also
+  notices a group terminated from the web UI or the ``temporal`` CLI by itself (workflows/closed_groups.py)
+  and accounts for it once, whichever comes first.
 - Bad input (unknown id, a run that does not exist, a workflow that is not running) raises ``OpsError``,
   one line; the CLI prints it and exits 2.
 """

@@ -1,8 +1,10 @@
 """Process helpers for the embedded stack: start detached processes, find them again, stop them, probe health.
 
 Invariant: we only ever signal processes we started. Each one leads its own session (so its process group id
-is its pid), and its pid file records the kernel start time next to the pid; a pid whose start time no longer
-matches is treated as gone, never signalled. No name-based killing (pkill, killall) anywhere.
+is its pid), and its pid file records the kernel start time and a per-spawn marker next to the pid; a pid
+whose start time no longer matches is treated as gone, and a component is stopped as its whole tree, each
+process proven ours first (``config.proctree``), even when its leader is already dead. No name-based killing
+(pkill, killall) anywhere.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
+from config import proctree
 from config.paths import resolve_repo_path, venv_bin
 
 if TYPE_CHECKING:
@@ -43,6 +46,8 @@ def exit_now(code: int | str | None = 0) -> NoReturn:
     """
     import logging
 
+    with contextlib.suppress(ValueError):  # main thread only: no KeyboardInterrupt on the way out
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     if isinstance(code, str):
         print(code, file=sys.stderr)
         code = 1
@@ -55,19 +60,27 @@ def exit_now(code: int | str | None = 0) -> NoReturn:
 
 def run_main(main: Callable[[], object]) -> NoReturn:
     """Run a process's entry point, then leave through ``exit_now``: with its ``SystemExit`` code, 130 on
-    Ctrl-C, 1 (and the traceback, as Python would print it) on any other exception."""
+    Ctrl-C, 1 (and the traceback, as Python would print it) on any other exception.
+
+    Once a SIGINT has arrived under ``workers.interrupt`` the status is 130 whatever the entry point did,
+    and an exception it raised while unwinding prints no traceback."""
+    from workers import interrupt
+
+    code: int | str | None = 0
+    interrupt.begin()
     try:
         main()
     except SystemExit as e:
-        exit_now(e.code)
+        code = e.code
     except KeyboardInterrupt:
-        exit_now(130)
+        code = 130
     except BaseException:
-        import traceback
+        if not interrupt.interrupted():
+            import traceback
 
-        traceback.print_exc()
-        exit_now(1)
-    exit_now(0)
+            traceback.print_exc()
+        code = 1
+    exit_now(130 if interrupt.interrupted() else code)
 
 
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
@@ -177,9 +190,10 @@ def pid_alive(pid: int) -> bool:
 
 
 def spawn(name: str, argv: list[str], home: Path, env: dict[str, str] | None = None) -> int:
-    """Start ``argv`` detached: own session, output appended to its log, pid recorded.
+    """Start ``argv`` detached: own session, output appended to its log, pid, start time and a fresh marker
+    recorded (the marker also in its environment, ``proctree.MARKER_ENV``, which all it starts inherit).
 
-    The process survives this one exiting; stop it with :func:`stop_pid`.
+    The process survives this one exiting; stop it (its whole tree) with :func:`stop_component`.
 
     Args:
         name: Component name; names the log file and the pid file.
@@ -193,6 +207,7 @@ def spawn(name: str, argv: list[str], home: Path, env: dict[str, str] | None = N
     log = log_path(home, name)
     log.parent.mkdir(parents=True, exist_ok=True)
     pid_path(home, name).parent.mkdir(parents=True, exist_ok=True)
+    marker = proctree.new_marker()
     with log.open("ab") as out:
         out.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} start: {' '.join(argv)}\n".encode())
         out.flush()
@@ -201,11 +216,39 @@ def spawn(name: str, argv: list[str], home: Path, env: dict[str, str] | None = N
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
+            env={**os.environ, **(env or {}), proctree.MARKER_ENV: marker},
             start_new_session=True,
         )
-    pid_path(home, name).write_text(f"{proc.pid} {_start_time(proc.pid) or ''}\n")
+    pid_path(home, name).write_text(proctree.Record(proc.pid, _start_time(proc.pid), marker).line())
     return proc.pid
+
+
+def read_record(home: Path, name: str) -> proctree.Record | None:
+    """What the pid file of component ``name`` records (its leader may be dead), or None."""
+    return proctree.Record.read(pid_path(home, name))
+
+
+def stop_record(rec: proctree.Record, timeout: float = 15) -> bool:
+    """Stop the whole process tree of a spawn (SIGTERM, ``timeout`` s, SIGKILL), its leader alive or not;
+    only processes proven to be of that spawn are signalled (``config.proctree``).
+
+    Returns:
+        Whether anything of it was running.
+
+    Raises:
+        StackError: Some of it survives SIGKILL for 5 s.
+    """
+    stopped = proctree.stop_tree(rec, timeout)
+    proctree.reap(rec.pid)
+    if stopped is False:
+        raise StackError(f"processes of pid {rec.pid}'s tree survived SIGKILL")
+    return stopped is not None
+
+
+def stop_component(home: Path, name: str, timeout: float = 15) -> bool:
+    """Stop the tree of component ``name`` as its pid file records it (see :func:`stop_record`)."""
+    rec = read_record(home, name)
+    return rec is not None and stop_record(rec, timeout)
 
 
 def read_pid(home: Path, name: str) -> int | None:
@@ -215,18 +258,8 @@ def read_pid(home: Path, name: str) -> int | None:
         The pid, or None when there is no pid file, the process has exited, or the pid now belongs to a
         different process (its start time differs from the one recorded).
     """
-    try:
-        fields = pid_path(home, name).read_text().split()
-    except FileNotFoundError:
-        return None
-    if not fields or not fields[0].isdigit():
-        return None
-    pid = int(fields[0])
-    if not pid_alive(pid):
-        return None
-    if len(fields) > 1 and _start_time(pid) != fields[1]:
-        return None
-    return pid
+    rec = read_record(home, name)
+    return rec.pid if rec is not None and proctree.leader_alive(rec) else None
 
 
 def _group_alive(pgid: int) -> bool:

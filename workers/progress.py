@@ -134,10 +134,16 @@ def summary_table(
             table.add_row(f"  {kind_type}: {message}"[:100], str(count))
     table.add_row("total", f"{sum(p.outcomes.values())}/{p.rollouts_total}")
     table.add_row("groups", f"{p.groups_done}/{p.total_groups}")
+    if p.groups_inflight and not p.done:
+        table.add_row("groups in flight", str(p.groups_inflight))
+    for gid, why in sorted(p.accounting.items()):  # closed without reporting: the run records them now
+        table.add_row(f"accounting for {gid}", f"closed without reporting; members without a record: {why}")
     if p.cap is not None:
         table.add_row("admission cap (rollouts)", str(p.cap))
     if p.admission_cancelled:
         table.add_row("cancelled for admission", f"{p.admission_cancelled} ({p.wasted_tokens} tokens wasted)")
+    if p.stopped is not None:
+        table.add_row("stopped", p.stopped)
     if p.breaker is not None or p.breaker_opened:
         table.add_row("circuit breaker", p.breaker or f"closed (opened {p.breaker_opened}x)")
     if groups:
@@ -204,6 +210,8 @@ async def show_status(client: Client, run_id: str) -> None:
         raise SystemExit(2) from None
     p = await _progress(handle)
     console.print(f"run {run_id}: workflow {desc.status.name if desc.status else '?'}")
+    if p is not None and p.stopped is not None:
+        console.print(f"run {run_id}: stopped: {p.stopped}")
     if p is not None:
         print_summary(p)
         _print_dispatch(run_id)

@@ -10,6 +10,10 @@ Invariants:
   ``host_timeout_s`` nothing is placed on it, and its rollouts move (workflows/sandbox_steps.py).
 - The host queue's worker runs only sandbox activities and env steps, with this host's daemon; every
   other activity and every workflow runs on the run's own queue, on any worker.
+- A run started on an environment's queue (envs/fleet.py) is placed on the host's queue for that
+  environment (the registered queue plus ``registry.env_part`` of the run's queue), polled only by a host
+  that loaded the environment at that version: a host without it never picks the rollout's sandbox work
+  up, so the rollout leaves it (``host_timeout_s``) for another, as for a host that is gone.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from temporalio.worker import Worker
 from activities.environment import EnvironmentActivities
 from activities.sandbox import SandboxActivities
 from engines.client import EngineClient
+from envs.registry import env_part, env_queue
 from errors import SandboxNotReady
 from sandboxes import AsyncSandboxBackend, DockerBackend
 from sandboxes.hosts import SandboxHosts, host_queue
@@ -66,18 +71,29 @@ def docker_at(docker_host: str) -> Callable[[], AsyncSandboxBackend]:
     return make
 
 
-def build_host_worker(
-    client: Client, task_queue: str, store: RunStore, engine: EngineClient, spec: SandboxHostSpec
-) -> Worker:
-    """The worker of the host's own queue: sandbox activities and env steps on this host's daemon."""
+def build_host_workers(
+    client: Client,
+    task_queue: str,
+    store: RunStore,
+    engine: EngineClient,
+    spec: SandboxHostSpec,
+    envs: dict[str, str],
+) -> list[Worker]:
+    """The workers of the host's own queue and of its per-environment variants (one per environment in
+    ``envs``, name -> ``env_version``): sandbox activities and env steps on this host's daemon."""
     sandbox_acts = SandboxActivities(store, docker_at(spec.docker_host))
     env_acts = EnvironmentActivities(store, engine, sandbox_acts)
-    return Worker(
-        client,
-        task_queue=host_queue(task_queue, spec.name),
-        activities=sandbox_acts.all() + env_acts.all(),
-        max_concurrent_activities=max(16, 4 * spec.slots),
-    )
+    base = host_queue(task_queue, spec.name)
+    queues = [base] + [base + env_part(env_queue(task_queue, n, v)) for n, v in sorted(envs.items())]
+    return [
+        Worker(
+            client,
+            task_queue=q,
+            activities=sandbox_acts.all() + env_acts.all(),
+            max_concurrent_activities=max(16, 4 * spec.slots),
+        )
+        for q in queues
+    ]
 
 
 @contextlib.asynccontextmanager

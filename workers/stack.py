@@ -1,8 +1,11 @@
 """The embedded stack: a Temporal dev server, one vLLM engine and one worker, run from one state directory.
 
 Invariant: `up` starts nothing unless every port is free and every dependency is present, starts at most one
-stack per home, and on any failure stops exactly the processes it started; `down` stops exactly the processes
-named by the home's pid files (worker, then engine, then Temporal). Neither imports torch or vLLM in-process.
+stack per home, and on any failure stops exactly the processes it started; `down` stops exactly the process
+trees named by the home's pid files (worker, then engine, then Temporal), each whole (an engine's EngineCore
+and Worker processes too) even when its leader is already dead, and never a process not proven to be of that
+spawn (``config.proctree``); `up` first stops what is left of a dead stack's trees the same way, so a
+restarted engine finds nothing of its predecessor running. Neither imports torch or vLLM in-process.
 Once the engine is healthy, the bundled policy it serves is recorded in the home's run store as a published
 version (``stack.policy_version``, bound to the model directory's weights), so the trainer feed accepts its
 samples; starting again is a no-op, and a version id already bound to other weights stops the stack.
@@ -35,9 +38,11 @@ from workers.procs import (
     pid_path,
     port_in_use,
     read_pid,
+    read_record,
     set_weight_version,
     spawn,
     stop_pid,
+    stop_record,
     temporal_argv,
     temporal_cli,
     temporal_healthy,
@@ -121,8 +126,8 @@ def _ports(cfg: StackConfig, components: Collection[str]) -> dict[int, str]:
     return ports
 
 
-def _check_preconditions(cfg: StackConfig, home: Path, components: Collection[str]) -> None:
-    """Raise StackError unless nothing runs from ``home``, every port is free and every dependency exists."""
+def _check_not_running(home: Path, components: Collection[str]) -> None:
+    """Raise StackError if a component name is unknown or a component's leader runs from ``home``."""
     unknown = set(components) - set(COMPONENTS)
     if unknown:
         raise StackError(f"unknown component(s) {sorted(unknown)}; choose from {list(COMPONENTS)}")
@@ -130,6 +135,20 @@ def _check_preconditions(cfg: StackConfig, home: Path, components: Collection[st
     if running:
         pids = ", ".join(f"{n} pid {p}" for n, p in running.items())
         raise StackError(f"a stack is already running from {home} ({pids}); run `rollouts stack down`")
+
+
+def _stop_leftovers(home: Path) -> None:
+    """Stop what is left of the trees of a stack whose leaders died (an engine's orphaned EngineCore and
+    Workers hold memory, and on a GPU its cache), then drop their pid files."""
+    for name in reversed(COMPONENTS):
+        rec = read_record(home, name)
+        if rec is not None:
+            stop_record(rec)
+        pid_path(home, name).unlink(missing_ok=True)
+
+
+def _check_preconditions(cfg: StackConfig, home: Path, components: Collection[str]) -> None:
+    """Raise StackError unless every port is free and every dependency exists."""
     for port, name in _ports(cfg, components).items():
         if port_in_use(port):
             raise StackError(f"port {port} ({name}) is already in use")
@@ -243,7 +262,11 @@ def _stop_started(home: Path, started: dict[str, int]) -> None:
         pid = started.get(name)
         if pid is None:
             continue
-        stop_pid(pid)
+        rec = read_record(home, name)
+        if rec is not None and rec.pid == pid:
+            stop_record(rec)  # the whole tree, its leader alive or not
+        else:  # its pid file is gone (`stack down` from elsewhere) or names another spawn
+            stop_pid(pid)
         del started[name]  # only once stopped, so a second interrupt during cleanup still stops it
         with contextlib.suppress(OSError, IndexError):
             if pid_path(home, name).read_text().split()[0] == str(pid):
@@ -317,9 +340,9 @@ def up(
     """
     home = home.resolve()
     home.mkdir(parents=True, exist_ok=True)
+    _check_not_running(home, components)
+    _stop_leftovers(home)  # before the port checks: an orphan may still hold a port its leader bound
     _check_preconditions(cfg, home, components)
-    for name in COMPONENTS:  # stale pid files of a crashed stack
-        pid_path(home, name).unlink(missing_ok=True)
     record = {"components": list(components), "stack": cfg.model_dump(mode="json")}
     (home / _RECORD).write_text(json.dumps(record, indent=2))
     started: dict[str, int] = {}
@@ -339,18 +362,18 @@ def up(
 
 
 def down(home: Path) -> list[str]:
-    """Stop the stack running from ``home``: worker, engine, then Temporal; remove the pid files.
+    """Stop the stack running from ``home``: worker, engine, then Temporal, each its whole process tree (also
+    when its leader is already dead); remove the pid files.
 
     Returns:
-        Names of the components that were running and have been stopped.
+        Names of the components of which something was running and has been stopped.
     """
     stopped = []
     for name in reversed(COMPONENTS):
-        pid = read_pid(home, name)
+        rec = read_record(home, name)
         # Unlink first: a foreground `up` treats a dead component without a pid file as a deliberate stop.
         pid_path(home, name).unlink(missing_ok=True)
-        if pid is not None:
-            stop_pid(pid)
+        if rec is not None and stop_record(rec):
             stopped.append(name)
     return stopped
 

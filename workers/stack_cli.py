@@ -95,6 +95,9 @@ def up(
     ] = None,
 ) -> None:
     """Start Temporal, the engine and a worker; wait until all are healthy."""
+    from workers import interrupt
+
+    interrupt.patient()  # Ctrl-C stops what it started (up to 15 s a component): no watchdog cuts that short
     cfg = load_stack_config(config)
     from config.paths import rollouts_home
     from workers import stack

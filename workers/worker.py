@@ -1,5 +1,9 @@
 """A rollout worker process: polls one task queue and runs every workflow and activity of the project.
 
+It also polls, for each environment it loaded at start, that environment's queue (``registry.env_queue``),
+where `rollouts run` starts the runs of that environment (envs/fleet.py): a worker started before an
+environment was installed never gets its work; restart it to take it.
+
 Run as ``python -m workers.worker --address HOST:PORT --task-queue Q`` or ``rollouts worker``; it stops
 cleanly on SIGTERM or SIGINT. With ``--metrics-port P`` it serves the project's ``rollouts_*`` metrics on
 127.0.0.1:P and the Temporal SDK's own ``temporal_*`` metrics on ``--sdk-metrics-port`` (default P + 1);
@@ -26,13 +30,14 @@ from activities.rollout import RolloutActivities
 from activities.sandbox import SandboxActivities
 from contracts.client import connect
 from engines.client import EngineClient
+from envs import registry
 from metrics.serve import ActivitiesInFlight, serve_metrics, temporal_runtime
 from sandboxes import AsyncSandboxBackend, DockerBackend, SandboxError
 from sandboxes.hosts import SandboxHosts
 from sandboxes.pool import SandboxPool
 from sandboxes.reaper import reap_forever
 from store import RunStore, open_store
-from workers.sandbox_host import SandboxHostSpec, build_host_worker, docker_at, registered
+from workers.sandbox_host import SandboxHostSpec, build_host_workers, docker_at, registered
 from workflows.group import GroupWorkflow
 from workflows.rollout import RolloutWorkflow
 from workflows.run import RunWorkflow
@@ -86,6 +91,22 @@ def build_worker(
     workflow task, at the price of the sandbox's guard against non-deterministic calls (the replay check
     of history still applies). The workflows here import nothing non-deterministic; the default keeps it.
     """
+    return build_workers(client, task_queue, store, engine, sandboxes, sandboxed, envs={})[0]
+
+
+def build_workers(
+    client: Client,
+    task_queue: str,
+    store: RunStore,
+    engine: EngineClient,
+    sandboxes: Callable[[], AsyncSandboxBackend] = docker_sandboxes,
+    sandboxed: bool = True,
+    envs: dict[str, str] | None = None,
+) -> list[Worker]:
+    """The worker of ``task_queue``, then one per environment in ``envs`` (name -> ``env_version``; default:
+    every environment this process loads) on that environment's queue (``registry.env_queue``), each with
+    every workflow and activity: runs are started on their environment's queue (envs/fleet.py), so this
+    process only gets work of environments it loaded. The activities' objects are shared."""
     pool = SandboxHosts(store)  # the pool's state lives in the store, shared by its workers on any host
     sandbox_acts = SandboxActivities(store, sandboxes, pool)
     env_acts = EnvironmentActivities(store, engine, sandbox_acts)
@@ -94,20 +115,28 @@ def build_worker(
     runner: dict[str, Any] = {} if sandboxed else {"workflow_runner": UnsandboxedWorkflowRunner()}
     if sandboxed:
         cache_workflow_bytecode()
-    return Worker(
-        client,
-        task_queue=task_queue,
-        workflows=WORKFLOWS,
-        activities=rollout_acts.all()
+    activities = (
+        rollout_acts.all()
         + env_acts.all()
         + sandbox_acts.all()
         + sandbox_acts.placement()
-        + dispatch_acts.all(),
-        max_concurrent_activities=256,
-        max_concurrent_workflow_tasks=64,
-        interceptors=[ActivitiesInFlight()],
-        **runner,
+        + dispatch_acts.all()
     )
+    loaded = registry.loadable() if envs is None else envs
+    queues = [task_queue] + [registry.env_queue(task_queue, n, v) for n, v in sorted(loaded.items())]
+    return [
+        Worker(
+            client,
+            task_queue=q,
+            workflows=WORKFLOWS,
+            activities=activities,
+            max_concurrent_activities=256,
+            max_concurrent_workflow_tasks=64,
+            interceptors=[ActivitiesInFlight()],
+            **runner,
+        )
+        for q in queues
+    ]
 
 
 async def serve(
@@ -140,17 +169,20 @@ async def serve(
     try:
         with serve_metrics(metrics_port, metrics_host) as port:
             async with contextlib.AsyncExitStack() as stack:
-                await stack.enter_async_context(
-                    build_worker(client, task_queue, store, engine, sandboxes, sandboxed=sandboxed)
-                )
+                envs = registry.loadable()  # read once: what this process can run, for its whole life
+                for w in build_workers(client, task_queue, store, engine, sandboxes, sandboxed, envs):
+                    await stack.enter_async_context(w)
                 if sandbox_host is not None:
-                    await stack.enter_async_context(
-                        build_host_worker(client, task_queue, store, engine, sandbox_host)
-                    )
+                    for w in build_host_workers(client, task_queue, store, engine, sandbox_host, envs):
+                        await stack.enter_async_context(w)
                     await stack.enter_async_context(registered(store, task_queue, sandbox_host))
                 served = f", metrics on :{port}" if port is not None else ""
                 host = f", sandbox host {sandbox_host.name}" if sandbox_host is not None else ""
-                print(f"worker polling {task_queue!r} on {address}{served}{host}", flush=True)
+                loaded = ", ".join(f"{n} {v}" for n, v in sorted(envs.items())) or "none"
+                print(
+                    f"worker polling {task_queue!r} on {address}{served}{host}; environments: {loaded}",
+                    flush=True,
+                )
                 await stop.wait()
     finally:
         if reaper is not None:

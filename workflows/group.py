@@ -14,6 +14,12 @@ Invariants:
   ``manual-retry`` (its record says so) and, once it ended cancelled, its slot runs again under the next
   attempt id, as for admission; a member that ended otherwise before the cancel reached it keeps its
   outcome and the slot is not run again (no slot ever has two scorable members).
+- A member that failed for infrastructure (reason ``infra: ...``, its workflow not terminated by hand) runs
+  again under the next attempt id, at most ``infra_retries`` times per slot (``rollout.infra_retries``);
+  the failed attempt keeps its record, marked superseded by the next (``superseded_by``, written with the
+  group record). A slot whose last attempt still failed for infrastructure is left out of the statistics
+  (``exclude``) or makes the whole group unscorable (``fail-group``: ``unscorable_reason``, no advantages,
+  no member scorable).
 - A cancelled run tells its groups ``cancel_all``: every running member is cancelled (reason
   ``run-cancelled``, its record says so), a member not started yet is recorded cancelled without running,
   no slot runs again, and the group closes with its full size as always.
@@ -22,11 +28,12 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import itertools
 import zlib
 
 from temporalio import workflow
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
-from temporalio.exceptions import ChildWorkflowError
+from temporalio.exceptions import ChildWorkflowError, TerminatedError
 
 with workflow.unsafe.imports_passed_through():
     from activities.rollout import RolloutActivities
@@ -49,7 +56,8 @@ with workflow.unsafe.imports_passed_through():
     from workflows.admission import CANCEL_REASON
     from workflows.calls import call
     from workflows.grpo import group_stats
-    from workflows.rollout import OPS_PATCH, RolloutWorkflow, finalize_input
+    from workflows.patches import INFRA_RETRIES, OPS
+    from workflows.rollout import RolloutWorkflow, finalize_rollout_input
 
 
 def rollout_template(cfg: Config, run_id: str, env: EnvTraits) -> RolloutInput:
@@ -113,10 +121,13 @@ def member_seed(base: int | None, rid: str) -> int | None:
 MAX_REDISPATCH = 3
 """Most times one group slot is restarted after admission cancels (then it stays cancelled)."""
 
+
 RETRY_REASON = "manual-retry"
 """Cancel reason of a member an operator retried (``rollouts retry``)."""
 RUN_CANCEL_REASON = "run-cancelled"
 """Cancel reason of the members of a run cancelled as a whole (``rollouts cancel RUN``)."""
+RUN_STOP_REASON = "run-stopped"
+"""Cancel reason of the members in flight when a streak of environment failures stopped the run."""
 
 
 def slot_of(member_id: str) -> tuple[int, int]:
@@ -127,32 +138,97 @@ def slot_of(member_id: str) -> tuple[int, int]:
 
 
 def close_group(
-    run_id: str, group_id: str, task_id: str, size: int, attempts: list[RolloutResult], eps: float
+    run_id: str,
+    group_id: str,
+    task_id: str,
+    size: int,
+    attempts: list[RolloutResult],
+    eps: float,
+    on_infra_failure: str = "exclude",
 ) -> tuple[GroupResult, dict[str, float | None]]:
     """The group record (GRPO statistics over the scorable attempts, the admission cancels and their
-    wasted tokens) and the advantages, from every member attempt's result."""
-    attempts = sorted(attempts, key=lambda r: (r.sample_index, r.rollout_id))
-    record, advantages = group_stats(run_id, group_id, task_id, size, attempts, eps)
+    wasted tokens, the superseded infra failures) and the advantages, from every member attempt's result.
+    With ``fail-group``, a slot whose last attempt failed for infrastructure makes the group unscorable."""
+    attempts = sorted(attempts, key=lambda r: (r.sample_index, slot_of(r.rollout_id)[1], r.rollout_id))
+    superseded = superseded_attempts(attempts)
+    lost = [r for r in last_attempts(attempts) if _infra(r)]
+    unscorable = None
+    if on_infra_failure == "fail-group" and lost:
+        unscorable = f"{lost[0].rollout_id}: {lost[0].reason or 'infra'}"[:300]
+    scored = attempts if unscorable is None else [r.model_copy(update={"scorable": False}) for r in attempts]
+    record, advantages = group_stats(run_id, group_id, task_id, size, scored, eps)
     cancelled = [r for r in attempts if r.outcome == Outcome.CANCELLED and r.reason == CANCEL_REASON]
+    env_failed = [r for r in attempts if _failed_as(r, FailureKind.ENVIRONMENT)]
     record = record.model_copy(
         update={
             "admission_cancelled": len(cancelled),
             "wasted_tokens": sum(r.wasted_tokens for r in cancelled),
             "infra_failures": infra_failures(attempts),
             "successes": sum(1 for r in attempts if r.scorable),
+            "superseded": len(superseded),
+            "unscorable_reason": unscorable,
+            "environment_failures": len(env_failed),
+            "environment_failure": (env_failed[0].reason or "")[:300] if env_failed else None,
         }
     )
     return record, advantages
+
+
+def superseded_attempts(attempts: list[RolloutResult]) -> dict[str, str]:
+    """Attempts that failed for infrastructure and whose slot ran again: id -> the next attempt's id."""
+    by_slot: dict[int, list[RolloutResult]] = {}
+    for r in attempts:
+        by_slot.setdefault(r.sample_index, []).append(r)
+    out: dict[str, str] = {}
+    for tried in by_slot.values():
+        tried.sort(key=lambda r: slot_of(r.rollout_id)[1])
+        for r, after in itertools.pairwise(tried):
+            if _infra(r):
+                out[r.rollout_id] = after.rollout_id
+    return out
+
+
+def last_attempts(attempts: list[RolloutResult]) -> list[RolloutResult]:
+    """The last attempt of every slot (the one that counts)."""
+    last: dict[int, RolloutResult] = {}
+    for r in attempts:
+        if (
+            r.sample_index not in last
+            or slot_of(r.rollout_id)[1] > slot_of(last[r.sample_index].rollout_id)[1]
+        ):
+            last[r.sample_index] = r
+    return [last[i] for i in sorted(last)]
+
+
+def _failed_as(r: RolloutResult, kind: FailureKind) -> bool:
+    return r.outcome == Outcome.FAILED and (r.reason or "").startswith(f"{kind.value}:")
+
+
+def _infra(r: RolloutResult) -> bool:
+    return _failed_as(r, FailureKind.INFRA)
 
 
 def infra_failures(attempts: list[RolloutResult]) -> dict[str, int]:
     """Members that failed for infrastructure, by error type (from reasons ``infra: <Type>: ...``)."""
     out: dict[str, int] = {}
     for r in attempts:
-        if r.outcome == Outcome.FAILED and (r.reason or "").startswith(f"{FailureKind.INFRA.value}:"):
+        if _infra(r):
             kind = (r.reason or "").split(":", 2)[1].strip() or "unknown"
             out[kind] = out.get(kind, 0) + 1
     return out
+
+
+def finalize_input(
+    record: GroupResult, advantages: dict[str, float | None], attempts: list[RolloutResult]
+) -> FinalizeGroupInput:
+    """What finalize_group writes: the record, the advantages, the superseded attempts' marks and, for an
+    unscorable group, its members (stored as not scorable)."""
+    return FinalizeGroupInput(
+        record=record,
+        advantages=advantages,
+        superseded=superseded_attempts(attempts),
+        unscorable=sorted(r.rollout_id for r in attempts) if record.unscorable_reason else [],
+    )
 
 
 @workflow.defn(name="GroupWorkflow")
@@ -219,9 +295,9 @@ class GroupWorkflow:
         attempts: list[RolloutResult] = []
         await asyncio.gather(*(self._slot(inp, i, attempts) for i in range(inp.size)))
         record, advantages = close_group(
-            inp.run_id, inp.group_id, inp.task_id, inp.size, attempts, inp.advantage_eps
+            inp.run_id, inp.group_id, inp.task_id, inp.size, attempts, inp.advantage_eps, inp.on_infra_failure
         )
-        await call(RolloutActivities.finalize_group, FinalizeGroupInput(record=record, advantages=advantages))
+        await call(RolloutActivities.finalize_group, finalize_input(record, advantages, attempts))
         await workflow.wait_condition(workflow.all_handlers_finished)
         if inp.run_workflow_id:
             with workflow.unsafe.imports_passed_through():  # run.py imports this module: resolve late
@@ -233,9 +309,9 @@ class GroupWorkflow:
 
     async def _slot(self, inp: GroupInput, i: int, attempts: list[RolloutResult]) -> None:
         """Run slot i to its end; with redispatch, a member cancelled for admission is started again (at
-        most MAX_REDISPATCH times), and a member an operator retried is started again whenever it ended
-        cancelled."""
-        attempt = redispatched = 0
+        most MAX_REDISPATCH times), a member an operator retried is started again whenever it ended
+        cancelled, and a member that failed for infrastructure at most ``inp.infra_retries`` times."""
+        attempt = redispatched = infra_retried = 0
         while True:
             m = member_input(inp, i, attempt)
             if self._cancelled is not None:  # the run was cancelled before this member started
@@ -248,8 +324,10 @@ class GroupWorkflow:
                 SearchAttributePair(sa.ENV, m.env.name),
                 SearchAttributePair(sa.PHASE, "queued"),
             ]
-            if workflow.patched(OPS_PATCH):  # a queued rollout is findable as stuck too
-                attrs.append(SearchAttributePair(sa.PROGRESS_AT, workflow.now()))
+            workflow.deprecate_patch(OPS.id)  # retired (workflows/patches.py)
+            attrs.append(
+                SearchAttributePair(sa.PROGRESS_AT, workflow.now())
+            )  # a queued rollout shows as stuck
             handle = await workflow.start_child_workflow(
                 RolloutWorkflow.run,
                 m,
@@ -259,9 +337,11 @@ class GroupWorkflow:
             self._running[m.rollout_id] = handle
             if self._cancelled is not None:  # cancel_all arrived while it was being started
                 await self._tell_cancel(m.rollout_id, handle)
+            terminated = False
             try:
                 result = await handle
             except ChildWorkflowError as e:
+                terminated = isinstance(e.cause, TerminatedError)  # by hand: never run again
                 result = await self._record_dead_member(m, e)
             finally:
                 del self._running[m.rollout_id]
@@ -276,6 +356,14 @@ class GroupWorkflow:
             if shed and redispatched < MAX_REDISPATCH:
                 attempt, redispatched = attempt + 1, redispatched + 1
                 continue
+            if (
+                _infra(result)
+                and not terminated
+                and infra_retried < inp.infra_retries
+                and workflow.patched(INFRA_RETRIES.id)
+            ):
+                attempt, infra_retried = attempt + 1, infra_retried + 1
+                continue
             break
         self._done += 1
         workflow.set_current_details(f"task={inp.task_id} members={self._done}/{inp.size}")
@@ -287,7 +375,7 @@ class GroupWorkflow:
 
     async def _record_unrun(self, m: RolloutInput, outcome: Outcome, reason: str) -> RolloutResult:
         """Record a member that cannot record itself (its workflow died, or never ran): not scorable."""
-        await call(RolloutActivities.finalize_rollout, finalize_input(m, outcome, reason))
+        await call(RolloutActivities.finalize_rollout, finalize_rollout_input(m, outcome, reason))
         return RolloutResult(
             rollout_id=m.rollout_id, sample_index=m.sample_index, outcome=outcome, reason=reason
         )

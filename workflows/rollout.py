@@ -8,8 +8,8 @@ Invariants:
 - Search attributes are upserted only inside workflow tasks the rollout runs anyway (never a task of their
   own): on a phase, version, outcome, replica or sandbox-host change, and for progress alone (a turn, the
   attempt count) at most once per ``search_attributes.PROGRESS_INDEX_INTERVAL_S`` of workflow time. The
-  operating attributes (progress time, replica, sandbox host, attempt) are behind the ``OPS_PATCH`` patch,
-  so histories of earlier releases replay unchanged.
+  operating attributes (progress time, replica, sandbox host, attempt) are always indexed (their patch,
+  ``ops-search-attributes``, is retired: ``workflows/patches.py``).
 - The live details say what the rollout waits on and since when (UTC), e.g.
   ``waiting on model call (turn 3, http://e:8000) since 2026-12-01T10:00:00Z | phase=generate ...``.
 """
@@ -52,14 +52,12 @@ with workflow.unsafe.imports_passed_through():
     from workflows.admission import CANCEL_REASON
     from workflows.calls import call
     from workflows.dispatch import replica_order
+    from workflows.patches import OPS, TASK_TIMEOUT
     from workflows.sandbox_steps import SandboxSteps
 
 T = TypeVar("T")
 OUTAGE_BACKOFF_MAX_S = 30.0
 """Longest wait between two tries of an engine that is out (the outage budget bounds the total)."""
-
-OPS_PATCH = "ops-search-attributes"
-"""Patch id of the operating search attributes (progress time, replica, sandbox host, attempt)."""
 
 
 def utc_text(ts: float) -> str:
@@ -118,8 +116,6 @@ class RolloutWorkflow:
         self._sandbox: SandboxSteps | None = None
         self._cancel_reason: str | None = None
         self._task: asyncio.Task[None] | None = None
-        self._ops = False
-        """Whether this execution indexes the operating attributes (``OPS_PATCH``)."""
         self._progress_at = 0.0
         """Workflow time of the last progress (start, phase change, finished turn)."""
         self._progress_upserted: float | None = None
@@ -177,13 +173,10 @@ class RolloutWorkflow:
             self._progress_at = now
         idx = self._indexed
         forced = changed_phase or outcome is not None or s.version != idx.get(sa.POLICY_VERSION.name)
-        if self._ops:
-            forced = forced or (self._engine or None) != idx.get(sa.ENGINE.name)
-            forced = forced or self._sandbox_host != idx.get(sa.SANDBOX_HOST.name)
-        progress = (
-            self._ops
-            and self._progress_at > (self._progress_upserted or 0.0)
-            and sa.progress_due(self._progress_upserted, now)
+        forced = forced or (self._engine or None) != idx.get(sa.ENGINE.name)
+        forced = forced or self._sandbox_host != idx.get(sa.SANDBOX_HOST.name)
+        progress = self._progress_at > (self._progress_upserted or 0.0) and sa.progress_due(
+            self._progress_upserted, now
         )
         if index and (forced or progress):
             wanted: dict[SearchAttributeKey[Any], Any] = {
@@ -191,13 +184,12 @@ class RolloutWorkflow:
                 sa.TURN: s.turn,
                 sa.POLICY_VERSION: s.version,
                 sa.OUTCOME: outcome.value if outcome else None,
+                sa.ENGINE: self._engine or None,
+                sa.SANDBOX_HOST: self._sandbox_host,
+                sa.ATTEMPT: self._attempt,
+                sa.PROGRESS_AT: datetime.fromtimestamp(self._progress_at, UTC),
+                sa.REASON: sa.reason_key(reason) if reason else None,
             }
-            if self._ops:
-                wanted[sa.ENGINE] = self._engine or None
-                wanted[sa.SANDBOX_HOST] = self._sandbox_host
-                wanted[sa.ATTEMPT] = self._attempt
-                wanted[sa.PROGRESS_AT] = datetime.fromtimestamp(self._progress_at, UTC)
-                wanted[sa.REASON] = sa.reason_key(reason) if reason else None
             changed = {k: v for k, v in wanted.items() if v is not None and idx.get(k.name) != v}
             if changed:
                 workflow.upsert_search_attributes([k.value_set(v) for k, v in changed.items()])
@@ -217,7 +209,7 @@ class RolloutWorkflow:
             s.started_at = workflow.now().timestamp()
         started = s.started_at
         self._ref = inp.ref()
-        self._ops = workflow.patched(OPS_PATCH)
+        workflow.deprecate_patch(OPS.id)  # retired: 0.2.0 and later always index them (workflows/patches.py)
         self._progress_at = workflow.now().timestamp()
         self._sandbox_host = s.sandbox_host
         self._order = rollout_replicas(inp)
@@ -245,7 +237,10 @@ class RolloutWorkflow:
                 return await self._finalize(inp, ended)
             # A local activity's failure can arrive unwrapped (ApplicationError, no ActivityError).
             # The wall-clock limit cancels the in-flight activity, which may surface as its failure.
-            timed_out = workflow.now().timestamp() - started >= inp.timeout_s
+            now = workflow.now().timestamp()
+            timed_out = now - started >= inp.timeout_s or (
+                s.task_deadline is not None and now >= s.task_deadline
+            )
             ended = _Ended(Outcome.TRUNCATED, TruncationReason.TIMEOUT.value) if timed_out else _failure(e)
         return await self._finalize(inp, ended)
 
@@ -257,6 +252,17 @@ class RolloutWorkflow:
             self._sandbox_host = await self._sandbox.create(self._engine)
             prep: PrepareResult = await self._with_failover(inp, self._prepare_on)
             s.tokens = prep.prompt_tokens
+        deadline = s.task_deadline
+        if deadline is not None and workflow.patched(TASK_TIMEOUT.id):
+            left = deadline - workflow.now().timestamp()
+            if left <= 0:
+                raise TimeoutError
+            await asyncio.wait_for(self._turns(inp), timeout=left)  # TimeoutError: truncated (timeout)
+        else:
+            await self._turns(inp)
+
+    async def _turns(self, inp: RolloutInput) -> None:
+        s = self._s
         while True:
             if s.turn >= inp.max_turns:
                 raise await self._score_truncated(inp, TruncationReason.MAX_TURNS)
@@ -423,7 +429,7 @@ class RolloutWorkflow:
         s = self._s
         if self._sandbox is not None:
             await self._sandbox.destroy()
-        record = finalize_input(
+        record = finalize_rollout_input(
             inp, ended.outcome, ended.reason, ref=self._ref, reward=ended.reward, state=s,
             ended_at=workflow.now().timestamp(), failure=ended.details,
         )  # fmt: skip
@@ -447,7 +453,7 @@ class RolloutWorkflow:
         )
 
 
-def finalize_input(
+def finalize_rollout_input(
     inp: RolloutInput,
     outcome: Outcome,
     reason: str | None,

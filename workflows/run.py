@@ -27,14 +27,20 @@ Invariants:
 - A group terminated by hand cannot report: ``rollouts terminate GROUP`` terminates it and then sends the
   run ``group_terminated``, and the run accounts for it itself (workflows/unreported.py: its unrecorded
   members recorded as failed infra, its record written from the store, counted with its full size), as if
-  it had reported. The CLI step is idempotent, so a group terminated from the web UI is accounted by
-  running it afterwards.
+  it had reported. A group that closes without reporting (terminated from the web UI or the ``temporal``
+  CLI, failed, timed out) is noticed by the run itself (workflows/closed_groups.py: its handle within a
+  segment, a check every poll interval for groups carried over continue-as-new) and accounted the same
+  way, once, whichever path comes first.
 - A run cancelled as a whole (``rollouts cancel RUN``, or its handle's ``cancel``) starts no more groups,
   tells each in-flight group ``cancel_all`` (every running member ends cancelled, reason ``run-cancelled``,
   with its record; sandboxes are destroyed as at any rollout's end) and waits for each to report, accounts
   itself for a group it cannot tell (as for a terminated one, its members recorded cancelled), marks the run
   ``cancelled`` in the store and ends cancelled. Groups never started have no record: the ledger checks a
   cancelled run's started groups only, and does not ask it for a success.
+- A streak of ``run.max_consecutive_environment_failures`` environment failures (workflows/breaker.py)
+  stops the run: no group starts after it, the groups in flight are cancelled as for a run cancel (reason
+  ``run-stopped``), the store marks the run ``stopped`` and the run returns its progress with the reason
+  (``stopped``; also the workflow's current details).
 """
 
 from __future__ import annotations
@@ -69,10 +75,11 @@ with workflow.unsafe.imports_passed_through():
         TerminatedGroupInput,
         group_id,
     )
-    from workflows import breaker
+    from workflows import breaker, patches
     from workflows import search_attributes as sa
     from workflows.admission import AdmissionController
     from workflows.calls import call
+    from workflows.closed_groups import ClosedGroups
     from workflows.dispatch import (
         admission_room,
         cancels_by_group,
@@ -83,32 +90,10 @@ with workflow.unsafe.imports_passed_through():
         replica_load,
         spend_bucket,
     )
-    from workflows.group import RUN_CANCEL_REASON, GroupWorkflow, rollout_template
+    from workflows.group import RUN_CANCEL_REASON, RUN_STOP_REASON, GroupWorkflow, rollout_template
+    from workflows.run_end import cancel_groups
     from workflows.unreported import record_unreported
 
-
-FINAL_DECISION_PATCH = "final-dispatch-decision"
-"""Runs started from 0.2.0 on step the controller once more after the last group and log it (histories of
-0.2.0 replay the old path)."""
-
-PROBE_ADMISSION_PATCH = "probe-admission"
-"""Runs started after 0.2.0 run the admission preset their config names (default ``probe``); histories of
-0.2.0, whose configs predate the preset, replay with ``prime-rl``, the only rules they knew."""
-
-PROBE_RAMP_PATCH = "probe-ramp"
-"""The probe preset ramps (rule P0) and holds near a storm (P4); runs started before both replay without
-them (``ramp_below_usage`` 0, ``near_storm_fraction`` 1)."""
-
-RUN_CANCEL_PATCH = "run-cancel"
-"""A cancelled run cancels its groups and waits for them (runs of 0.2.0 just ended, abandoning them)."""
-
-FOOTPRINT_PATCH = "probe-footprint"
-"""The probe preset predicts rollouts' final footprints from the ended ones (rule P5); runs started before it
-replay without (``predicted_fill`` 0)."""
-
-CONCURRENT_START_PATCH = "concurrent-group-start"
-"""Groups admitted at one decision start in one workflow task (0.2.0 started them one after another, each
-awaited, and its histories replay that path)."""
 
 TASK_ID_BATCH = 32
 """Task ids the run looks up at once (one local activity per this many groups, off the critical path)."""
@@ -128,7 +113,9 @@ class RunWorkflow:
         self._cap: int | None = None
         self._freed = False
         self._accounting: set[str] = set()
-        """Terminated groups being accounted for (``group_terminated``)."""
+        """Groups that cannot report, being or already accounted for (``_account_for``)."""
+        self._closed = ClosedGroups(self._run_id, self._state.slots, self._account_for)
+        """This segment's watch for groups closed without reporting (workflows/closed_groups.py)."""
 
     @workflow.signal
     def group_done(self, record: GroupResult) -> None:
@@ -146,9 +133,10 @@ class RunWorkflow:
         for outcome, n in record.outcomes.items():
             st.outcomes[outcome] = st.outcomes.get(outcome, 0) + n
         run = self._cfg.run
+        env_stop = run.max_consecutive_environment_failures if workflow.patched(patches.ENV_STOP.id) else None
         st.breaker = breaker.record(
             st.breaker, record.group_id, record.infra_failures, record.successes, workflow.now().timestamp(),
-            run.breaker_failures,
+            run.breaker_failures, record.environment_failures, env_stop, record.environment_failure,
         )  # fmt: skip
 
     @workflow.signal
@@ -167,11 +155,18 @@ class RunWorkflow:
         if slot is None or inp.group_id in self._accounting or st.env is None:
             return
         self._accounting.add(inp.group_id)
+        self._closed.why[inp.group_id] = reason
         idx = int(inp.group_id.removeprefix("g"))
         template = rollout_template(cfg, self._run_id, st.env)
-        record = await record_unreported(
-            inp, slot, idx % max(1, st.num_tasks), template, cfg.run.advantage_eps, outcome, reason
-        )
+        try:
+            record = await record_unreported(
+                inp, slot, idx % max(1, st.num_tasks), template, cfg.run.advantage_eps, outcome, reason
+            )
+        except Exception:
+            self._accounting.discard(inp.group_id)  # noticed again at the next check
+            raise
+        finally:
+            self._closed.why.pop(inp.group_id, None)
         self.group_done(record)
 
     @workflow.query
@@ -191,6 +186,8 @@ class RunWorkflow:
             wasted_tokens=st.wasted_tokens,
             breaker=breaker.describe(st.breaker, run.breaker_probe_s),
             breaker_opened=st.breaker.opened,
+            accounting=dict(self._closed.why),
+            stopped=st.breaker.stopped,
         )
 
     def _may_admit(self) -> bool:
@@ -203,26 +200,11 @@ class RunWorkflow:
         try:
             return await self._run(inp)
         except asyncio.CancelledError:
-            if not workflow.patched(RUN_CANCEL_PATCH):
+            if not workflow.patched(patches.RUN_CANCEL.id):
                 raise
-            await self._cancel_groups(inp)
+            st = self._state
+            await cancel_groups(inp.run_id, st.slots, self._account_for, RUN_CANCEL_REASON, "cancelled")
             raise
-
-    async def _cancel_groups(self, inp: RunInput) -> None:
-        """The run was cancelled: tell every in-flight group to cancel its members and wait until each has
-        reported (one that cannot be told, its start cut short by the cancel or already ended, is accounted
-        for here); then the store marks the run cancelled."""
-        st = self._state
-        for gid in sorted(st.slots):
-            group = workflow.get_external_workflow_handle_for(GroupWorkflow.run, f"{inp.run_id}/{gid}")
-            try:
-                await group.signal(GroupWorkflow.cancel_all, RUN_CANCEL_REASON)
-            except Exception as e:
-                workflow.logger.info("run %s: group %s not told to cancel (%s)", inp.run_id, gid, e)
-                ask = TerminatedGroupInput(run_id=inp.run_id, group_id=gid, reason=RUN_CANCEL_REASON)
-                await self._account_for(ask, Outcome.CANCELLED, RUN_CANCEL_REASON)
-        await workflow.wait_condition(lambda: not st.slots)
-        await call(RolloutActivities.finish_run, inp.run_id, "cancelled")
 
     async def _run(self, inp: RunInput) -> RunProgress:
         st, cfg = self._state, self._cfg  # one state object, shared with the signal handler
@@ -240,13 +222,17 @@ class RunWorkflow:
             st.num_tasks, st.env = loaded.num_tasks, loaded.env
         assert st.env is not None
         template = rollout_template(cfg, inp.run_id, st.env)
+        if self._closed.carried and workflow.patched(patches.NOTICE_CLOSED_GROUPS.id):
+            self._closed.check_carried(st.slots, cfg)
         if cfg.admission.enabled:
             await self._dispatch_adaptive(inp, template)
         else:
             started = 0
             while st.next_group < cfg.run.num_groups:
                 await self._room_for_a_group()
-                if workflow.patched(CONCURRENT_START_PATCH):
+                if st.breaker.stopped is not None:
+                    break
+                if workflow.patched(patches.CONCURRENT_START.id):
                     # every free slot at once; while the breaker is open, only its probe
                     k = self._free_slots() if st.breaker.open_since is None else 1
                     k = min(k, cfg.run.num_groups - st.next_group, cfg.run.groups_per_run_segment - started)
@@ -258,7 +244,11 @@ class RunWorkflow:
                     await self._start_group(inp, template, cfg.engine.urls)
                     started += 1
                 await self._maybe_continue_as_new(inp, started >= cfg.run.groups_per_run_segment)
-        await workflow.wait_condition(lambda: not st.slots)
+        await workflow.wait_condition(lambda: not st.slots or st.breaker.stopped is not None)
+        if st.breaker.stopped is not None:  # a streak of environment failures: cancel what still runs
+            workflow.set_current_details(f"stopped: {st.breaker.stopped}")
+            await cancel_groups(inp.run_id, st.slots, self._account_for, RUN_STOP_REASON, "stopped")
+            return self.progress()
         await call(RolloutActivities.finish_run, inp.run_id)
         return self.progress()
 
@@ -269,7 +259,7 @@ class RunWorkflow:
         st, run = self._state, self._cfg.run
         free = lambda: self._free_slots() > 0  # noqa: E731
         closed = lambda: st.breaker.open_since is None  # noqa: E731
-        while True:
+        while st.breaker.stopped is None:
             b = st.breaker
             if b.open_since is None:
                 await workflow.wait_condition(lambda: free() or not closed())
@@ -279,7 +269,7 @@ class RunWorkflow:
                 await workflow.wait_condition(lambda: st.breaker.probe is None or closed())
             elif (due := b.open_since + run.breaker_probe_s - workflow.now().timestamp()) > 0:
                 with contextlib.suppress(TimeoutError):
-                    await workflow.wait_condition(closed, timeout=due)
+                    await workflow.wait_condition(lambda: closed() or bool(st.breaker.stopped), timeout=due)
             else:
                 await workflow.wait_condition(lambda: free() or closed())
                 if free() and self._may_admit():
@@ -293,7 +283,7 @@ class RunWorkflow:
     async def _maybe_continue_as_new(self, inp: RunInput, segment_full: bool) -> None:
         if not (segment_full or workflow.info().is_continue_as_new_suggested()):
             return
-        await workflow.wait_condition(workflow.all_handlers_finished)
+        await workflow.wait_condition(lambda: workflow.all_handlers_finished() and not self._closed.why)
         self._state.segment += 1
         workflow.continue_as_new(inp.model_copy(update={"state": self._state}))
 
@@ -302,15 +292,15 @@ class RunWorkflow:
         the last groups run)."""
         st, cfg = self._state, self._cfg
         ds, adm = st.dispatch, cfg.admission
-        if adm.preset != "prime-rl" and not workflow.patched(PROBE_ADMISSION_PATCH):
+        if adm.preset != "prime-rl" and not workflow.patched(patches.PROBE_ADMISSION.id):
             adm = adm.model_copy(update={"preset": "prime-rl"})
-        if adm.preset == "probe" and not workflow.patched(PROBE_RAMP_PATCH):
+        if adm.preset == "probe" and not workflow.patched(patches.PROBE_RAMP.id):
             adm = adm.model_copy(update={"ramp_below_usage": 0.0, "near_storm_fraction": 1.0})
-        if adm.preset == "probe" and not workflow.patched(FOOTPRINT_PATCH):
+        if adm.preset == "probe" and not workflow.patched(patches.FOOTPRINT.id):
             adm = adm.model_copy(update={"predicted_fill": 0.0})
         ctl = AdmissionController(adm, ds.admission, group_size=cfg.run.group_size)
         size, started, over = cfg.run.group_size, 0, cfg.run.overprovision
-        while st.next_group < cfg.run.num_groups or st.slots:
+        while (st.next_group < cfg.run.num_groups or st.slots) and st.breaker.stopped is None:
             poll = await self._poll(inp, template)
             now = workflow.now().timestamp()
             for r in poll.readings:
@@ -335,7 +325,7 @@ class RunWorkflow:
             left, admitted = room.rollouts, 0
             if not self._may_admit():
                 room.reasons.append(f"breaker {breaker.describe(st.breaker, cfg.run.breaker_probe_s)}")
-            concurrent = workflow.patched(CONCURRENT_START_PATCH)
+            concurrent = workflow.patched(patches.CONCURRENT_START.id)
             starts = []
             while (
                 st.next_group < cfg.run.num_groups
@@ -370,7 +360,7 @@ class RunWorkflow:
             await self._maybe_continue_as_new(inp, started >= cfg.run.groups_per_run_segment)
             if st.next_group >= cfg.run.num_groups and not st.slots:
                 last = await self._poll(inp, template)  # writes the last decision to the dispatch log
-                if workflow.patched(FINAL_DECISION_PATCH):
+                if workflow.patched(patches.FINAL_DECISION.id):
                     await self._log_final_decision(inp, template, ctl, last)
             else:
                 self._freed = False
@@ -449,7 +439,7 @@ class RunWorkflow:
         return start
 
     async def _start_group(self, inp: RunInput, template: RolloutInput, healthy: list[str]) -> None:
-        """Runs of 0.2.0 (before CONCURRENT_START_PATCH): one group, its start awaited."""
+        """Runs of 0.2.0 (before the CONCURRENT_START patch): one group, its start awaited."""
         st = self._state
         idx = st.next_group
         task_id = await self._task_id(inp, idx)
@@ -473,7 +463,7 @@ class RunWorkflow:
         st.slots[gid] = GroupSlot(
             admitted_at=workflow.now().timestamp(), engine=engine or "", size=cfg.run.group_size
         )
-        return workflow.start_child_workflow(
+        start = workflow.start_child_workflow(
             GroupWorkflow.run,
             GroupInput(
                 run_id=inp.run_id,
@@ -485,6 +475,8 @@ class RunWorkflow:
                 run_workflow_id=workflow.info().workflow_id,
                 engine=engine,
                 redispatch_cancelled=cfg.admission.redispatch_cancelled,
+                infra_retries=cfg.rollout.infra_retries,
+                on_infra_failure=cfg.group.on_infra_failure,
             ),
             id=f"{inp.run_id}/{gid}",
             parent_close_policy=ParentClosePolicy.ABANDON,
@@ -496,3 +488,4 @@ class RunWorkflow:
                 ]
             ),
         )
+        return self._closed.watched(gid, start)

@@ -139,6 +139,8 @@ class SandboxSteps:
                     self.on_host(SandboxActivities.sandbox_create, self._input(engine, 0, with_pool=True))
                 )
                 self.state.sandbox = made.created
+                if made.timeout_s is not None and self.state.task_deadline is None:
+                    self.state.task_deadline = workflow.now().timestamp() + made.timeout_s
                 if not self.on_hosts:
                     self.state.sandbox_host = made.host if made.created else None
                 return self.state.sandbox_host

@@ -1,9 +1,12 @@
 """A group that cannot report itself: what the run records for it instead (deterministic workflow code).
 
-A group terminated by hand (``rollouts terminate``), or one a cancelled run cannot tell to cancel, never
-sends ``group_done``. The run then reads what the store holds of it (`DispatchActivities.terminated_group`,
-read-only) and, unless the group wrote its own record before it ended, records every member attempt
-without a record with the given outcome and reason, and writes the group's record from them. Both writes
+A group terminated by hand (``rollouts terminate``), one that closed without reporting (terminated from the
+web UI or the ``temporal`` CLI, failed, timed out: the run notices it, workflows/closed_groups.py), or one a
+cancelled run cannot tell to cancel, never sends ``group_done``. The run then reads what the store holds of
+it and which of its member attempts Temporal holds that did not complete (`DispatchActivities.
+terminated_group`, read-only) and, unless the group wrote its own record before it ended, records every
+member attempt without a record (those, the ones the caller names and every slot without an attempt) with
+the given outcome and reason, and writes the group's record from them. Both writes
 are the store's idempotent finalize activities, keyed by rollout and group id, so a retried or replayed
 accounting writes nothing twice.
 """
@@ -16,7 +19,6 @@ with workflow.unsafe.imports_passed_through():
     from activities.dispatch import DispatchActivities
     from activities.rollout import RolloutActivities
     from contracts.types import (
-        FinalizeGroupInput,
         GroupInput,
         GroupResult,
         GroupSlot,
@@ -28,8 +30,8 @@ with workflow.unsafe.imports_passed_through():
         TerminatedGroupInput,
     )
     from workflows.calls import call
-    from workflows.group import close_group, member_input, slot_of
-    from workflows.rollout import finalize_input
+    from workflows.group import close_group, finalize_input, member_input, slot_of
+    from workflows.rollout import finalize_rollout_input
 
 
 async def record_unreported(
@@ -43,12 +45,14 @@ async def record_unreported(
 ) -> GroupResult:
     """The record of the group ``inp`` names (run ``template.run_id``), written from the store: its own if it
     wrote one, else one over its recorded attempts and its unrecorded members, recorded now as ``outcome``
-    with ``reason`` (the members ``inp`` lists and every slot of ``slot.size`` without an attempt)."""
+    with ``reason`` (the members ``inp`` lists, those Temporal holds that did not complete, and every slot of
+    ``slot.size`` without an attempt)."""
     run_id = template.run_id
-    ask = inp.model_copy(update={"run_id": run_id, "task_index": task_index})
+    ask = inp.model_copy(update={"run_id": run_id, "task_index": task_index, "size": slot.size})
     seen: TerminatedGroup = await call(DispatchActivities.terminated_group, ask)
     if seen.record is not None:
         return seen.record
+    members = list(dict.fromkeys([*inp.members, *seen.unended]))
     ginp = GroupInput(
         run_id=run_id,
         group_id=inp.group_id,
@@ -60,14 +64,14 @@ async def record_unreported(
     )
     attempts = list(seen.members)
     recorded = {r.rollout_id for r in attempts}
-    slots_seen = {r.sample_index for r in attempts} | {slot_of(m)[0] for m in inp.members}
-    dead = [m for m in inp.members if m not in recorded]
+    slots_seen = {r.sample_index for r in attempts} | {slot_of(m)[0] for m in members}
+    dead = [m for m in members if m not in recorded]
     dead += [f"{run_id}/{inp.group_id}/{i}" for i in range(slot.size) if i not in slots_seen]
     for rid in dead:
         i, attempt = slot_of(rid)
         m = member_input(ginp, i, attempt)
         stored: StoredOutcome = await call(
-            RolloutActivities.finalize_rollout, finalize_input(m, outcome, reason)
+            RolloutActivities.finalize_rollout, finalize_rollout_input(m, outcome, reason)
         )
         attempts.append(
             RolloutResult(
@@ -76,5 +80,5 @@ async def record_unreported(
             )
         )  # fmt: skip
     record, advantages = close_group(run_id, inp.group_id, seen.task_id, slot.size, attempts, advantage_eps)
-    await call(RolloutActivities.finalize_group, FinalizeGroupInput(record=record, advantages=advantages))
+    await call(RolloutActivities.finalize_group, finalize_input(record, advantages, attempts))
     return record

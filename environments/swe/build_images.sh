@@ -5,7 +5,8 @@
 # sandboxes/image/build_image.sh):
 #     environments/swe/build_images.sh [--force] [NAME ...]
 #
-# - images/NAME becomes the tag durable-rollouts-swe-NAME:latest (the tag tasks name in their "image").
+# - images/NAME becomes the tag durable-rollouts-swe-NAME:latest (the tag tasks name in their "image", and
+#   SWE-bench-style rows in their "image_name" or "docker_image": images/calc and images/wordstat).
 # - Offline: every Dockerfile is FROM the local base image and only COPYs; nothing is pulled (the classic
 #   builder, no --pull), so no registry is needed.
 # - Idempotent: an image whose tag exists and whose source hash (label durable-rollouts-swe.source, the
@@ -20,7 +21,7 @@ NAMES=()
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --force) FORCE=1; shift ;;
-        -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
         -*) echo "unknown option: $1" >&2; exit 2 ;;
         *) NAMES+=("$1"); shift ;;
     esac

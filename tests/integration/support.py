@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
 import time
@@ -23,7 +24,7 @@ from records.export import export_run, iter_run
 from records.models import RECORDS, committed_schema
 from sandboxes import DockerBackend
 from store import RunStore, open_store
-from workers.worker import build_worker
+from workers.worker import build_workers
 from workflows.run import RunWorkflow
 
 TASKS = REPO_ROOT / "envs" / "data" / "addition.jsonl"
@@ -47,14 +48,24 @@ def make_config(engine_urls: list[str], task_queue: str, **sections: dict[str, A
 
 @asynccontextmanager
 async def worker(
-    client: Client, task_queue: str, home: Path, sandboxed: bool = True, store: str | None = None
+    client: Client,
+    task_queue: str,
+    home: Path,
+    sandboxed: bool = True,
+    store: str | None = None,
+    env_queues: bool = False,
 ) -> AsyncIterator[RunStore]:
     """An in-process worker with its own store (``store``: a store URL, e.g. the ``store_url`` fixture's;
-    default: the embedded store in ``home``); yields the store."""
+    default: the embedded store in ``home``); yields the store. With ``env_queues`` it also polls the
+    queue of every environment it loads, as `rollouts worker` does (for runs started as `rollouts run`
+    starts them, envs/fleet.py)."""
     opened = open_store(store or home)
     engine = EngineClient()
+    envs = None if env_queues else {}
     try:
-        async with build_worker(client, task_queue, opened, engine, sandboxed=sandboxed):
+        async with contextlib.AsyncExitStack() as stack:
+            for w in build_workers(client, task_queue, opened, engine, sandboxed=sandboxed, envs=envs):
+                await stack.enter_async_context(w)
             yield opened
     finally:
         await engine.aclose()

@@ -179,6 +179,7 @@ async def test_an_engine_serving_the_other_logprobs_mode_is_refused(
         only_bad = make_config(
             [bad], task_queue,
             run={"num_groups": 1, "group_size": 2},
+            rollout={"infra_retries": 0},  # each member fails once (retries: test_infra_retries.py)
             engine={"max_attempts": 1, "outage_budget_s": 3, "logprob_mode": "processed_logprobs"},
         )  # fmt: skip
         async with worker(client, task_queue, tmp_path) as store:

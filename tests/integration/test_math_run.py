@@ -113,7 +113,10 @@ async def test_unreachable_engine_fails_one_member_as_infra_and_the_group_closes
         if sum(pick_engine(urls, rollout_id(rid, group_id(0), m)) == dead for m in range(4)) == 1
     )
     no_failover = {"max_attempts": 2, "failover": False, "affinity": "rollout", "outage_budget_s": 0}
-    cfg = make_config(urls, task_queue, run={"num_groups": 1, "group_size": 4}, engine=no_failover)
+    once = {"infra_retries": 0}  # the member fails once and stays out (retries: test_infra_retries.py)
+    cfg = make_config(
+        urls, task_queue, run={"num_groups": 1, "group_size": 4}, engine=no_failover, rollout=once
+    )
     async with worker(client, task_queue, tmp_path) as store:
         result = await run_to_end(client, cfg, run_id)
     assert result.done and result.outcomes.get("failed") == 1
@@ -181,7 +184,7 @@ async def test_resubmitting_a_run_id_attaches_instead_of_duplicating(
         await first.result()
         from workers.cli import _submit
 
-        await _submit(cfg, "h", "once", wait=False)
+        await _submit(cfg, "h", "once", wait=False, upload=lambda: None)  # the run exists: it attaches
         progress = await client.get_workflow_handle("once").query(RunWorkflow.progress)
     runs = [w async for w in client.list_workflows('WorkflowId = "once"')]
     assert len(runs) == 1

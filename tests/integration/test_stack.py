@@ -8,8 +8,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import secrets
+import signal
 import subprocess
 import sys
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -43,13 +46,12 @@ def _config(**overrides: object) -> StackConfig:
 
 @pytest.fixture
 def home(tmp_path: Path) -> Iterator[Path]:
-    """A fresh ROLLOUTS_HOME; at teardown every process its pid files still name is stopped, by pid."""
+    """A fresh ROLLOUTS_HOME; at teardown every process tree its pid files still name is stopped (by pid,
+    its leader alive or not)."""
     home = tmp_path / "home"
     yield home
     for name in reversed(stack.COMPONENTS):
-        pid = procs.read_pid(home, name)
-        if pid is not None:
-            procs.stop_pid(pid, timeout=10)
+        procs.stop_component(home, name, timeout=10)
 
 
 def _cli(home: Path, *args: str, timeout: float = 400) -> subprocess.CompletedProcess[str]:
@@ -196,3 +198,56 @@ def test_cli_up_status_down_up_keeps_the_database(home: Path, tmp_path: Path) ->
     assert db.stat().st_ino == inode
     assert "kept-2" in _temporal(address, "workflow", "list", "-o", "json")
     assert _cli(home, "down", timeout=120).returncode == 0
+
+
+def _tagged(tag: str) -> dict[int, int]:
+    """pid -> session id of every live process whose environment carries ``ROLLOUTS_TEST_TAG=tag``."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            env = (entry / "environ").read_bytes().split(b"\0")
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if f"ROLLOUTS_TEST_TAG={tag}".encode() in env and fields[0] not in ("Z", "X"):
+            found[int(entry.name)] = int(fields[3])
+    return found
+
+
+def _sigkill_leader(pid: int) -> None:
+    os.kill(pid, signal.SIGKILL)
+    procs.wait_until(lambda: not procs.pid_alive(pid), 10, f"engine pid {pid} gone")
+
+
+@needs_model
+@pytest.mark.timeout(1500)
+def test_an_engine_whose_api_server_was_sigkilled_is_stopped_whole(
+    home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's EngineCore and Worker processes outlive a SIGKILLed API server (in its session); `stack down`
+    stops them, and `stack up` then starts exactly one engine tree (`up` straight after such a kill stops the
+    orphans itself: tests/unit/test_proctree.py)."""
+    tag = secrets.token_hex(6)
+    monkeypatch.setenv("ROLLOUTS_TEST_TAG", tag)  # inherited by every process the stack spawns
+    cfg = _config(start_timeout_s=600)  # a loaded 2-core machine took over 240 s to start vLLM
+    first = stack.up(cfg, home, detach=True, components=("engine",))
+    tree = _tagged(tag)
+    assert set(tree.values()) == {first.pids["engine"]} and len(tree) >= 2, tree  # API server + EngineCore
+
+    _sigkill_leader(first.pids["engine"])
+    time.sleep(2)
+    orphans = _tagged(tag)
+    print(f"left by the SIGKILLed API server: {orphans}")
+    assert orphans and set(orphans.values()) == {first.pids["engine"]}
+
+    res = _cli(home, "down", timeout=120)
+    assert (res.returncode, res.stdout.strip()) == (0, "stopped: engine"), res.stdout + res.stderr
+    assert _tagged(tag) == {}
+
+    second = stack.up(cfg, home, detach=True, components=("engine",))
+    tree = _tagged(tag)
+    assert set(tree.values()) == {second.pids["engine"]} and len(tree) >= 2, tree
+    assert stack.down(home) == ["engine"]
+    assert _tagged(tag) == {}

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from swe_env import SweEnvironment, SweTask
-from swe_env.transcripts import TASKS, write
+from swe_env import SweBenchTask, SweEnvironment, SweTask
+from swe_env.transcripts import SWEBENCH, TASKS, write
 from temporalio.client import Client
 
 from config.models import Config
@@ -140,3 +140,51 @@ async def test_swe_run_against_real_vllm_ends_every_rollout_and_leaves_no_contai
         assert sum(rec["loss_mask"]) == sum(t["range"][1] - t["range"][0] for t in rec["turns"])
     assert seen == {t.image for t in swe_tasks[:2]}
     assert_no_containers(docker, "swe-vllm")
+
+
+@pytest.fixture(scope="module")
+async def sim_rows(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[str]:
+    """The simulated engine playing the SWE-bench rows' transcripts (the diff applied through the tools)."""
+    transcripts = write(tmp_path_factory.mktemp("swebench") / "transcripts.jsonl", SWEBENCH)
+    rules = [
+        ModeRule(on="request", prefix="swebench-ref-", mode=Mode.REFERENCE),
+        ModeRule(on="request", prefix="swebench-wrong-", mode=Mode.WRONG),
+    ]
+    settings = SimSettings(transcripts=transcripts, mode_rules=rules, max_model_len=32768)
+    async with SimEngine(settings).serve(port=0) as url:
+        yield url
+
+
+@pytest.mark.timeout(600)
+async def test_swebench_rows_reference_patch_scores_one_and_a_pass_to_pass_break_scores_zero(
+    client: Client,
+    docker: DockerBackend,
+    swe_tasks: list[SweTask],
+    sim_rows: str,
+    task_queue: str,
+    tmp_path: Path,
+) -> None:
+    """Two SWE-bench-style instances (one names its image as SWE-smith does, one as R2E-Gym does) in one
+    run: the scripted agent applies the reference patch (reward 1.0 each) or a patch that fixes the
+    FAIL_TO_PASS tests but breaks a PASS_TO_PASS test (reward 0.0 each), in the instances' own images."""
+    rows = [t for t in SweEnvironment().load_tasks(SWEBENCH) if isinstance(t, SweBenchTask)]
+    by_id = {t.id: t for t in rows}
+    big = {"sampling": {"max_tokens": 16000}, "rollout": {"max_turns": 6, "max_total_tokens": 32000}}
+    async with worker(client, task_queue, tmp_path) as store:
+        for run_id in ("swebench-ref-run", "swebench-wrong-run"):
+            cfg = swe_config(sim_rows, task_queue, groups=2, size=1, run={"task_file": str(SWEBENCH)}, **big)
+            with images_seen(docker, run_id) as seen:
+                await run_to_end(client, cfg, run_id)
+            assert seen == {t.image for t in rows}
+            assert_no_containers(docker, run_id)
+    for run_id, want in (("swebench-ref-run", 1.0), ("swebench-wrong-run", 0.0)):
+        recs, _ = export(store, run_id)
+        assert {r["task_id"] for r in recs} == set(by_id)
+        for rec in recs:
+            assert rec["outcome"] == "completed" and rec["reward"] == want, (
+                run_id,
+                rec["task_id"],
+                rec["reason"],
+            )
+            assert len(rec["turns"]) == 4  # write the applier, write the diff, apply it, submit
+            assert rec["lineage"]["sandbox_image"] == by_id[rec["task_id"]].image

@@ -45,7 +45,7 @@ async def test_two_trainer_steps_publish_v1_and_v2_and_later_records_carry_them(
         groups_per_step=2, max_steps=2, max_lag=2, drop_zero_variance=False, lr=1e-4,
         eval_samples_per_task=0, poll_s=0.2, stall_timeout_s=120,
     )  # fmt: skip
-    async with worker(client, task_queue, home) as store:
+    async with worker(client, task_queue, home, env_queues=True) as store:
         publish([eng.url], "v0", MODEL_DIR, store)  # what `rollouts stack up` records
         lines: list[str] = []
         metrics = await Loop(cfg, ts, "loop", home, log=lines.append, client=client).run()

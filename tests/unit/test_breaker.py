@@ -58,3 +58,32 @@ def test_environment_failures_are_not_infra_failures_and_never_trip_it() -> None
     infra = members[0].model_copy(update={"reason": "infra: EngineUnavailable: refused"})
     record, _ = close_group("r", "g0", "t", 4, [infra, *members[1:]], 1e-6)
     assert record.infra_failures == {"EngineUnavailable": 1}
+
+
+def test_a_streak_of_environment_failures_stops_the_run_for_good() -> None:
+    s = BreakerState()
+    s = breaker.record(s, "g0", {}, 0, 1.0, 3, environment_failures=2, env_threshold=5)
+    assert s.stopped is None and s.env_streak == 2 and breaker.may_admit(s, 1.0, 60.0)
+    s = breaker.record(s, "g1", {}, 1, 2.0, 3, environment_failures=1, env_threshold=5)
+    assert s.env_streak == 0  # a success in between resets it
+    for i in range(2, 5):
+        s = breaker.record(s, f"g{i}", {}, 0, float(i), 3, 2, 5, "environment: KeyError: 'answer'")
+    assert s.stopped == "6 consecutive environment failures (last: environment: KeyError: 'answer')"
+    assert not breaker.may_admit(s, 1e9, 60.0)
+    s = breaker.record(s, "g5", {}, 4, 6.0, 3, 0, 5)  # a late success of a group in flight
+    assert s.stopped is not None and not breaker.may_admit(s, 1e9, 60.0)
+    assert s.open_since is None  # infra streaks are another rule: the breaker never opened
+
+
+def test_the_environment_rule_holds_without_the_infra_breaker_and_is_off_without_a_threshold() -> None:
+    s = breaker.record(BreakerState(), "g0", {"X": 9}, 0, 1.0, None, environment_failures=3, env_threshold=3)
+    assert s.stopped is not None and s.open_since is None and s.streaks == {}
+    s = breaker.record(BreakerState(), "g0", {}, 0, 1.0, 3, environment_failures=100, env_threshold=None)
+    assert s.stopped is None and s.env_streak == 0 and breaker.may_admit(s, 1.0, 60.0)
+
+
+def test_environment_failures_never_open_the_infra_breaker() -> None:
+    s = BreakerState()
+    for i in range(4):
+        s = breaker.record(s, f"g{i}", {}, 0, float(i), 3, environment_failures=2, env_threshold=None)
+    assert s.open_since is None and s.opened == 0

@@ -127,3 +127,64 @@ def test_the_verdict_reads_the_runs_records_and_its_stored_threshold(tmp_path: P
     assert "\n" not in line and "max_environment_failure_share=0" in line
     assert wait_verdict(store, "lenient", max_share=0.0)[0] == 0  # 1 of 4 <= 0.5
     assert json.loads(store.get_run("lenient")["config_json"])["run"]["max_environment_failure_share"] == 0.5
+
+
+def test_summary_names_the_groups_being_accounted_for_and_why() -> None:
+    reason = "infra: WorkflowTerminated: group terminated (web UI or CLI)"
+    p = progress().model_copy(
+        update={"groups_done": 1, "groups_inflight": 1, "done": False, "accounting": {"g000001": reason}}
+    )
+    flat = " ".join(render(summary_table(p, None)).replace("│", " ").split())  # cells wrap: one line
+    assert "groups in flight 1" in flat
+    assert "accounting for g000001" in flat and "closed without reporting" in flat
+    assert "WorkflowTerminated: group terminated (web UI or CLI)" in flat
+
+
+def test_a_stopped_run_says_why() -> None:
+    stopped = progress().model_copy(update={"done": False, "stopped": "4 consecutive environment failures"})
+    assert "stopped" in render(summary_table(stopped, None))
+    assert "4 consecutive environment failures" in render(summary_table(stopped, None))
+    assert "stopped" not in render(summary_table(progress(), None))
+
+
+class _Handle:
+    """A run's workflow handle that has already ended with ``final``."""
+
+    def __init__(self, final: RunProgress) -> None:
+        self.final = final
+
+    async def describe(self) -> None:
+        return None
+
+    async def result(self) -> RunProgress:
+        return self.final
+
+    async def query(self, *_: object) -> RunProgress:
+        return self.final
+
+
+def test_run_wait_exits_non_zero_for_a_stopped_run(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    import workers.cli as cli
+
+    for final, code in (
+        (progress(), 0),
+        (progress().model_copy(update={"stopped": "4 consecutive"}), ENVIRONMENT_FAILURE_EXIT),
+    ):
+
+        class _Client:
+            def __init__(self, handle: _Handle) -> None:
+                self.handle = handle
+
+            def get_workflow_handle_for(self, *_: object) -> _Handle:
+                return self.handle
+
+        async def connect(*_: object, final: RunProgress = final) -> _Client:
+            return _Client(_Handle(final))
+
+        monkeypatch.setattr(cli, "_client", connect)
+        monkeypatch.setenv("ROLLOUTS_HOME", str(tmp_path))
+        result = CliRunner().invoke(cli.app, ["run", "config/examples/math.toml", "--run-id", "r", "--wait"])
+        assert result.exit_code == code, result.output
+        assert ("stopped: 4 consecutive" in result.output) == (code == ENVIRONMENT_FAILURE_EXIT)

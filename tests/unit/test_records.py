@@ -40,7 +40,7 @@ LINEAGE = {
 }  # fmt: skip
 OPTIONAL = {
     "sandbox_replays": 1, "sandbox_slot_waits": 2, "partial_steps": 3, "engine_failovers": 1,
-    "reprefill_tokens": 40, "score_truncated": True, "wasted_tokens": 5,
+    "reprefill_tokens": 40, "score_truncated": True, "wasted_tokens": 5, "superseded_by": "rec/g0/0r1",
 }  # fmt: skip
 
 

@@ -22,7 +22,13 @@ HISTORIES = sorted((Path(__file__).parents[1] / "histories").glob("*/*.json"))
 
 def test_histories_of_every_kind_are_committed() -> None:
     kinds = {p.name.split(".")[0] for p in HISTORIES}
-    assert {"math-run", "coding-rollout", "long-rollout", "adaptive-run"} <= kinds, kinds
+    assert {
+        "math-run",
+        "coding-rollout",
+        "long-rollout",
+        "adaptive-run",
+        "harbor-timeout-rollout",
+    } <= kinds, kinds
     assert any(p.name.startswith("long-rollout.1") for p in HISTORIES), "no continued-as-new rollout"
     assert any(p.name.startswith("adaptive-run.1") for p in HISTORIES), "no continued-as-new run"
 

@@ -8,6 +8,7 @@ import asyncio
 import json
 import sqlite3
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -234,8 +235,9 @@ def test_tasks_uploaded_at_submit_are_what_a_worker_on_another_host_loads(
     )
     submitted: list[str] = []
 
-    async def submit(cfg: object, cfg_hash: str, rid: str, wait: bool) -> None:
+    async def submit(cfg: object, cfg_hash: str, rid: str, wait: bool, upload: Callable[[], object]) -> None:
         submitted.append(rid)
+        upload()  # what the real one does once a live worker can take the run (envs/fleet.py)
 
     monkeypatch.setattr(cli, "_submit", submit)
     monkeypatch.setenv("ROLLOUTS_HOME", str(tmp_path / "elsewhere"))

@@ -23,8 +23,11 @@ from temporalio import activity
 from temporalio.client import Client
 from temporalio.worker import Worker
 
+from activities.closed_groups import closed_among, unended_members
+from contracts.sandbox import SandboxCreated
 from contracts.types import (
     RAN_TO_END,
+    ClosedGroupsInput,
     EngineReading,
     EngineTarget,
     EnvStepInput,
@@ -42,9 +45,12 @@ from contracts.types import (
     PrepareResult,
     RetrySettings,
     RolloutInput,
+    RolloutResult,
     SamplingParams,
     SandboxStepInput,
     StoredOutcome,
+    TerminatedGroup,
+    TerminatedGroupInput,
     TurnResult,
 )
 from workflows.group import GroupWorkflow
@@ -111,6 +117,8 @@ class Fakes:
             self.sandbox_destroy,
             self.sandbox_recover,
             self.poll_fleet,
+            self.terminated_group,
+            self.closed_groups,
         ]
 
     # -- RolloutActivities ----------------------------------------------------------------------------
@@ -204,10 +212,12 @@ class Fakes:
 
     # -- SandboxActivities ----------------------------------------------------------------------------
     @activity.defn(name="sandbox_create")
-    async def sandbox_create(self, inp: SandboxStepInput) -> bool:
+    async def sandbox_create(self, inp: SandboxStepInput) -> bool | SandboxCreated:
         self._record("sandbox_create", inp)
         if self.sandbox_create_hook is not None:
             scripted = await self.sandbox_create_hook(inp)
+            if isinstance(scripted, SandboxCreated):
+                return scripted
             if scripted is not None:
                 return bool(scripted)
         return True
@@ -254,6 +264,36 @@ class Fakes:
             for url in inp.engine_urls
         ]
         return FleetPoll(at=now, readings=readings, counts=counts)
+
+    @activity.defn(name="terminated_group")
+    async def terminated_group(self, inp: TerminatedGroupInput) -> TerminatedGroup:
+        """The fake store's view of the group (as the real one reads it from the store); the members
+        Temporal holds come from the test server, as the real activity asks them."""
+        self._record("terminated_group", inp)
+        first: dict[str, FinalizeRolloutInput] = {}
+        for f in self.finalized():
+            if f.run_id == inp.run_id and f.group_id == inp.group_id:
+                first.setdefault(f.rollout_id, f)
+        members = [
+            RolloutResult(
+                rollout_id=rid, sample_index=f.sample_index, outcome=self.records[rid].outcome,
+                reason=self.records[rid].reason, reward=self.records[rid].reward,
+                scorable=self.records[rid].scorable, wasted_tokens=self.records[rid].wasted_tokens,
+            )
+            for rid, f in first.items()
+        ]  # fmt: skip
+        group = self.groups.get(inp.group_id)
+        task_id = group.record.task_id if group else f"task-{inp.task_index}"
+        unended = await unended_members(activity.client(), inp.run_id, inp.group_id, inp.size)
+        return TerminatedGroup(
+            task_id=task_id, members=members, record=group.record if group else None, unended=unended
+        )
+
+    @activity.defn(name="closed_groups")
+    async def closed_groups(self, inp: ClosedGroupsInput) -> dict[str, str]:
+        """As the real one: asks the test server."""
+        self._record("closed_groups", inp)
+        return await closed_among(activity.client(), inp.run_id, inp.groups)
 
 
 def fake_worker(client: Client, task_queue: str, fakes: Fakes) -> Worker:

@@ -18,7 +18,7 @@ def breaker_config(groups: int) -> Config:
     return Config(
         run=RunConfig(num_groups=groups, group_size=2, max_inflight_groups=1, breaker_failures=3,
                       breaker_probe_s=60.0),
-        rollout=RolloutConfig(max_turns=1),
+        rollout=RolloutConfig(max_turns=1, infra_retries=0),  # every failure counts once (no fresh attempt)
     )  # fmt: skip
 
 

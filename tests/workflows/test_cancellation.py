@@ -9,7 +9,9 @@ from temporalio import activity
 from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.exceptions import ApplicationError
 
+from contracts.sandbox import SandboxCreated, SandboxStepInput
 from contracts.types import (
+    EnvTraits,
     FinalizeRolloutInput,
     GenerateInput,
     GroupInput,
@@ -19,6 +21,7 @@ from contracts.types import (
     StoredOutcome,
     TurnResult,
 )
+from sandboxes.base import SandboxSpec
 from workflows.admission import CANCEL_REASON
 from workflows.group import GroupWorkflow
 from workflows.rollout import RolloutWorkflow
@@ -230,6 +233,32 @@ async def test_timeout_mid_generate_truncates_and_cancels_the_call(own_client: C
     assert (result.outcome, result.reason, result.turns) == (Outcome.TRUNCATED, "timeout", 1)
     [rec] = fakes.finalized(inp.rollout_id)
     assert (rec.outcome, rec.reason, rec.score_truncated) == (Outcome.TRUNCATED, "timeout", False)
+
+
+async def test_a_tasks_own_limit_truncates_mid_generate_when_shorter_than_the_runs(
+    own_client: Client, uid: str
+) -> None:
+    """``SandboxCreated.timeout_s`` (a Harbor task's ``[agent].timeout_sec``) limits the rollout from its
+    sandbox's creation: a model call still running when it passes is cancelled and the rollout truncates
+    (timeout), though the run's own limit (600 s) is far off; its sandbox is destroyed."""
+
+    async def limited(s: SandboxStepInput) -> SandboxCreated:
+        return SandboxCreated(created=True, host="h", timeout_s=1.0)
+
+    fakes = Fakes()
+    hang = fakes.generate_hook = Hang(turn=1)
+    fakes.sandbox_create_hook = limited
+    inp = rollout_input(uid, env=EnvTraits(name="fake", uses_sandbox=True), sandbox=SandboxSpec())
+    tq = f"tq-{uid}"
+    async with fake_worker(own_client, tq, fakes):
+        result: RolloutResult = await own_client.execute_workflow(
+            RolloutWorkflow.run, inp, id=inp.rollout_id, task_queue=tq
+        )
+        await wait_for(lambda: hang.cancelled == [inp.rollout_id], what="the activity's cancellation")
+    assert (result.outcome, result.reason, result.turns) == (Outcome.TRUNCATED, "timeout", 1)
+    [rec] = fakes.finalized(inp.rollout_id)
+    assert rec.state.task_deadline is not None
+    assert fakes.calls["sandbox_destroy"] == [inp.rollout_id]
 
 
 async def test_member_whose_workflow_dies_gets_one_record_from_its_group(ts_client: Client, uid: str) -> None:

@@ -28,6 +28,10 @@ Invariants:
   Everything in the image is readable by the agent: never bake hidden tests or answers into an image.
 - A sandbox failure propagates as the sandbox's error; a task that cannot be scored (the scoring copy
   fails) raises `EnvironmentFailure`. Neither becomes a reward.
+
+A task file may also hold SWE-bench-style instance rows (lines with ``instance_id``): the instance's own
+image, its FAIL_TO_PASS and PASS_TO_PASS tests run after the agent, reward 1 only when all pass
+(`swe_env.swebench`). Both kinds may share a file and a run.
 """
 
 from __future__ import annotations
@@ -41,9 +45,11 @@ from envs.base import Environment, Prompt, Sandbox, SandboxPlan, Step, Task, Tur
 from envs.tool_calls import ToolCallError, parse_tool_call
 from errors import EnvironmentFailure, SandboxFileError, SandboxPathError
 from sandboxes.base import SandboxSpec
+from swe_env import swebench
+from swe_env.swebench import SweBenchTask
 from swe_env.tasks import DEFAULT_TEST_COMMAND, SweTask
 
-__all__ = ["DEFAULT_TEST_COMMAND", "SweEnvironment", "SweTask", "reward_from_junit"]
+__all__ = ["DEFAULT_TEST_COMMAND", "SweBenchTask", "SweEnvironment", "SweTask", "reward_from_junit"]
 
 SYSTEM_PROMPT = (
     "You are a software engineer fixing a bug in a repository checked out in your working directory. "
@@ -69,16 +75,31 @@ class SweEnvironment(Environment):
     uses_sandbox: ClassVar[bool] = True
     observation_role: ClassVar[str] = "tool"
 
+    def validate_task(self, obj: dict[str, Any], where: str = "task") -> Task:
+        """A `SweBenchTask` for a SWE-bench row (it has ``instance_id``), else a `SweTask`."""
+        if "instance_id" not in obj:
+            return super().validate_task(obj, where)
+        return swebench.validate_row(obj, where)
+
     def prompt(self, task: Task) -> Prompt:
         t = _swe(task)
-        files = ", ".join(t.visible)
-        user = f"Task id: {t.id}\n\n{t.problem}\n\nRepository (your working directory): {files}"
+        if isinstance(t, SweBenchTask):
+            user = swebench.prompt_text(t)
+        else:
+            files = ", ".join(t.visible)
+            user = f"Task id: {t.id}\n\n{t.problem}\n\nRepository (your working directory): {files}"
         return Prompt(
             messages=[{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user}]
         )
 
     def sandbox(self, task: Task, default: SandboxSpec) -> SandboxPlan:
         t = _swe(task)
+        if isinstance(t, SweBenchTask):
+            return SandboxPlan(
+                spec=default.model_copy(update={"image": t.image}),
+                setup=swebench.setup_commands(t, default.workdir),
+                setup_timeout_s=t.setup_timeout_s,
+            )
         paths = " ".join(shlex.quote(p) for p in t.visible)
         copy = f"cd {shlex.quote(t.repo_dir)} && cp -r --parents -- {paths} {shlex.quote(default.workdir)}/"
         return SandboxPlan(
@@ -122,6 +143,8 @@ class SweEnvironment(Environment):
     async def score(self, ctx: TurnContext, text: str | None) -> float | None:
         t = _swe(ctx.task)
         box = _sandbox(ctx)
+        if isinstance(t, SweBenchTask):
+            return await _score_swebench(t, box)
         token = secrets.token_hex(8)
         hidden = f".swe-hidden-{token}"
         for path, src in t.hidden_tests.items():
@@ -187,9 +210,27 @@ def reward_from_junit(xml_text: str, expected_tests: int) -> float:
     return max(total - bad, 0) / total
 
 
-def _swe(task: Task | dict[str, Any]) -> SweTask:
-    """The task as a `SweTask` (the pipeline hands over the validated model; a plain one is revalidated)."""
-    if isinstance(task, SweTask):
+async def _score_swebench(t: SweBenchTask, box: Sandbox) -> float:
+    """SWE-bench's rule on the agent's workdir: 1.0 when every FAIL_TO_PASS and PASS_TO_PASS test passes."""
+    token = secrets.token_hex(8)
+    hidden, files = swebench.hidden_files(t)
+    for name, content in files.items():
+        await box.write_file(f"{hidden}/{name}", content)
+    res = await box.exec(swebench.scoring_command(t, hidden, token), timeout_s=t.test_timeout_s + 60)
+    head, mark, tail = res.output.partition(EXIT_MARK)
+    if not mark:
+        if res.timed_out:
+            return 0.0  # the tests (the agent's code) ran out of time before the status was printed
+        raise EnvironmentFailure(f"task {t.id}: the scoring copy failed: {head.strip()[-300:]}")
+    if tail.startswith("patch"):
+        raise EnvironmentFailure(f"task {t.id}: its test_patch does not apply to the agent's repository")
+    return swebench.resolved(t, tail)
+
+
+def _swe(task: Task | dict[str, Any]) -> SweTask | SweBenchTask:
+    """The task as a `SweTask` or `SweBenchTask` (the pipeline hands over the validated model; a plain one
+    is revalidated)."""
+    if isinstance(task, SweTask | SweBenchTask):
         return task
     obj = task if isinstance(task, dict) else task.model_dump(mode="json")
     return cast(SweTask, SweEnvironment().validate_task(obj, where=f"task {obj.get('id')!r}"))

@@ -1,0 +1,6 @@
+#!/bin/bash
+cd /app
+python3 -m pytest -q -p no:cacheprovider /tests/test_slug.py
+rc=$?
+
+if [ $rc -eq 0 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi

@@ -1,0 +1,4 @@
+#!/bin/bash
+# Right rows, no header.
+cd /app
+awk '{print $(NF-1)}' access.log | sort -n | uniq -c | awk '{print $2","$1}' > report.csv

@@ -1,0 +1,265 @@
+"""``task.toml`` of a Harbor task directory, read with Harbor's own field names, defaults and units.
+
+Mirrors ``harbor.models.task.config.TaskConfig`` of PyPI ``harbor`` 0.25 (sections ``[task]``, ``[metadata]``,
+``[verifier]``, ``[agent]``, ``[environment]``, ``[solution]``, ``steps``, ``artifacts``; the legacy
+``version``, ``memory``/``storage`` size strings and ``allow_internet`` are migrated as Harbor migrates them),
+with two differences, both at submit and both one line naming the task directory and the field:
+
+- An unknown field is an error (Harbor ignores it): a misspelt ``timeout_secs`` would otherwise silently
+  fall back to a default.
+- A field this pipeline cannot honour is refused, never ignored (`unsupported`): multi-step tasks, a
+  separate verifier environment, compose sidecar hooks, GPUs/TPUs, MCP servers, skills, health checks,
+  artifacts, Windows, a user to run as (sandboxes always run as a non-root user), container environment
+  variables, and any network mode other than ``no-network`` unless the dataset's network policy says to
+  run such tasks without network (sandboxes never have one).
+
+``tests/test_harbor_crosscheck.py`` parses every example task with Harbor's own model (in a Python 3.12
+venv) and compares it with this one.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import tomllib
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+NetworkMode = Literal["no-network", "public", "allowlist"]
+ORG_NAME_PATTERN = r"^[a-zA-Z0-9][a-zA-Z0-9._-]*/[a-zA-Z0-9][a-zA-Z0-9._-]*$"
+"""Harbor's ``org/name`` rule for ``[task].name`` (``harbor.constants``)."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Author(_Strict):
+    name: str
+    email: str | None = None
+
+
+class PackageInfo(_Strict):
+    name: str
+    version: str | None = Field(default=None, min_length=1)
+    description: str = ""
+    authors: list[Author] = Field(default_factory=list)
+    keywords: list[str] = Field(default_factory=list)
+
+    @field_validator("name")
+    @classmethod
+    def _org_name(cls, v: str) -> str:
+        if not re.match(ORG_NAME_PATTERN, v) or ".." in v:
+            raise ValueError(f"package name must be in 'org/name' format, got {v!r}")
+        return v
+
+
+class _Phase(_Strict):
+    network_mode: NetworkMode | None = None
+    allowed_hosts: list[str] | None = None
+
+
+class AgentConfig(_Phase):
+    timeout_sec: float | None = None
+    user: str | int | None = None
+
+
+class VerifierConfig(_Phase):
+    timeout_sec: float = 600.0
+    env: dict[str, str] = Field(default_factory=dict)
+    user: str | int | None = None
+    environment_mode: Literal["shared", "separate"] | None = None
+    environment: dict[str, Any] | None = None
+    collect: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class EnvironmentConfig(_Strict):
+    build_timeout_sec: float = 600.0
+    docker_image: str | None = None
+    os: Literal["linux", "windows"] = "linux"
+    cpus: int | float | None = None
+    memory_mb: int | None = None
+    storage_mb: int | None = None
+    gpus: int | None = None
+    gpu_types: list[str] | None = None
+    tpu: dict[str, Any] | None = None
+    mcp_servers: list[dict[str, Any]] = Field(default_factory=list)
+    env: dict[str, str] = Field(default_factory=dict)
+    skills_dir: str | None = None
+    healthcheck: dict[str, Any] | None = None
+    workdir: str | None = None
+    network_mode: NetworkMode = "public"
+    allowed_hosts: list[str] | None = None
+    allow_internet: bool | None = Field(default=None, exclude=True)
+
+    @field_validator("os", mode="before")
+    @classmethod
+    def _lower_os(cls, v: Any) -> Any:
+        return v.lower() if isinstance(v, str) else v
+
+    @field_validator("cpus")
+    @classmethod
+    def _cpus(cls, v: int | float | None) -> int | float | None:
+        if isinstance(v, float):
+            if not math.isfinite(v):
+                raise ValueError(f"cpus must be a finite number; got {v}")
+            if v.is_integer():
+                return int(v)
+        return v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_sizes(cls, data: Any) -> Any:
+        """Harbor's migration of the deprecated ``memory`` / ``storage`` size strings ('2G', '512M')."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        for old, new in (("memory", "memory_mb"), ("storage", "storage_mb")):
+            if old in data:
+                value = data.pop(old)
+                if isinstance(value, str):
+                    mb = parse_size_mb(value)
+                    if new in data and data[new] != mb:
+                        raise ValueError(
+                            f"conflicting {old!r} and {new!r} values: {value!r} != {data[new]!r}"
+                        )
+                    data.setdefault(new, mb)
+        if (
+            data.get("allow_internet") is not None
+            and "network_mode" not in data
+            and not data.get("allowed_hosts")
+        ):
+            data["network_mode"] = "public" if data["allow_internet"] else "no-network"
+        return data
+
+
+class SolutionConfig(_Strict):
+    env: dict[str, str] = Field(default_factory=dict)
+
+
+class TaskConfig(_Strict):
+    """One ``task.toml``; field names, defaults and units as Harbor 0.25's ``TaskConfig``."""
+
+    schema_version: str = "1.4"
+    task: PackageInfo | None = None
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    verifier: VerifierConfig = Field(default_factory=VerifierConfig)
+    agent: AgentConfig = Field(default_factory=AgentConfig)
+    environment: EnvironmentConfig = Field(default_factory=EnvironmentConfig)
+    solution: SolutionConfig = Field(default_factory=SolutionConfig)
+    source: str | None = None
+    multi_step_reward_strategy: Literal["mean", "final"] | None = None
+    steps: list[dict[str, Any]] | None = None
+    artifacts: list[str | dict[str, Any]] = Field(default_factory=list)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _version_rename(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "version" in data:
+            data = dict(data)
+            data.setdefault("schema_version", data.pop("version"))
+        return data
+
+
+def parse_size_mb(size: str) -> int:
+    """Harbor's ``_parse_size_to_mb``: '2G' -> 2048, '512M' -> 512, '2048K' -> 2."""
+    s = size.strip().upper()
+    units = {"G": 1024.0, "M": 1.0, "K": 1 / 1024}
+    if not s or s[-1] not in units:
+        raise ValueError(f"invalid size format {size!r}: expected e.g. '1G' or '512M'")
+    return int(float(s[:-1]) * units[s[-1]])
+
+
+class ConfigProblem(ValueError):
+    """A ``task.toml`` that does not parse or asks for what the pipeline cannot do; ``field`` names where."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"task.toml {field}: {message}")
+        self.field = field
+
+
+def parse(text: str) -> TaskConfig:
+    """``task.toml`` text as a `TaskConfig`.
+
+    Raises:
+        ConfigProblem: not TOML, an unknown field, or a value of the wrong type (the first error).
+    """
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigProblem("(file)", f"not valid TOML ({e})") from None
+    try:
+        return TaskConfig.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = [str(x) for x in err["loc"]]
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown field (not in Harbor 0.25's task.toml)"
+        raise ConfigProblem(_field(loc), msg) from None
+
+
+def _field(loc: list[str]) -> str:
+    if not loc:
+        return "(file)"
+    if len(loc) == 1:
+        return loc[0]
+    return f"[{loc[0]}].{'.'.join(loc[1:])}"
+
+
+def unsupported(cfg: TaskConfig, network_policy: str | None) -> tuple[str, str] | None:
+    """The first field of ``cfg`` the pipeline cannot honour, as (field, why); None when it can run it.
+
+    ``network_policy``: the dataset's network policy (``"no-network"``: run tasks that ask for network
+    without it); None refuses every task whose network mode is not ``no-network``.
+    """
+    env, agent, ver = cfg.environment, cfg.agent, cfg.verifier
+    checks: list[tuple[bool, str, str]] = [
+        (bool(cfg.steps), "steps", "multi-step tasks are not supported (one instruction, one verifier)"),
+        (cfg.multi_step_reward_strategy is not None, "multi_step_reward_strategy",
+         "multi-step tasks are not supported"),
+        (bool(cfg.artifacts), "artifacts", "artifact collection is not supported"),
+        (env.os != "linux", "[environment].os", f"{env.os!r}: only linux containers run here"),
+        (bool(env.gpus), "[environment].gpus", f"{env.gpus} GPU(s) asked for: sandboxes have no GPU"),
+        (bool(env.gpu_types), "[environment].gpu_types", "sandboxes have no GPU"),
+        (env.tpu is not None, "[environment].tpu", "sandboxes have no TPU"),
+        (bool(env.mcp_servers), "[environment].mcp_servers", "MCP servers are not supported"),
+        (env.skills_dir is not None, "[environment].skills_dir", "agent skills are not supported"),
+        (env.healthcheck is not None, "[environment].healthcheck", "health checks are not supported"),
+        (bool(env.env), "[environment].env", "container environment variables are not supported"),
+        (agent.user is not None, "[agent].user", "sandboxes always run commands as a non-root user"),
+        (ver.user is not None, "[verifier].user", "sandboxes always run commands as a non-root user"),
+        (ver.environment_mode == "separate" or ver.environment is not None, "[verifier].environment",
+         "a separate verifier environment is not supported (the verifier shares the agent's container)"),
+        (bool(ver.collect), "[verifier].collect", "collect hooks (compose services) are not supported"),
+        (any("${" in v for v in ver.env.values()), "[verifier].env",
+         "${VAR} templates are resolved from the host by Harbor; give literal values"),
+        (env.build_timeout_sec <= 0, "[environment].build_timeout_sec", "must be positive"),
+        (ver.timeout_sec <= 0, "[verifier].timeout_sec", "must be positive"),
+        (agent.timeout_sec is not None and agent.timeout_sec <= 0, "[agent].timeout_sec", "must be positive"),
+        (env.cpus is not None and not 0 < env.cpus <= 64, "[environment].cpus",
+         f"{env.cpus}: must be in (0, 64]"),
+        (env.memory_mb is not None and not 256 <= env.memory_mb <= 65536, "[environment].memory_mb",
+         f"{env.memory_mb}: must be in [256, 65536]"),
+        (env.storage_mb is not None and env.storage_mb < 16, "[environment].storage_mb",
+         f"{env.storage_mb}: below 16"),
+        (env.workdir is not None and not str(env.workdir).startswith("/"), "[environment].workdir",
+         f"{env.workdir!r}: must be an absolute path"),
+    ]  # fmt: skip
+    for bad, field, why in checks:
+        if bad:
+            return field, why
+    for field, mode in (
+        ("[environment].network_mode", env.network_mode),
+        ("[agent].network_mode", agent.network_mode),
+        ("[verifier].network_mode", ver.network_mode),
+    ):
+        if mode not in (None, "no-network") and network_policy != "no-network":
+            default = " (Harbor's default)" if field.startswith("[environment]") and mode == "public" else ""
+            return field, (
+                f'{mode!r}{default}: sandboxes never have network; set network_mode = "no-network" in the '
+                'task, or list the tasks in a dataset file with network_policy = "no-network" to run them '
+                "without network"
+            )
+    return None

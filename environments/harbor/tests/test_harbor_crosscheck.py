@@ -1,0 +1,64 @@
+"""The plug-in's task.toml parse against Harbor's own model (PyPI ``harbor==0.25.0``), on every example
+task and on the legacy spellings Harbor migrates.
+
+Harbor 0.25 needs Python >= 3.12 while the project's venv is 3.11: ``make harbor-venv`` (run by ``make
+test``) creates ``.venv-harbor`` with Python 3.12 and ``harbor==0.25.0``; this test runs Harbor's
+``Task(dir)`` and ``TaskConfig.model_validate_toml`` there in a subprocess and compares name, instruction
+and every field
+of the config with this plug-in's parse. The one intended difference: Harbor ignores unknown fields, the
+plug-in refuses them (tested in test_harbor_tasks.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+from harbor_env.tasks import load_task_dir
+from harbor_paths import EXAMPLES, PACKAGE, MakeTask
+
+HARBOR_PYTHON = PACKAGE.parents[1] / ".venv-harbor" / "bin" / "python"
+
+
+def harbor_parse(dirs: list[Path]) -> list[dict[str, Any]]:
+    if not HARBOR_PYTHON.exists():
+        if os.environ.get("CI"):
+            pytest.fail(f"{HARBOR_PYTHON} is missing: `make harbor-venv` creates it")
+        pytest.skip(f"{HARBOR_PYTHON} is missing: `make harbor-venv` creates it (Python 3.12, harbor 0.25)")
+    done = subprocess.run(
+        [str(HARBOR_PYTHON), str(Path(__file__).with_name("harbor_dump.py")), *map(str, dirs)],
+        capture_output=True, text=True, timeout=300, env={"PATH": os.environ.get("PATH", "")},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    return [json.loads(line) for line in done.stdout.splitlines()]
+
+
+def assert_same(harbor: Any, ours: Any, where: str) -> None:
+    if isinstance(harbor, dict):
+        assert isinstance(ours, dict), where
+        assert set(harbor) == set(ours), (where, set(harbor) ^ set(ours))
+        for k in harbor:
+            assert_same(harbor[k], ours[k], f"{where}.{k}")
+    else:
+        assert harbor == ours and type(harbor) is type(ours), (where, harbor, ours)
+
+
+def test_every_example_parses_as_harbor_parses_it(make_task: MakeTask) -> None:
+    legacy = make_task(
+        "legacy",
+        toml='version = "1.0"\n[environment]\nmemory = "2G"\nstorage = "512M"\nallow_internet = false\n'
+        'cpus = 2.0\n[verifier]\ntimeout_sec = 120\n[verifier.env]\nMODE = "strict"\n',
+        **{"instruction.md": "<!-- harbor-canary GUID 1234 -->\n\nDo it.\n"},
+    )
+    dirs = [*sorted(d for d in EXAMPLES.iterdir() if d.is_dir()), legacy]
+    results = harbor_parse(dirs)
+    assert len(results) == len(dirs)
+    for d, theirs in zip(dirs, results, strict=True):
+        ours = load_task_dir(d)
+        assert ours.id == theirs["name"], d
+        assert ours.instruction == theirs["instruction"], d
+        assert_same(theirs["config"], ours.config, d.name)

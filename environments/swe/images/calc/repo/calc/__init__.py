@@ -1,0 +1,3 @@
+from calc.ops import add, clamp, mean
+
+__all__ = ["add", "clamp", "mean"]

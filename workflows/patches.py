@@ -1,0 +1,124 @@
+"""Every ``workflow.patched`` id of the workflows, the release that introduced it, and how long it lives.
+
+Policy (docs/upgrades.md, "How long a patch lives"):
+
+- The supported upgrade is from the previous release to this one: workflows started by release
+  `SUPPORTED_FROM` must continue on this code, and the replay suite holds their histories
+  (``tests/histories/<SUPPORTED_FROM>/``). Runs started by anything older must finish on their own release.
+- A patch introduced in release R (the first release whose histories carry its marker) keeps its old branch
+  (``if workflow.patched(ID): new else: old``) while ``SUPPORTED_FROM < R``: some supported history was
+  recorded without it.
+- Once ``SUPPORTED_FROM == R`` no supported history can take the old branch: the patch is retired with
+  ``workflow.deprecate_patch(ID)`` and the old branch deleted (histories of R carry the marker, which
+  ``deprecate_patch`` accepts, as it accepts its absence).
+- Once ``SUPPORTED_FROM > R`` the ``deprecate_patch`` call goes too (every supported history was recorded
+  by code that deprecated it, whose marker is ignored when nothing asks for it).
+
+``tests/unit/test_patches.py`` reads the workflows' source and fails when a call does not match this table
+(an unregistered id, ``patched`` where the policy says ``deprecate_patch``, or the reverse), so bumping
+`SUPPORTED_FROM` at a release tells exactly which branches to delete.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SUPPORTED_FROM = "0.2.0"
+"""The oldest release whose in-flight workflows this code continues (the previous release)."""
+
+CURRENT = "0.3.0"
+"""The release this code becomes: patches added now are introduced in it."""
+
+
+@dataclass(frozen=True)
+class Patch:
+    id: str
+    introduced: str
+    """The first release whose workflows record this patch's marker (take its new branch)."""
+    what: str
+
+
+OPS = Patch(
+    "ops-search-attributes",
+    "0.2.0",
+    "Rollouts index the operating search attributes (progress time, replica, sandbox host, attempt) and a "
+    "queued member its progress time.",
+)
+FINAL_DECISION = Patch(
+    "final-dispatch-decision",
+    CURRENT,
+    "An adaptive run steps the controller once more after its last group and logs it.",
+)
+PROBE_ADMISSION = Patch(
+    "probe-admission",
+    CURRENT,
+    "A run uses the admission preset its config names (default probe); 0.2.0 configs knew only prime-rl.",
+)
+PROBE_RAMP = Patch(
+    "probe-ramp",
+    CURRENT,
+    "The probe preset ramps (rule P0) and holds near a storm (P4).",
+)
+RUN_CANCEL = Patch(
+    "run-cancel",
+    CURRENT,
+    "A cancelled run cancels its groups and waits for them (0.2.0 runs just ended, abandoning them).",
+)
+FOOTPRINT = Patch(
+    "probe-footprint",
+    CURRENT,
+    "The probe preset predicts rollouts' final footprints from the ended ones (rule P5).",
+)
+CONCURRENT_START = Patch(
+    "concurrent-group-start",
+    CURRENT,
+    "Groups admitted at one decision start in one workflow task (0.2.0 started them one by one).",
+)
+TASK_TIMEOUT = Patch(
+    "task-timeout",
+    CURRENT,
+    "A task's own wall-clock limit (RolloutState.task_deadline) runs as a timer of its own.",
+)
+NOTICE_CLOSED_GROUPS = Patch(
+    "notice-closed-groups",
+    CURRENT,
+    "The run notices groups that closed without reporting (terminated from the web UI or CLI).",
+)
+INFRA_RETRIES = Patch(
+    "infra-retries",
+    CURRENT,
+    "A slot whose member failed for infrastructure runs again (GroupInput.infra_retries).",
+)
+ENV_STOP = Patch(
+    "environment-stop",
+    CURRENT,
+    "A streak of environment failures stops the run (run.max_consecutive_environment_failures).",
+)
+
+PATCHES: tuple[Patch, ...] = (
+    OPS,
+    FINAL_DECISION,
+    PROBE_ADMISSION,
+    PROBE_RAMP,
+    RUN_CANCEL,
+    FOOTPRINT,
+    CONCURRENT_START,
+    TASK_TIMEOUT,
+    NOTICE_CLOSED_GROUPS,
+    INFRA_RETRIES,
+    ENV_STOP,
+)
+
+
+def release(version: str) -> tuple[int, ...]:
+    """A release's version as a comparable tuple (``"0.2.0"`` -> ``(0, 2, 0)``)."""
+    return tuple(int(part) for part in version.split("."))
+
+
+def stage(patch: Patch, supported_from: str = SUPPORTED_FROM) -> str:
+    """What the policy says the workflows call for ``patch``: ``patched`` (old branch kept),
+    ``deprecate_patch`` (old branch gone, marker accepted) or ``removed`` (no call)."""
+    introduced, oldest = release(patch.introduced), release(supported_from)
+    if oldest < introduced:
+        return "patched"
+    return "deprecate_patch" if oldest == introduced else "removed"
