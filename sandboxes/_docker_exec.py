@@ -30,12 +30,47 @@ HELD_OPEN_GRACE_S = 2.0
 
 _STATUS_PREFIX = b"dr-status: "
 
+ONCE_DIR = "/tmp/.dr-once"
+"""Where a keyed exec (``once_key``) keeps its record in the sandbox: ``<key>/`` with the wrapper's pid, the
+capped output, the status lines and a ``done`` mark. A key's scope is its part before the first dot; a
+claim removes the records of every other scope (a step's keys share one: only the latest step's stay)."""
+
 # Runs as the sandbox user in the workdir. The command gets its own process group (timeout's); after it
 # exits or times out the whole group is SIGKILLed, so background children and fork bombs die with it.
 # Output is capped inside the sandbox (head -c reads exactly the cap, wc -c drains and counts the rest), so a
 # flood never crosses the API socket. Status lines go to the exec's stderr, which nothing else writes to
 # (the shell's own job notices, such as "Killed", are discarded).
+# With a key ($5), the command runs at most once per key in this container: the first exec claims the key
+# (an atomic rename of a directory holding its pid) and records its capped output and status lines as it
+# streams them; a later exec with the key runs nothing: it waits until the first one's wrapper is done (or
+# dead), then prints what it recorded, with `replayed=1` (and `ms`, the first run's duration). A claim that
+# cannot be made (/tmp full) runs the command unrecorded.
 EXEC_WRAPPER = r"""
+exec 3>&2
+d=
+st() { echo "dr-status: $1" >&3; [ -z "$d" ] || { echo "dr-status: $1" >> "$d/status"; } 2>/dev/null; }
+replay() {
+  q=$(cat "$d/pid" 2>/dev/null)
+  while [ ! -e "$d/done" ] && [ -n "$q" ] && kill -0 "$q" 2>/dev/null; do sleep 0.1; done
+  cat "$d/out" 2>/dev/null
+  cat "$d/status" 2>/dev/null >&3
+  echo "dr-status: replayed=1" >&3
+  [ -e "$d/done" ] && exit 0
+  exit 137
+}
+if [ -n "$5" ]; then
+  r=__ONCE__; d=$r/$5; c=$r/.claim.$$
+  [ -d "$d" ] && replay
+  if mkdir -p "$r" 2>/dev/null && mkdir "$c" 2>/dev/null && echo $$ > "$c/pid" && mv -T "$c" "$d" 2>/dev/null
+  then
+    for x in "$r"/*; do case "${x##*/}" in "${5%%.*}" | "${5%%.*}".*) ;; *) rm -rf -- "$x" ;; esac; done
+    : > "$d/out"; : > "$d/status"; s0=$(date +%s%N)
+  else
+    rm -rf -- "$c" 2>/dev/null
+    [ -d "$d" ] && replay
+    d=
+  fi
+fi
 oomk() {
   for f in /sys/fs/cgroup/memory.events /sys/fs/cgroup/memory/memory.oom_control; do
     [ -r "$f" ] || continue
@@ -47,11 +82,15 @@ o0=$(oomk)
 { timeout -k "$4" -s TERM "$1" bash -c "$3" </dev/null 2>&1 3>&- & p=$!
   wait "$p"; rc=$?
   kill -9 "-$p"; kill -9 "-$p"
-  echo "dr-status: rc=$rc" >&3
-} 3>&2 2>/dev/null | { stdbuf -o0 head -c "$2"; n=$(wc -c); echo "dr-status: omitted=$n" >&2; }
+  st "rc=$rc"
+} 2>/dev/null | {
+  if [ -z "$d" ]; then stdbuf -o0 head -c "$2"; else stdbuf -o0 head -c "$2" | tee -p "$d/out"; fi
+  n=$(wc -c); st "omitted=$n"
+}
 o1=$(oomk)
-echo "dr-status: oom=$((o1 - o0))" >&2
-"""
+st "oom=$((o1 - o0))"
+if [ -n "$d" ]; then st "ms=$(( ($(date +%s%N) - s0) / 1000000 ))"; { : > "$d/done"; } 2>/dev/null; fi
+""".replace("__ONCE__", ONCE_DIR)
 
 # Both file scripts refuse any symlink on the path: realpath of the literal path must be the path itself.
 _PATH_CHECK = r"""
@@ -206,9 +245,13 @@ def exec_result(
 ) -> ExecResult:
     """Build the ExecResult of a wrapper run from its output and status lines.
 
-    `wrapper_exit` is the exec's own exit code, used when the wrapper died before reporting a status.
+    `wrapper_exit` is the exec's own exit code, used when the wrapper died before reporting a status. A
+    replayed result (a keyed exec's second call) is the first run's: its output, status and duration.
     """
     status, other = parse_status(bytes(raw.stderr))
+    replayed = status.get("replayed", 0) > 0
+    if replayed and "ms" in status:  # the first run's result: its own duration decides a timeout
+        duration = status["ms"] / 1000
     killed_wrapper = "rc" not in status and not raw.abandoned
     exit_code = status.get("rc", wrapper_exit if killed_wrapper and wrapper_exit is not None else -1)
     omitted = status.get("omitted", 0) + raw.dropped
@@ -239,4 +282,5 @@ def exec_result(
         timed_out=timed_out,
         oom_killed=oom,
         duration_s=round(duration, 4),
+        replayed=replayed,
     )

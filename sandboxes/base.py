@@ -176,6 +176,9 @@ class ExecResult(BaseModel):
     """A process of the command was killed by the sandbox's memory limit (a note says so in `output`)."""
     duration_s: float = 0.0
     """Wall-clock seconds from starting the exec to collecting its status."""
+    replayed: bool = False
+    """An exec with a ``once_key`` already used in this sandbox: the command was not run again; this is the
+    first run's result (its output, status and duration), collected once that run ended."""
 
 
 class SandboxInfo(BaseModel):
@@ -233,8 +236,11 @@ class SandboxBackend(Protocol):
         """Create the sandbox for `key`, or reattach to the running one (idempotent on key)."""
         ...
 
-    def exec(self, handle: SandboxHandle, cmd: str, timeout_s: float | None = None) -> ExecResult:
-        """Run a shell command as the sandbox user in the workdir."""
+    def exec(
+        self, handle: SandboxHandle, cmd: str, timeout_s: float | None = None, once_key: str | None = None
+    ) -> ExecResult:
+        """Run a shell command as the sandbox user in the workdir; with ``once_key``, at most once per key
+        in this sandbox (a repeat returns the first run's result, ``replayed``)."""
         ...
 
     def write_file(self, handle: SandboxHandle, path: str, content: bytes | str) -> None:
@@ -277,9 +283,11 @@ class AsyncSandboxBackend:
         """See `SandboxBackend.create`."""
         return await asyncio.to_thread(self.backend.create, key, run_id, spec)
 
-    async def exec(self, handle: SandboxHandle, cmd: str, timeout_s: float | None = None) -> ExecResult:
+    async def exec(
+        self, handle: SandboxHandle, cmd: str, timeout_s: float | None = None, once_key: str | None = None
+    ) -> ExecResult:
         """See `SandboxBackend.exec`."""
-        return await asyncio.to_thread(self.backend.exec, handle, cmd, timeout_s)
+        return await asyncio.to_thread(self.backend.exec, handle, cmd, timeout_s, once_key)
 
     async def write_file(self, handle: SandboxHandle, path: str, content: bytes | str) -> None:
         """See `SandboxBackend.write_file`."""
@@ -332,8 +340,8 @@ class BoundSandbox:
     def __init__(self, backend: AsyncSandboxBackend, handle: SandboxHandle) -> None:
         self.backend, self.handle = backend, handle
 
-    async def exec(self, cmd: str, timeout_s: float | None = None) -> ExecResult:
-        return await self.backend.exec(self.handle, cmd, timeout_s)
+    async def exec(self, cmd: str, timeout_s: float | None = None, once_key: str | None = None) -> ExecResult:
+        return await self.backend.exec(self.handle, cmd, timeout_s, once_key)
 
     async def write_file(self, path: str, content: bytes | str) -> None:
         await self.backend.write_file(self.handle, path, content)

@@ -53,6 +53,8 @@ FILE_OP_TIMEOUT_S = 60.0
 SETTLE_S = 2.0
 """How long an exec that died without a status waits for the daemon to report its container dead."""
 MAX_CMD_CHARS = 100_000
+ONCE_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+"""A keyed exec's key (a file name in the sandbox's /tmp)."""
 """Longest command accepted (the kernel caps one argv string at 128 KiB)."""
 MAX_FILE_BYTES = 256 * 1024 * 1024
 """Largest file write_file/read_file moves in one call."""
@@ -326,7 +328,9 @@ class DockerBackend:
 
     # ------------------------------------------------------------------------------------------ commands
 
-    def exec(self, handle: SandboxHandle, cmd: str, timeout_s: float | None = None) -> ExecResult:
+    def exec(
+        self, handle: SandboxHandle, cmd: str, timeout_s: float | None = None, once_key: str | None = None
+    ) -> ExecResult:
         """Run `bash -c cmd` as the sandbox user in the workdir, stdin closed.
 
         The command runs in its own process group, which is SIGKILLed when the command exits or (after
@@ -340,6 +344,10 @@ class DockerBackend:
             handle: From `create`.
             cmd: Shell command (bash syntax).
             timeout_s: Wall-clock limit; `spec.command_timeout_s` when None.
+            once_key: Run the command at most once per key in this container (letters, digits, ``._-``):
+                an exec with a key already used does not run ``cmd`` but waits for the first run to end and
+                returns its result, ``replayed`` (a retried step whose worker died mid-command). A key's
+                scope is its part before the first dot; a claim forgets the keys of every other scope.
 
         Returns:
             The command's result, including timeouts and processes killed for memory.
@@ -355,8 +363,11 @@ class DockerBackend:
         if "\x00" in cmd or len(cmd) > MAX_CMD_CHARS:
             why = "contains a NUL byte" if "\x00" in cmd else f"is longer than {MAX_CMD_CHARS} characters"
             return ExecResult(exit_code=2, output=f"[command rejected: it {why}]")
+        if once_key is not None and not ONCE_KEY.fullmatch(once_key):
+            raise ValueError(f"once_key must match {ONCE_KEY.pattern}, got {once_key!r}")
         limit = str(spec.output_limit_bytes)
-        argv = ["/bin/sh", "-c", EXEC_WRAPPER, "dr-exec", f"{timeout:.3f}", limit, cmd, f"{KILL_AFTER_S:g}"]
+        argv = ["/bin/sh", "-c", EXEC_WRAPPER, "dr-exec", f"{timeout:.3f}", limit, cmd, f"{KILL_AFTER_S:g}",
+                once_key or ""]  # fmt: skip
         start = time.monotonic()
         raw = stream_exec(
             self.api,

@@ -7,7 +7,10 @@ Invariants:
   step as `EnvironmentCodeError` (kind environment), never as infrastructure.
 - Idempotent on (rollout id, turn): what a step decided is recorded with the turn (segment meta ``step``)
   and its observation stored once, so a retried step returns what the first attempt did instead of
-  acting again (a command is not run twice for one turn once its observation is stored).
+  acting again (a command is not run twice for one turn once its observation is stored). Before that
+  (the worker died mid-command), a retried step acts again, and the environment's sandbox commands keep
+  it from running twice: the bundled environments key a turn's command by its turn (``Sandbox.exec``'s
+  ``once_key``), so the retry gets the first run's output from the container, waiting for it to end.
 - The action a turn parses to is recorded with the turn (meta ``action``) before it runs: recovery
   replays it.
 - Times: ``env_s`` (reading the turn, acting, observing), ``reward_s`` (the reward) and ``transfer_s``

@@ -143,3 +143,17 @@ def test_exec_result_notes_truncation_timeout_and_oom():
     assert killed.exit_code == 137 and "supervisor was killed" in killed.output
     frozen = exec_result(raw(b"", abandoned=True), 3, 14.0, spec)
     assert frozen.exit_code == -1 and frozen.timed_out and "did not finish" in frozen.output
+
+
+def test_a_replayed_result_is_timed_by_its_first_run():
+    spec = SandboxSpec()
+    first_timed_out = exec_result(
+        raw(b"", "dr-status: rc=124\ndr-status: ms=2050\ndr-status: replayed=1\n"), 2, 0.2, spec
+    )
+    assert first_timed_out.replayed and first_timed_out.timed_out and first_timed_out.duration_s == 2.05
+    own_124 = exec_result(
+        raw(b"", "dr-status: rc=124\ndr-status: ms=300\ndr-status: replayed=1\n"), 2, 3, spec
+    )
+    assert own_124.replayed and not own_124.timed_out  # its first run exited 124 by itself
+    live = exec_result(raw(b"", "dr-status: rc=0\ndr-status: ms=300\n"), 2, 0.4, spec)
+    assert not live.replayed and live.duration_s == 0.4

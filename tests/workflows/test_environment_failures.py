@@ -123,7 +123,9 @@ class MemorySandboxes:
         n = next(self.ids)
         return SandboxHandle(key=key, run_id=run_id, name=f"sb-{n}", container_id=f"c{n}", spec=spec)
 
-    async def exec(self, handle: SandboxHandle, cmd: str, timeout_s: float | None = None) -> ExecResult:
+    async def exec(
+        self, handle: SandboxHandle, cmd: str, timeout_s: float | None = None, once_key: str | None = None
+    ) -> ExecResult:
         return ExecResult(exit_code=0, output="")
 
     async def write_file(self, handle: SandboxHandle, path: str, content: bytes | str) -> None:

@@ -23,7 +23,11 @@ How one rollout goes (``run.env = "harbor"``, ``run.task_file`` a Harbor dataset
    ``/logs/verifier/reward.json`` or ``reward.txt``; no reward or a timeout is `EnvironmentFailure`.
 
 Invariants: model-generated code runs only in the sandbox; ``parse`` is pure; ``act``/``score``/
-``replay`` are safe to repeat (a retried score re-copies the tests and reruns the verifier).
+``replay`` are safe to repeat. A turn's bash command runs once in its container even when the worker
+running the step dies mid-command: the retried step gets the first run's output (``once_key``
+``turn-N``); the verifier, likewise, runs once per container (``score-N.*``): a retried score waits for
+the first run's reward instead of copying the tests again and rerunning it. A recovered (fresh) sandbox
+replays every recorded action without keys.
 """
 
 from __future__ import annotations
@@ -120,10 +124,13 @@ class HarborEnvironment(Environment):
         return call.model_dump(mode="json")
 
     async def act(self, ctx: TurnContext, action: dict[str, Any]) -> Step:
+        return await self._act(ctx, action, once_key=f"turn-{ctx.turn}")
+
+    async def _act(self, ctx: TurnContext, action: dict[str, Any], once_key: str | None) -> Step:
         box = _sandbox(ctx)
         name, args = action["name"], action.get("arguments", {})
         if name == "bash":
-            res = await box.exec(args["cmd"])
+            res = await box.exec(args["cmd"], once_key=once_key)
             status = "timed out" if res.timed_out else f"exit code {res.exit_code}"
             obs = f"{res.output}\n[{status}]" if res.output else f"[{status}]"
             return Step(observation=obs, truncated="command_timeout" if res.timed_out else None)
@@ -144,11 +151,13 @@ class HarborEnvironment(Environment):
         tests = t.tree("tests")
         executables = {p.removeprefix("tests/") for p in t.executables if p.startswith("tests/")}
         ver = t.cfg.verifier
-        return await verifier.verify(_sandbox(ctx), t.id, tests, executables, ver.timeout_sec, ver.env)
+        return await verifier.verify(
+            _sandbox(ctx), t.id, tests, executables, ver.timeout_sec, ver.env, once=f"score-{ctx.turn}"
+        )
 
     async def replay(self, ctx: TurnContext, action: dict[str, Any]) -> None:
-        if action.get("name") in ("bash", "write_file"):
-            await self.act(ctx, action)
+        if action.get("name") in ("bash", "write_file"):  # into a fresh sandbox: every action runs
+            await self._act(ctx, action, once_key=None)
 
 
 def image_build(t: HarborTask, tag: str) -> ImageBuild:

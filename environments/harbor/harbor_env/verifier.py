@@ -5,7 +5,8 @@ After the agent's last turn: the stale reward files are removed, ``tests/`` is c
 ``[verifier].timeout_sec`` and with ``[verifier].env``; then the reward is read by Harbor's rule:
 ``/logs/verifier/reward.json`` if it exists (a flat dict of finite numbers), else ``reward.txt`` (one
 finite float, as ``{"reward": value}``). An empty, unparsable or missing reward file, or a verifier past
-its timeout, is Harbor's verifier error: here `EnvironmentFailure`, never a reward of 0.
+its timeout, is Harbor's verifier error: here `EnvironmentFailure`, never a reward of 0. The copy and the
+run are keyed execs (``once``): a retried score does not run the verifier a second time in one sandbox.
 
 The rollout's reward is the ``reward`` key; a dict without it scores the mean of its values (Harbor keeps
 per-key means). Every key is kept as the scored turn's ``metrics``.
@@ -44,16 +45,22 @@ def tests_tar(files: dict[str, bytes], executables: set[str]) -> bytes:
 
 async def verify(
     box: Sandbox, task_id: str, tests: dict[str, bytes], executables: set[str], timeout_s: float,
-    env: dict[str, str],
+    env: dict[str, str], once: str | None = None,
 ) -> Score:  # fmt: skip
-    """Run ``tests`` (``tests/`` of the task, relative paths) as Harbor's verifier does; the reward."""
+    """Run ``tests`` (``tests/`` of the task, relative paths) as Harbor's verifier does; the reward.
+
+    With ``once`` (an exec key scope, e.g. ``score-N``), the copy and the verifier run once per sandbox: a
+    retry (its worker died mid-verifier) waits for the first run and reads its reward. Its own upload of
+    the tests is then removed at once (it sat in the working directory while the first run went on)."""
     bundle = f".harbor-tests-{secrets.token_hex(8)}.tar"
     await box.write_file(bundle, tests_tar(tests, executables))
     prepare = (
         f"rm -f {VERIFIER_DIR}/reward.txt {VERIFIER_DIR}/reward.json && mkdir -p {VERIFIER_DIR} && "
         f"find {TESTS_DIR} -mindepth 1 -delete && tar -xf {bundle} -C {TESTS_DIR} && rm -f {bundle}"
     )
-    res = await box.exec(prepare, timeout_s=60)
+    res = await box.exec(prepare, timeout_s=60, once_key=f"{once}.prepare" if once else None)
+    if res.replayed:
+        await box.exec(f"rm -f {bundle}", timeout_s=60)
     if res.exit_code != 0:
         raise EnvironmentFailure(f"task {task_id}: could not copy tests/ to {TESTS_DIR}: {res.output[-300:]}")
     exports = "".join(f"export {k}={shlex.quote(v)}; " for k, v in sorted(env.items()))
@@ -61,7 +68,7 @@ async def verify(
         f"chmod +x {TESTS_DIR}/test.sh; {exports}"
         f"{TESTS_DIR}/test.sh > {VERIFIER_DIR}/test-stdout.txt 2>&1 </dev/null"
     )
-    res = await box.exec(run, timeout_s=timeout_s)
+    res = await box.exec(run, timeout_s=timeout_s, once_key=f"{once}.run" if once else None)
     if res.timed_out:
         raise EnvironmentFailure(
             f"task {task_id}: the verifier ran past its timeout ([verifier].timeout_sec = {timeout_s:g} s)"
