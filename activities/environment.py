@@ -1,33 +1,15 @@
-"""The environment step: a model turn in, an observation (stored) or the rollout's end out.
+"""The env step activity: a thin wrapper of ``turns.step`` (the step's logic and invariants live there).
 
-Invariants:
-- Any environment, through the interface (``envs.base``): the turn's text goes to ``parse`` (and an
-  action to ``act``); a rollout that is done without a reward, or truncated and scored, goes to ``score``.
-  Every hook is called through ``envs.base.calling``: an exception of the environment's code fails the
-  step as `EnvironmentCodeError` (kind environment), never as infrastructure.
-- Idempotent on (rollout id, turn): what a step decided is recorded with the turn (segment meta ``step``)
-  and its observation stored once, so a retried step returns what the first attempt did instead of
-  acting again (a command is not run twice for one turn once its observation is stored). Before that
-  (the worker died mid-command), a retried step acts again, and the environment's sandbox commands keep
-  it from running twice: the bundled environments key a turn's command by its turn (``Sandbox.exec``'s
-  ``once_key``), so the retry gets the first run's output from the container, waiting for it to end.
-- The action a turn parses to is recorded with the turn (meta ``action``) before it runs: recovery
-  replays it.
-- Times: ``env_s`` (reading the turn, acting, observing), ``reward_s`` (the reward) and ``transfer_s``
-  (store reads and writes, timed apart and excluded from ``env_s``, added to what the model call recorded)
-  are recorded on the turn's segment; a scoring after the last step adds its times under ``score_*`` keys
-  folded into those three, so a retry overwrites rather than adds (``records/timing.py``). The step's
-  heartbeats keep a dead worker's step from waiting out its full timeout.
+This module adds only what Temporal needs: the activity's options, its heartbeats (a dead worker's step
+is noticed within the heartbeat timeout instead of waiting out its full timeout), the attempt number from
+``activity.info()`` (a retry finds what an earlier attempt recorded), and the mapping of a
+``RolloutError`` to the ``ApplicationError`` that names its boundary. An environment with inline steps is
+stepped inside the model turn (``turns.model``), not through this activity.
 """
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import Awaitable
-from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, TypeVar
 
 from temporalio import activity
 from temporalio.common import RetryPolicy
@@ -35,13 +17,11 @@ from temporalio.common import RetryPolicy
 from activities.calls import Options, options
 from activities.heartbeat import heartbeating
 from activities.sandbox import SandboxActivities
-from activities.transfer import StoreClock
 from contracts.types import EnvStepInput, EnvStepResult
-from engines.client import EngineClient
-from envs import registry
-from envs.base import Environment, Score, Step, TurnContext, calling
-from errors import RolloutError, SandboxGone, SandboxPathError, StoreError, names
-from store import RunStore, Segment, model_segment, obs_segment
+from errors import RolloutError, SandboxGone, SandboxPathError, names
+from store import RunStore
+from turns.engine import Engine
+from turns.step import EnvSteps
 
 ENV_RETRY = RetryPolicy(
     initial_interval=timedelta(seconds=1),
@@ -53,16 +33,12 @@ ENV_RETRY = RetryPolicy(
 workflow recovers a lost sandbox by replay), and so is an environment failure, by its own flag
 (``non_retryable``), unless the environment declared it transient (``Environment.retryable_errors``)."""
 
-T = TypeVar("T")
-
 
 class EnvironmentActivities:
-    """The env step of every environment; holds the store, the engine (to tokenize) and the sandboxes."""
+    """The env step of every environment; holds the turn module's steps (store, engine, sandboxes)."""
 
-    def __init__(self, store: RunStore, engine: EngineClient, sandboxes: SandboxActivities) -> None:
-        self.store = store
-        self.engine = engine
-        self.sandboxes = sandboxes
+    def __init__(self, store: RunStore, engine: Engine, sandboxes: SandboxActivities | None) -> None:
+        self.steps = EnvSteps(store, engine, sandboxes.bound if sandboxes is not None else None)
 
     @options(
         Options(timedelta(minutes=15), ENV_RETRY, heartbeat=timedelta(seconds=30), wait_cancellation=True)
@@ -71,147 +47,9 @@ class EnvironmentActivities:
     async def env_step(self, inp: EnvStepInput) -> EnvStepResult:
         """Step the environment with the turn's text, or (``score_only``) score the rollout as it stands."""
         try:
-            return await heartbeating(self._step(inp))
+            return await heartbeating(self.steps.step(inp, activity.info().attempt))
         except RolloutError as e:
             raise e.to_application_error() from e
 
-    async def _step(self, inp: EnvStepInput) -> EnvStepResult:
-        t0 = time.monotonic()
-        timed = StoreClock()
-        seg = await timed(self._turn_to_step, inp)
-        if seg is None:
-            if inp.score_only:
-                return EnvStepResult(done=True, reward=None)
-            raise StoreError(f"rollout {inp.rollout_id}: turn {inp.turn} was never stored")
-        done = _recorded(seg) if not inp.score_only else None
-        if done is not None:
-            return done
-        # Only a retry can find what an earlier attempt did (attempt 1 of the activity is the first).
-        retry = activity.info().attempt > 1 and not inp.score_only
-        obs = await timed(self.store.get_segment, inp.rollout_id, obs_segment(inp.turn)) if retry else None
-        if obs is not None:  # an earlier attempt stepped and observed; only its record was lost
-            reason = obs.meta.get("truncated_reason")
-            return EnvStepResult(done=False, observation_tokens=len(obs.token_ids), truncated_reason=reason)
-        env = registry.get(inp.env)
-        ctx = await self._context(env, inp, timed)
-        text = await self.engine.detokenize(inp.engine_url, inp.model, seg.token_ids)
-        if inp.score_only:
-            t1 = time.monotonic()
-            with calling(env, "score", inp.rollout_id):
-                reward = await env.score(ctx, text)
-            times = _Times(t1 - t0 - timed.seconds, time.monotonic() - t1, timed.seconds)
-            return await self._done(inp, seg, reward, times)
-        with calling(env, "parse", inp.rollout_id):
-            parsed = env.parse(ctx, text)
-        if isinstance(parsed, Step):
-            step = parsed
-        else:  # recorded before it runs: a recovery replays it, a test sees it start
-            await timed(self.store.update_segment_meta, inp.rollout_id, seg.name, action=parsed)
-            with calling(env, "act", inp.rollout_id):
-                step = await env.act(ctx, parsed)
-        t1 = time.monotonic()
-        if step.done:
-            reward = step.reward
-            if reward is None:
-                with calling(env, "score", inp.rollout_id):
-                    reward = await env.score(ctx, text)
-            times = _Times(t1 - t0 - timed.seconds, time.monotonic() - t1, timed.seconds)
-            return await self._done(inp, seg, reward, times)
-        n = await self._observe(env, inp, seg, step, timed)
-        env_s = time.monotonic() - t0 - timed.seconds
-        transfer_s = seg.meta.get("transfer_s", 0.0) + inp.transfer_s + timed.seconds
-        await asyncio.to_thread(
-            self.store.update_segment_meta, inp.rollout_id, seg.name, env_s=env_s, transfer_s=transfer_s
-        )
-        return EnvStepResult(done=False, observation_tokens=n, env_s=env_s, truncated_reason=step.truncated)
-
-    async def _context(self, env: Environment, inp: EnvStepInput, timed: StoreClock) -> TurnContext:
-        row = await timed(self.store.get_task, inp.run_id, inp.task_id)
-        with calling(env, "validate_task", inp.rollout_id):
-            task = env.validate_task(row, where=f"run {inp.run_id} task {inp.task_id}")
-        sandbox = (
-            await _timed_async(timed, self.sandboxes.bound(inp.rollout_id)) if env.uses_sandbox else None
-        )
-        return TurnContext(
-            task=task, rollout_id=inp.rollout_id, turn=inp.turn, last_turn=inp.last_turn, sandbox=sandbox
-        )
-
-    async def _done(
-        self, inp: EnvStepInput, seg: Segment, score: float | Score | None, t: _Times
-    ) -> EnvStepResult:
-        """Record the end of the rollout with its turn (a retry returns it) and report it; a `Score`'s
-        metrics are kept with the turn (meta ``metrics``)."""
-        m = seg.meta
-        reward = score.reward if isinstance(score, Score) else score
-        transfer_s = t.transfer_s + (inp.transfer_s if not inp.score_only else 0.0)
-        if inp.score_only:  # the turn's step already recorded its own times: add these beside them
-            meta: dict[str, Any] = {
-                "score_env_s": t.env_s, "score_reward_s": t.reward_s, "score_transfer_s": transfer_s,
-                **{k: m.get(k, 0.0) - m.get(f"score_{k}", 0.0) + v for k, v in (
-                    ("env_s", t.env_s), ("reward_s", t.reward_s), ("transfer_s", transfer_s))},
-            }  # fmt: skip
-        else:
-            meta = {"env_s": t.env_s, "reward_s": t.reward_s, "step": {"done": True, "reward": reward},
-                    "transfer_s": m.get("transfer_s", 0.0) + transfer_s}  # fmt: skip
-        if isinstance(score, Score) and score.metrics:
-            meta["metrics"] = dict(score.metrics)
-        await asyncio.to_thread(self.store.update_segment_meta, inp.rollout_id, seg.name, **meta)
-        return EnvStepResult(done=True, reward=reward, env_s=t.env_s, reward_s=t.reward_s)
-
-    def _turn_to_step(self, inp: EnvStepInput) -> Segment | None:
-        if not inp.score_only:
-            return self.store.get_segment(inp.rollout_id, model_segment(inp.turn))
-        model_turns = [s for s in self.store.segments(inp.rollout_id) if s.kind == "model" and s.token_ids]
-        return model_turns[-1] if model_turns else None
-
-    async def _observe(
-        self, env: Environment, inp: EnvStepInput, seg: Segment, step: Step, timed: StoreClock
-    ) -> int:
-        """Store the step's observation as an ``observation_role`` message (loss mask 0); its length."""
-        if step.observation is None:
-            return 0
-        name = obs_segment(inp.turn)
-        existing = await timed(self.store.get_segment, inp.rollout_id, name)
-        if existing is None:
-            message = {"role": env.observation_role, "content": step.observation}
-            ids = await self.engine.tokenize_chat(inp.engine_url, inp.model, [message])
-            meta: dict[str, Any] = {"truncated_reason": step.truncated} if step.truncated else {}
-            obs = Segment(
-                name=name, kind="observation", turn=inp.turn, start=seg.end, token_ids=ids, meta=meta
-            )
-            existing = await timed(self.store.put_segment, inp.rollout_id, obs)
-        return len(existing.token_ids)
-
     def all(self) -> list:
         return [self.env_step]
-
-
-@dataclass(frozen=True)
-class _Times:
-    """A step's disjoint times: the environment (store calls excluded), the reward, the store calls."""
-
-    env_s: float
-    reward_s: float
-    transfer_s: float
-
-
-async def _timed_async(timed: StoreClock, call: Awaitable[T]) -> T:
-    """Await a call that reads the store in its own thread (e.g. the bound sandbox), timed as transfer."""
-    t0 = time.monotonic()
-    try:
-        return await call
-    finally:
-        timed.seconds += time.monotonic() - t0
-
-
-def _recorded(seg: Segment) -> EnvStepResult | None:
-    """The end an earlier attempt recorded for this turn, if any."""
-    step = seg.meta.get("step")
-    if not isinstance(step, dict) or not step.get("done"):
-        return None
-    return EnvStepResult(
-        done=True,
-        reward=step.get("reward"),
-        env_s=seg.meta.get("env_s", 0.0),
-        reward_s=seg.meta.get("reward_s", 0.0),
-    )

@@ -63,15 +63,16 @@ class HarnessActivities:
     @activity.defn
     async def harness_run(self, inp: HarnessRunInput) -> HarnessExit:
         """Serve the rollout's gateway, run its harness (once) and wait for it to exit."""
-        rid = inp.rollout_id
+        ref = inp.ref
+        rid = ref.rollout_id
         try:
             box = await self.sandboxes.bound(rid)
             if box is None:
                 raise SandboxGone(f"rollout {rid}: no sandbox to run the harness in")
-            env = registry.get(inp.env)
-            row = await asyncio.to_thread(self.store.get_task, inp.run_id, inp.task_id)
+            env = registry.get(ref.env)
+            row = await asyncio.to_thread(self.store.get_task, ref.run_id, ref.task_id)
             with calling(env, "validate_task", rid):
-                task = env.validate_task(row, where=f"run {inp.run_id} task {inp.task_id}")
+                task = env.validate_task(row, where=f"run {ref.run_id} task {ref.task_id}")
             with calling(env, "harness_command", rid):
                 cmd = env.harness_command(task)  # type: ignore[attr-defined]
             client = activity.client()
@@ -79,9 +80,9 @@ class HarnessActivities:
             async def signal(rollout_id: str, index: int) -> None:
                 await client.get_workflow_handle(rollout_id).signal("gateway_call", index)
 
-            await self.gateway.serve(rid, inp.model, signal)
+            await self.gateway.serve(rid, ref.model, signal)
             try:
-                env_vars = harness.gateway_env(cmd, gateway_key(rid, self.gateway.secret), inp.model)
+                env_vars = harness.gateway_env(cmd, gateway_key(rid, self.gateway.secret), ref.model)
                 await harness.start(box, cmd, env_vars)
                 while (code := await harness.poll(box)) is None:
                     activity.heartbeat()
@@ -116,7 +117,7 @@ class HarnessActivities:
                 result = await heartbeating(self.turns.answer(inp, info.attempt, queued))
         except RolloutError as e:
             raise e.to_application_error() from e
-        self.gateway.notify(inp.rollout_id, inp.index)
+        self.gateway.notify(inp.ref.rollout_id, inp.index)
         return result
 
     def all(self) -> list:

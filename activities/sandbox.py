@@ -75,10 +75,11 @@ class SandboxActivities:
         return None if handle is None else BoundSandbox(self.backend, handle)
 
     async def _plan(self, inp: SandboxStepInput) -> tuple[Any, SandboxPlan | None]:
-        env = registry.get(inp.env)
-        row = await asyncio.to_thread(self.store.get_task, inp.run_id, inp.task_id)
-        with calling(env, "validate_task", inp.rollout_id):
-            task = env.validate_task(row, where=f"run {inp.run_id} task {inp.task_id}")
+        ref = inp.ref
+        env = registry.get(ref.env)
+        row = await asyncio.to_thread(self.store.get_task, ref.run_id, ref.task_id)
+        with calling(env, "validate_task", ref.rollout_id):
+            task = env.validate_task(row, where=f"run {ref.run_id} task {ref.task_id}")
         with calling(env, "sandbox", inp.rollout_id):
             return task, env.sandbox(task, inp.spec)
 
@@ -122,7 +123,7 @@ class SandboxActivities:
             if inp.pool is not None and inp.pool.placement == "local":  # "hosts": sandbox_place held it
                 await asyncio.to_thread(self.pool.acquire, inp.rollout_id, inp.pool)
             await heartbeating(self._image(plan, inp.rollout_id))
-            handle = await heartbeating(self.backend.create(inp.rollout_id, inp.run_id, plan.spec))
+            handle = await heartbeating(self.backend.create(inp.rollout_id, inp.ref.run_id, plan.spec))
             known = await asyncio.to_thread(self.store.get_sandbox, inp.rollout_id)
             if known is None or known.container_id != handle.container_id:
                 await heartbeating(self._lay_out(handle, plan, inp.rollout_id))
@@ -178,9 +179,9 @@ class SandboxActivities:
                 raise SandboxGone(f"rollout {inp.rollout_id}: no sandbox to recover")
             await self.backend.destroy(inp.rollout_id)
             await heartbeating(self._image(plan, inp.rollout_id))
-            handle = await self.backend.create(inp.rollout_id, inp.run_id, plan.spec)
+            handle = await self.backend.create(inp.rollout_id, inp.ref.run_id, plan.spec)
             await self._lay_out(handle, plan, inp.rollout_id)
-            env = registry.get(inp.env)
+            env = registry.get(inp.ref.env)
             ctx = TurnContext(task=task, rollout_id=inp.rollout_id, turn=inp.turn, last_turn=False,
                               sandbox=BoundSandbox(self.backend, handle))  # fmt: skip
             replayed = 0

@@ -83,6 +83,7 @@ from engines.client import EngineClient
 from engines.metrics import fetch_reading
 from simengine import PolicyName, SimEngine, SimSettings, TimingSettings
 from simengine.clock import PacedClock
+from turns.budget import turn_budget, turn_truncation
 from workflows.admission import AdmissionConfig, AdmissionController, Inflight
 from workflows.length_aware import GroupOffer, LengthAwareConfig, LengthAwareScheduler, Outcome
 
@@ -290,19 +291,19 @@ class Driver:
             temperature=1.0, top_p=1.0, top_k=-1, max_tokens=a.max_model_len, seed=r.seed, logprob_mode="raw"
         )
         context = list(r.prompt)
+        window = a.max_model_len  # these rollouts run until the context is full: the window is their limit
         for t, (tool, wait_s) in enumerate(r.turns):
-            room = a.max_model_len - len(context)
-            if room < 1:
+            if turn_budget(len(context), window, window).truncated is not None:
                 return True
             limit = self.turn_limit()
-            ask = min(room, limit) if limit is not None else room
+            ask = turn_budget(len(context), window, window if limit is None else limit).max_tokens
             gen = await client.generate(url, MODEL, context, sampling, ask, f"{r.rid}/{t}")
             live.tokens += len(gen.token_ids)
             if self.sched is not None:
                 self.sched.progress(f"g{live.group:05d}", live.member, live.tokens)
             context += gen.token_ids
             live.context = len(context)
-            if gen.finish_reason == "length" and ask == room:
+            if turn_truncation(gen.finish_reason, len(context), window) is not None:
                 return True
             if t + 1 < len(r.turns):
                 await self.sleep_until(self.now() + wait_s)

@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from contracts.harness import GatewayCallInput  # noqa: E402
-from contracts.types import SamplingParams  # noqa: E402
+from contracts.types import RolloutRef, SamplingParams  # noqa: E402
 from engines.client import EngineClient  # noqa: E402
 from gateway.server import GatewayServer, gateway_key  # noqa: E402
 from gateway.turn import GatewayTurns  # noqa: E402
@@ -135,8 +135,11 @@ async def gateway_path(
 
     running: set[asyncio.Task[None]] = set()
 
+    ref = RolloutRef(run_id="bench", group_id="g000000", rollout_id=rid, task_id="bench", sample_index=0,
+                     env="bench", model="tiny")  # fmt: skip
+
     async def signal(rollout_id: str, index: int) -> None:  # the worker's gateway_call activity, in process
-        inp = GatewayCallInput(rollout_id=rollout_id, index=index, engine_url=url, model="tiny",
+        inp = GatewayCallInput(ref=ref, index=index, engine_url=url,
                                sampling=SAMPLING, max_tokens=64, max_total_tokens=0)  # fmt: skip
 
         async def run() -> None:

@@ -29,9 +29,11 @@ from temporalio.testing import WorkflowEnvironment
 from config.load import config_hash
 from config.models import Config
 from config.paths import venv_bin
-from contracts.types import RunInput, group_id, rollout_id, sampling_params
+from contracts.types import RunInput, TruncationReason, group_id, rollout_id, sampling_params
 from engines.client import EngineClient
 from envs.math import RETRY_PROMPT, verify
+from turns.budget import turn_truncation
+from turns.model import call_model
 from workflows import search_attributes as sa
 from workflows.group import member_seed
 from workflows.run import RunWorkflow
@@ -67,26 +69,27 @@ class BareRollout:
 
 
 async def bare_rollout(engine: EngineClient, url: str, cfg: Config, task: dict, rid: str) -> BareRollout:
-    """One math rollout with no orchestration, making the same engine calls as the pipeline's activities."""
+    """One math rollout with no orchestration, making the same engine calls as the pipeline's activities
+    through the same model call (``turns.model.call_model``) and truncation verdict (``turns.budget``)."""
     out = BareRollout()
     t0 = time.perf_counter()
     base = sampling_params(cfg)
     sampling = base.model_copy(update={"seed": member_seed(base.seed, rid)})
     model = cfg.engine.model
     context = await engine.tokenize_chat(url, model, [{"role": "user", "content": task["prompt"]}])
+    total = cfg.rollout.max_total_tokens
     for turn in range(cfg.rollout.max_turns):
-        budget = cfg.rollout.max_total_tokens - len(context)
-        if budget <= 0:
-            break
         t1 = time.perf_counter()
-        gen = await engine.generate(
-            url, model, context, sampling, min(budget, sampling.max_tokens), f"{rid}/{turn}/1"
+        gen = await call_model(
+            engine, url, model, context, sampling, sampling.max_tokens, total, f"{rid}/{turn}/1"
         )
+        if isinstance(gen, TruncationReason):  # a limit left the turn nothing
+            break
         t2 = time.perf_counter()
         out.model_s.append(t2 - t1)
         out.turns += 1
         context = context + gen.token_ids
-        if gen.finish_reason == "length" and len(gen.token_ids) >= budget:
+        if turn_truncation(gen.finish_reason, len(context), total) is not None:
             break
         text = await engine.detokenize(url, model, gen.token_ids)
         reward = verify(text.split("<|end|>", 1)[0], task["answer"])

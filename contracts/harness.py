@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
+from contracts.ref import RolloutRef
 from contracts.types import SamplingParams, TruncationReason
 
 
@@ -18,12 +19,8 @@ class _Data(BaseModel):
 class HarnessRunInput(_Data):
     """Run the task's harness in the rollout's sandbox and wait for it to exit (its calls served)."""
 
-    run_id: str
-    rollout_id: str
-    task_id: str
-    env: str
-    model: str
-    """The model name the harness is told (its requests may name any; the rollout's engine serves)."""
+    ref: RolloutRef
+    """The rollout (its ``model`` is what the harness is told; its requests may name any)."""
 
 
 class HarnessExit(_Data):
@@ -37,10 +34,9 @@ class HarnessExit(_Data):
 class GatewayCallInput(_Data):
     """Answer call ``index`` of a rollout's harness: render, check, sample, store, answer."""
 
-    rollout_id: str
+    ref: RolloutRef
     index: int
     engine_url: str
-    model: str
     sampling: SamplingParams
     max_tokens: int
     """The most this call may sample (``sampling.max_tokens``)."""

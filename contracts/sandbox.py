@@ -10,6 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from contracts.ref import OfRollout, RolloutRef
 from sandboxes.base import SandboxSpec
 from sandboxes.pool import SandboxPoolConfig
 
@@ -52,16 +53,12 @@ class SandboxCreated(_Data):
         return {"created": value} if isinstance(value, bool) else value
 
 
-class SandboxStepInput(_Data):
+class SandboxStepInput(OfRollout):
     """One sandbox operation of a rollout (create, recover): its sandbox is keyed by the rollout id."""
 
-    run_id: str
-    rollout_id: str
-    task_id: str
-    env: str
+    ref: RolloutRef
     turn: int
     engine_url: str
-    model: str
     spec: SandboxSpec
     """The run's default spec; the environment derives the task's own from it."""
     pool: SandboxPoolConfig | None = None

@@ -9,7 +9,7 @@ carries across continue-as-new), never one object that is both.
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -25,6 +25,7 @@ from contracts.dispatch import (
     PollFleetInput,
     TokenBucket,
 )
+from contracts.ref import OfRollout, RolloutRef
 from contracts.sandbox import SandboxCreated, SandboxPlaceInput, SandboxPlacement, SandboxStepInput
 from sandboxes.base import SandboxSpec
 from sandboxes.pool import PoolStatus, SandboxPoolConfig
@@ -44,6 +45,7 @@ __all__ = [  # re-exported: defined by concern in contracts/dispatch.py and cont
     "GroupSlot",
     "PollFleetInput",
     "PoolStatus",
+    "RolloutRef",
     "SandboxCreated",
     "SandboxPlaceInput",
     "SandboxPlacement",
@@ -167,6 +169,19 @@ class RolloutInput(_Data):
     """Replica the dispatcher chose for the rollout's group (bounded-load affinity); None = hash order."""
     state: RolloutState | None = None
     """The rollout's state when it continued as new; None at its start."""
+
+    def ref(self) -> RolloutRef:
+        """The member's reference, carried by every activity input of the rollout (built once per member:
+        by its workflow at its start, by its group when the group records it)."""
+        return RolloutRef(
+            run_id=self.run_id,
+            group_id=self.group_id,
+            rollout_id=self.rollout_id,
+            task_id=self.task_id,
+            sample_index=self.sample_index,
+            env=self.env.name,
+            model=self.engine.model,
+        )
 
 
 class RolloutState(_Data):
@@ -433,24 +448,25 @@ class LoadRunResult(_Data):
     env: EnvTraits
 
 
-class PrepareInput(_Data):
-    run_id: str
-    rollout_id: str
-    task_id: str
+class PrepareInput(OfRollout):
+    """Render and store the rollout's first prompt (once)."""
+
+    ref: RolloutRef
     engine_url: str
-    model: str
-    env: str
     stall_timeout_s: float | None = None
     """``engine.stall_timeout_s`` (None: the worker's default; see ``engines.watchdog``)."""
 
 
-class GenerateInput(_Data):
-    rollout_id: str
+class GenerateInput(OfRollout):
+    """One model turn (``turns.model``): sample on the stored context, store the segment, step inline."""
+
+    _nested: ClassVar[tuple[str, ...]] = ("prepare", "env_after")
+    ref: RolloutRef
     turn: int
     engine_url: str
-    model: str
     sampling: SamplingParams
     max_tokens: int
+    """The turn's budget as the workflow computed it (``turns.budget.turn_budget`` on its token count)."""
     env_after: EnvStepInput | None = None
     """Run this env step in the same activity once the turn is stored, unless the turn was truncated
     (environments with ``inline_steps``); saves a workflow task per turn."""
@@ -463,29 +479,24 @@ class GenerateInput(_Data):
     """``engine.stall_timeout_s`` (None: the worker's default; see ``engines.watchdog``)."""
 
 
-class EnvStepInput(_Data):
-    run_id: str
-    rollout_id: str
-    task_id: str
-    env: str
+class EnvStepInput(OfRollout):
+    """The environment's step on a stored turn (``turns.step``), or the scoring of a truncated rollout."""
+
+    ref: RolloutRef
     turn: int
     last_turn: bool
     engine_url: str
     score_only: bool = False
     """Score the rollout as it stands (a truncated rollout) instead of stepping the environment."""
-    model: str
     transfer_s: float = 0.0
     """Store seconds of the model call before this step that its turn's meta does not hold yet (the
     turn's own write, timed after it); the step records them with its times."""
 
 
-class FinalizeRolloutInput(_Data):
-    run_id: str
-    group_id: str
-    rollout_id: str
-    task_id: str
-    sample_index: int
-    env: str
+class FinalizeRolloutInput(OfRollout):
+    """Write a rollout's record (built by ``workflows.rollout.finalize_input`` only)."""
+
+    ref: RolloutRef
     outcome: Outcome
     reason: str | None
     reward: float | None

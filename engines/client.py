@@ -21,9 +21,10 @@ from typing import Any
 
 import httpx
 
-from contracts.types import SamplingParams
+from contracts.types import SamplingParams, TruncationReason
 from engines.watchdog import Watchdog
 from errors import ContextLengthExceeded, EngineBadReply, EngineBadRequest, EngineUnavailable
+from turns.budget import turn_budget
 
 _CONTEXT_MARKERS = ("maximum context length", "maximum model length", "max_model_len", "context length")
 
@@ -147,16 +148,19 @@ class EngineClient:
         max_tokens: int,
         request_id: str,
     ) -> Generation:
-        """Sample up to max_tokens after prompt_ids; raises ContextLengthExceeded if the prompt cannot fit."""
+        """Sample up to max_tokens after prompt_ids, at most what the engine's window leaves
+        (``turns.budget``); raises ContextLengthExceeded, without a request, if the prompt fills it."""
         limit = await self.max_model_len(base_url, model)
-        room = limit - len(prompt_ids)
-        if room < 1:
+        budget = turn_budget(len(prompt_ids), 0, max_tokens, limit)
+        if budget.truncated == TruncationReason.CONTEXT_LENGTH:
             raise ContextLengthExceeded(f"prompt of {len(prompt_ids)} tokens leaves no room in {limit}")
+        if budget.truncated is not None:
+            raise EngineBadRequest(f"{base_url}: max_tokens {max_tokens}: a model call samples at least 1")
         params: dict[str, Any] = {
             "temperature": sampling.temperature,
             "top_p": sampling.top_p,
             "top_k": max(sampling.top_k, 0),
-            "max_tokens": min(max_tokens, room),
+            "max_tokens": budget.max_tokens,
             "logprobs": 0,
             "detokenize": False,
         }

@@ -23,27 +23,25 @@ import time
 from typing import Any, Protocol
 
 from contracts.harness import GatewayCallInput, GatewayCallResult
-from contracts.types import SamplingParams, TruncationReason
-from errors import ContextLengthExceeded, EnvironmentFailure
+from contracts.types import TruncationReason
+from errors import EnvironmentFailure
 from gateway import chat
 from store import RunStore, Segment, model_segment
 from store.gateway_calls import GatewayCall
+from turns.budget import turn_budget
+from turns.clock import StoreClock
+from turns.engine import Engine as TurnEngine
+from turns.model import ModelTurns, call_model
 
 
-class Engine(Protocol):
-    """What a gateway call needs of an engine (``engines.client.EngineClient`` is one)."""
-
-    async def generate(
-        self, base_url: str, model: str, prompt_ids: list[int], sampling: SamplingParams, max_tokens: int,
-        request_id: str,
-    ) -> Any: ...  # fmt: skip
+class Engine(TurnEngine, Protocol):
+    """What a gateway call needs of an engine: a turn's, and chat renders with tools and closed
+    conversations (``engines.client.EngineClient`` is one)."""
 
     async def tokenize_chat(
         self, base_url: str, model: str, messages: list[dict[str, str]], tools: Any = None,
         add_generation_prompt: bool = True,
     ) -> list[int]: ...  # fmt: skip
-
-    async def detokenize(self, base_url: str, model: str, token_ids: list[int]) -> str: ...
 
 
 def ctx_segment(index: int) -> str:
@@ -57,13 +55,15 @@ class GatewayTurns:
     def __init__(self, store: RunStore, engine: Engine) -> None:
         self.store = store
         self.engine = engine
+        self.checks = ModelTurns(store, engine)
+        """The checks every model turn makes: the logprobs mode served, a published policy version."""
         self._closing: dict[tuple[str, str], list[int]] = {}
         """(engine, model) -> the tokens the chat template closes an assistant turn with."""
 
     async def answer(
         self, inp: GatewayCallInput, attempt: int = 1, queued_s: float = 0.0
     ) -> GatewayCallResult:
-        rid, idx = inp.rollout_id, inp.index
+        rid, idx = inp.ref.rollout_id, inp.index
         call = await asyncio.to_thread(self.store.get_call, rid, idx)
         if call is None:
             raise EnvironmentFailure(f"rollout {rid}: gateway call {idx} was never recorded")
@@ -76,42 +76,27 @@ class GatewayTurns:
         ctx, canon = await self._context(inp, call)
         seq_start = int(ctx.meta.get("sequence_start", 0))
         tokens = await asyncio.to_thread(self.store.token_ids, rid)
-        room = inp.max_total_tokens - len(tokens) if inp.max_total_tokens else inp.max_tokens
-        if room <= 0:
-            return await self._limit(call, TruncationReason.TOKEN_BUDGET, len(tokens), attempt)
+        budget = turn_budget(len(tokens), inp.max_total_tokens, inp.max_tokens)  # over every sequence
+        if budget.truncated is not None:
+            return await self._limit(call, budget.truncated, len(tokens), attempt)
         seg = await asyncio.to_thread(self.store.get_segment, rid, model_segment(idx))
         if seg is None:
-            try:
-                gen = await self.engine.generate(
-                    inp.engine_url, inp.model, tokens[seq_start:], inp.sampling, min(inp.max_tokens, room),
-                    f"{rid}/gw{idx}/{attempt}",
-                )  # fmt: skip
-            except ContextLengthExceeded as e:
-                body = chat.error(f"context length exceeded: {e}", code="context_length_exceeded")
-                detail = {
-                    "limit": TruncationReason.CONTEXT_LENGTH.value,
-                    "start": len(tokens),
-                    "end": len(tokens),
-                }
-                stored = await asyncio.to_thread(self.store.answer_call, rid, idx, 400, body, detail)
+            sampled = await self._sample(inp, tokens, seq_start, budget.max_tokens, attempt, queued_s, t0)
+            if sampled == TruncationReason.CONTEXT_LENGTH:  # the engine's window is full
+                refusal = chat.error("context length exceeded", code="context_length_exceeded")
+                at: dict[str, Any] = {"limit": sampled.value, "start": len(tokens), "end": len(tokens)}
+                stored = await asyncio.to_thread(self.store.answer_call, rid, idx, 400, refusal, at)
                 return _result(stored, attempt)
-            meta = {
-                "engine": inp.engine_url, "finish_reason": gen.finish_reason,
-                "queue_s": queued_s + gen.queue_s, "model_s": gen.model_s, "attempt": attempt,
-                "gateway_call": idx,
-                "gateway_s": time.monotonic() - t0 - gen.model_s,
-            }  # fmt: skip
-            seg = Segment(
-                name=model_segment(idx), kind="model", turn=idx, start=len(tokens), token_ids=gen.token_ids,
-                logprobs=gen.logprobs, policy_versions=gen.policy_versions, meta=meta,
-            )  # fmt: skip
-            seg = await asyncio.to_thread(self.store.put_segment, rid, seg)
-        closing = await self._closing_tokens(inp.engine_url, inp.model)
+            if isinstance(sampled, TruncationReason):
+                return await self._limit(call, sampled, len(tokens), attempt)
+            seg = sampled
+        model = inp.ref.model
+        closing = await self._closing_tokens(inp.engine_url, model)
         k = _sampled_closing(seg.token_ids, closing)
-        raw = await self.engine.detokenize(inp.engine_url, inp.model, seg.token_ids[: len(seg.token_ids) - k])
-        finish = "length" if seg.meta.get("finish_reason") == "length" else "stop"
+        raw = await self.engine.detokenize(inp.engine_url, model, seg.token_ids[: len(seg.token_ids) - k])
+        finish = str(seg.meta.get("finish_reason") or "stop")  # the engine's: stop or length, as OpenAI's
         parsed = chat.parse_answer(raw, idx)
-        body = chat.completion(rid, idx, inp.model, parsed, finish, seg.start - seq_start, len(seg.token_ids))
+        body = chat.completion(rid, idx, model, parsed, finish, seg.start - seq_start, len(seg.token_ids))
         versions = [v for v in seg.policy_versions or [] if v is not None]
         detail = {
             "messages": canon, "raw": raw, "closing": closing[k:],
@@ -121,6 +106,40 @@ class GatewayTurns:
         }  # fmt: skip
         stored = await asyncio.to_thread(self.store.answer_call, rid, idx, 200, body, detail)
         return _result(stored, attempt)
+
+    async def _sample(
+        self,
+        inp: GatewayCallInput,
+        tokens: list[int],
+        seq_start: int,
+        max_tokens: int,
+        attempt: int,
+        queued_s: float,
+        t0: float,
+    ) -> Segment | TruncationReason:
+        """Sample on the call's sequence (``turns.model.call_model``: the turn's budget, the engine's window)
+        under the checks of every model turn (the logprobs mode the run declares, a published policy
+        version) and store the segment; or the limit that left nothing."""
+        rid, url, timed = inp.ref.rollout_id, inp.engine_url, StoreClock()
+        served = await self.checks.served_mode(url, inp.sampling.logprob_mode)
+        # the budget counts every sequence (the caller's); the call samples on its own sequence
+        gen = await call_model(
+            self.engine, url, inp.ref.model, tokens[seq_start:], inp.sampling, max_tokens, 0,
+            f"{rid}/gw{inp.index}/{attempt}",
+        )  # fmt: skip
+        if isinstance(gen, TruncationReason):
+            return gen
+        await self.checks.refuse_unknown_versions(url, gen.policy_versions, timed)
+        meta = {
+            "engine": url, "finish_reason": gen.finish_reason, "queue_s": queued_s + gen.queue_s,
+            "model_s": gen.model_s, "attempt": attempt, "logprob_mode": served, "gateway_call": inp.index,
+            "transfer_s": timed.seconds, "gateway_s": time.monotonic() - t0 - gen.model_s,
+        }  # fmt: skip
+        seg = Segment(
+            name=model_segment(inp.index), kind="model", turn=inp.index, start=len(tokens),
+            token_ids=gen.token_ids, logprobs=gen.logprobs, policy_versions=gen.policy_versions, meta=meta,
+        )  # fmt: skip
+        return await asyncio.to_thread(self.store.put_segment, rid, seg)
 
     async def _limit(
         self, call: GatewayCall, reason: TruncationReason, at: int, attempt: int
@@ -138,7 +157,7 @@ class GatewayTurns:
     ) -> tuple[Segment, list[dict[str, str]]]:
         """The segment of what the harness added before this call (stored once), and the conversation as
         the template renders it (recomputed: pure, from the request and the earlier answers)."""
-        rid, idx, name = inp.rollout_id, inp.index, ctx_segment(inp.index)
+        rid, idx, name = inp.ref.rollout_id, inp.index, ctx_segment(inp.index)
         messages, tools = chat.request_messages(call.request)
         earlier = await asyncio.to_thread(self.store.gateway_calls, rid, idx)
         answers = [
@@ -150,7 +169,7 @@ class GatewayTurns:
         seg = await asyncio.to_thread(self.store.get_segment, rid, name)
         if seg is not None:
             return seg, canon
-        url, model = inp.engine_url, inp.model
+        url, model = inp.engine_url, inp.ref.model
         start = len(await asyncio.to_thread(self.store.token_ids, rid))
         meta: dict[str, Any] = {"gateway_call": idx}
         prev = next((c for c in reversed(earlier) if c.index == idx - 1), None)

@@ -2,11 +2,12 @@
 
 `rollouts reproduce RUN ROLLOUT_ID [--engine URL]` re-sends the rollout's first model call to a live engine:
 the stored prompt tokens, the sampling settings of the stored config, the recorded seed and the max tokens
-the run allowed, through the same `EngineClient` the workers use; then compares the token ids with the
-recorded ones. Before trusting the comparison it checks the lineage: the stored config still hashes to the
-run's config hash and the record's; the recorded seed is the one the stored config derives for this rollout;
-the recorded sampling equals the config's; the engine serves the version that sampled the recorded turn;
-the record's environment and verifier versions are those of the code running now.
+the run allowed, through the model call the workers make (`turns.model.call_model`, with the workers'
+`EngineClient`); then compares the token ids with the recorded ones. Before trusting the comparison it checks
+the lineage: the stored config still hashes to the run's config hash and the record's; the recorded seed is
+the one the stored config derives for this rollout; the recorded sampling equals the config's; the engine
+serves the version that sampled the recorded turn; the record's environment and verifier versions are those of
+the code running now.
 
 Invariant: the verdict is one line (`Reproduction.line`): ``reproduced`` only when every token id matches
 and nothing in the lineage differs; otherwise it names the first differing token and every lineage
@@ -26,8 +27,8 @@ import typer
 
 if TYPE_CHECKING:  # heavy imports wait until a reproduction runs, so `rollouts --help` stays instant
     from contracts.types import SamplingParams
-    from engines.client import Generation
     from store.runstore import RunStore
+    from turns.engine import Sampled
 
 
 class ReproduceError(RuntimeError):
@@ -162,9 +163,8 @@ def reproduce(
     elif turn_versions and engine_version != turn_versions[0]:
         mismatches.append(f"policy version: recorded {turn_versions[0]}, engine serves {engine_version}")
 
-    budget = cfg.rollout.max_total_tokens - len(prompt.token_ids)
-    max_tokens = min(budget, sampling.max_tokens)
-    gen = asyncio.run(_generate(url, cfg.engine.model, prompt.token_ids, sampling, max_tokens, rollout_id))
+    total = cfg.rollout.max_total_tokens
+    gen = asyncio.run(_generate(url, cfg.engine.model, prompt.token_ids, sampling, total, rollout_id))
     diffs = [abs(a - b) for a, b in zip(turn.logprobs or [], gen.logprobs, strict=False) if a is not None]
     return Reproduction(
         run_id=run_id,
@@ -214,19 +214,28 @@ def _engine_version(url: str, timeout_s: float) -> str | None:
 
 
 async def _generate(
-    url: str, model: str, prompt: list[int], sampling: SamplingParams, max_tokens: int, rollout_id: str
-) -> Generation:
+    url: str, model: str, prompt: list[int], sampling: SamplingParams, max_total_tokens: int, rollout_id: str
+) -> Sampled:
+    """The first model call again, through the call the workers make (``turns.model.call_model``: the same
+    budget under the run's token limit and the engine's window)."""
+    from contracts.types import TruncationReason
     from engines.client import EngineClient
     from errors import RolloutError
+    from turns.model import call_model
 
     client = EngineClient()
     try:
         request_id = f"reproduce/{rollout_id}/{uuid.uuid4().hex[:8]}"
-        return await client.generate(url, model, prompt, sampling, max_tokens, request_id)
+        gen = await call_model(
+            client, url, model, prompt, sampling, sampling.max_tokens, max_total_tokens, request_id
+        )
     except RolloutError as e:
         raise ReproduceError(f"rollout {rollout_id}: engine {url}: {e}") from None
     finally:
         await client.aclose()
+    if isinstance(gen, TruncationReason):
+        raise ReproduceError(f"rollout {rollout_id}: engine {url}: the first model call is truncated ({gen})")
+    return gen
 
 
 def as_json(rep: Reproduction) -> str:

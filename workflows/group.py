@@ -43,7 +43,6 @@ with workflow.unsafe.imports_passed_through():
         EnvTraits,
         FailureKind,
         FinalizeGroupInput,
-        FinalizeRolloutInput,
         GroupInput,
         GroupResult,
         Outcome,
@@ -58,7 +57,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows.calls import call
     from workflows.grpo import group_stats
     from workflows.patches import INFRA_RETRIES, OPS
-    from workflows.rollout import RolloutWorkflow
+    from workflows.rollout import RolloutWorkflow, finalize_rollout_input
 
 
 def rollout_template(cfg: Config, run_id: str, env: EnvTraits) -> RolloutInput:
@@ -376,23 +375,7 @@ class GroupWorkflow:
 
     async def _record_unrun(self, m: RolloutInput, outcome: Outcome, reason: str) -> RolloutResult:
         """Record a member that cannot record itself (its workflow died, or never ran): not scorable."""
-        await call(
-            RolloutActivities.finalize_rollout,
-            FinalizeRolloutInput(
-                run_id=m.run_id,
-                group_id=m.group_id,
-                rollout_id=m.rollout_id,
-                task_id=m.task_id,
-                sample_index=m.sample_index,
-                env=m.env.name,
-                outcome=outcome,
-                reason=reason,
-                reward=None,
-                scorable=False,
-                sampling=m.sampling,
-                turns=0,
-            ),
-        )
+        await call(RolloutActivities.finalize_rollout, finalize_rollout_input(m, outcome, reason))
         return RolloutResult(
             rollout_id=m.rollout_id, sample_index=m.sample_index, outcome=outcome, reason=reason
         )

@@ -30,7 +30,8 @@ with workflow.unsafe.imports_passed_through():
     from activities.harness import HarnessActivities
     from activities.rollout import engine_retry
     from contracts.harness import GatewayCallInput, GatewayCallResult, HarnessExit, HarnessRunInput
-    from contracts.types import RolloutInput, RolloutState, TruncationReason
+    from contracts.types import RolloutInput, RolloutRef, RolloutState, TruncationReason
+    from turns.budget import turn_budget, turn_truncation
     from workflows.calls import call
     from workflows.patches import HARNESS
     from workflows.sandbox_steps import SandboxSteps
@@ -44,21 +45,20 @@ class HarnessSteps:
     def __init__(
         self,
         inp: RolloutInput,
+        ref: RolloutRef,
         state: RolloutState,
         sandbox: SandboxSteps,
         calls: set[int],
         failover: Failover,
     ) -> None:
-        self.inp, self.state, self.sandbox, self.calls, self.failover = inp, state, sandbox, calls, failover
+        self.inp, self.ref, self.state, self.sandbox = inp, ref, state, sandbox
+        self.calls, self.failover = calls, failover
 
     async def run(self) -> TruncationReason | None:
         """Run the harness to its exit (None: it exited 0 after calling the model) or to a limit."""
         workflow.patched(HARNESS.id)
         inp, s = self.inp, self.state
-        ask = HarnessRunInput(
-            run_id=inp.run_id, rollout_id=inp.rollout_id, task_id=inp.task_id, env=inp.env.name,
-            model=inp.engine.model,
-        )  # fmt: skip
+        ask = HarnessRunInput(ref=self.ref)
         harness: asyncio.Task[HarnessExit] = asyncio.ensure_future(
             self.sandbox.on_host(HarnessActivities.harness_run, ask)
         )
@@ -77,9 +77,9 @@ class HarnessSteps:
                 s.tokens = done.end
                 if done.policy_version is not None:
                     s.version = done.policy_version
-                reason = done.truncated_reason
-                if reason is None and done.finish_reason == "length" and inp.max_total_tokens:
-                    reason = TruncationReason.TOKEN_BUDGET if done.end >= inp.max_total_tokens else None
+                reason = done.truncated_reason or turn_truncation(
+                    done.finish_reason, done.end, inp.max_total_tokens
+                )
                 if reason is not None:
                     return reason
         finally:
@@ -90,19 +90,16 @@ class HarnessSteps:
 
     async def _answer(self, inp: RolloutInput, engine: str) -> GatewayCallResult:
         s = self.state
-        room = inp.max_total_tokens - s.tokens if inp.max_total_tokens else inp.sampling.max_tokens
-        limit = TruncationReason.MAX_TURNS if s.turn >= inp.max_turns else None
-        if limit is None and room <= 0:
-            limit = TruncationReason.TOKEN_BUDGET
+        budget = turn_budget(s.tokens, inp.max_total_tokens, inp.sampling.max_tokens)
+        limit = TruncationReason.MAX_TURNS if s.turn >= inp.max_turns else budget.truncated
         result: GatewayCallResult = await call(
             HarnessActivities.gateway_call,
             GatewayCallInput(
-                rollout_id=inp.rollout_id,
+                ref=self.ref,
                 index=s.turn,
                 engine_url=engine,
-                model=inp.engine.model,
                 sampling=inp.sampling,
-                max_tokens=inp.sampling.max_tokens,
+                max_tokens=budget.max_tokens or inp.sampling.max_tokens,
                 max_total_tokens=inp.max_total_tokens,
                 limit=limit,
                 stall_timeout_s=inp.engine.stall_timeout_s,

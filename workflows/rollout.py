@@ -39,6 +39,7 @@ with workflow.unsafe.imports_passed_through():
         PrepareInput,
         PrepareResult,
         RolloutInput,
+        RolloutRef,
         RolloutResult,
         RolloutState,
         StoredOutcome,
@@ -46,6 +47,7 @@ with workflow.unsafe.imports_passed_through():
         TurnResult,
     )
     from errors import EngineUnavailable, failure_details, failure_reason, is_error
+    from turns.budget import turn_budget, turn_truncation
     from workflows import search_attributes as sa
     from workflows.admission import CANCEL_REASON
     from workflows.calls import call
@@ -93,6 +95,8 @@ class RolloutWorkflow:
         self._indexed: dict[str, object] = {}
         self._order: list[str] = []
         self._engine = ""
+        self._ref: RolloutRef | None = None
+        """Who the rollout is: built once at its start, carried by each of its activity inputs."""
         self._sandbox: SandboxSteps | None = None
         self._cancel_reason: str | None = None
         self._task: asyncio.Task[None] | None = None
@@ -196,15 +200,18 @@ class RolloutWorkflow:
         if s.started_at is None:
             s.started_at = workflow.now().timestamp()
         started = s.started_at
+        self._ref = inp.ref()
         workflow.deprecate_patch(OPS.id)  # retired: 0.2.0 and later always index them (workflows/patches.py)
         self._progress_at = workflow.now().timestamp()
         self._sandbox_host = s.sandbox_host
         self._order = rollout_replicas(inp)
         self._engine = self._order[min(s.engine_failovers, len(self._order) - 1)]
         if inp.env.uses_sandbox:
-            self._sandbox = SandboxSteps(inp, s)
+            self._sandbox = SandboxSteps(inp, s, self._ref)
             if inp.env.harness:
-                self._harness = HarnessSteps(inp, s, self._sandbox, self._calls, self._with_failover)
+                self._harness = HarnessSteps(
+                    inp, self._ref, s, self._sandbox, self._calls, self._with_failover
+                )
         remaining = inp.timeout_s - (workflow.now().timestamp() - started)
         try:
             if remaining <= 0:
@@ -268,15 +275,16 @@ class RolloutWorkflow:
                 raise await self._score_truncated(inp, TruncationReason.MAX_TURNS)
             if inp.step_token_budget and s.step_sampled >= inp.step_token_budget:
                 await self._await_newer_policy(inp)
-            budget = inp.max_total_tokens - s.tokens
-            if budget <= 0:
-                raise await self._score_truncated(inp, TruncationReason.TOKEN_BUDGET)
+            budget = turn_budget(s.tokens, inp.max_total_tokens, inp.sampling.max_tokens)
+            if budget.truncated is not None:
+                raise await self._score_truncated(inp, budget.truncated)
             last = s.turn + 1 >= inp.max_turns
-            turn = await self._generate(inp, min(budget, inp.sampling.max_tokens), last)
-            if turn.truncated_reason is not None:
-                raise await self._score_truncated(inp, turn.truncated_reason)
-            if turn.finish_reason == "length" and turn.end >= inp.max_total_tokens:
-                raise await self._score_truncated(inp, TruncationReason.TOKEN_BUDGET)
+            turn = await self._generate(inp, budget.max_tokens, last)
+            ended = turn.truncated_reason or turn_truncation(
+                turn.finish_reason, turn.end, inp.max_total_tokens
+            )
+            if ended is not None:
+                raise await self._score_truncated(inp, ended)
             step = turn.env if turn.env is not None else await self._env_step(inp, last=last)
             s.turn += 1
             if step.done:
@@ -352,15 +360,8 @@ class RolloutWorkflow:
         await workflow.sleep(delay)
 
     def _prepare_input(self, inp: RolloutInput, engine: str) -> PrepareInput:
-        return PrepareInput(
-            run_id=inp.run_id,
-            rollout_id=inp.rollout_id,
-            task_id=inp.task_id,
-            engine_url=engine,
-            model=inp.engine.model,
-            env=inp.env.name,
-            stall_timeout_s=inp.engine.stall_timeout_s,
-        )
+        assert self._ref is not None
+        return PrepareInput(ref=self._ref, engine_url=engine, stall_timeout_s=inp.engine.stall_timeout_s)
 
     async def _prepare_on(self, inp: RolloutInput, engine: str) -> PrepareResult:
         return await call(
@@ -377,10 +378,9 @@ class RolloutWorkflow:
         turn: TurnResult = await call(
             RolloutActivities.generate_turn,
             GenerateInput(
-                rollout_id=inp.rollout_id,
+                ref=self._ref,
                 turn=s.turn,
                 engine_url=engine,
-                model=inp.engine.model,
                 sampling=inp.sampling,
                 max_tokens=max_tokens,
                 env_after=env_after,
@@ -420,16 +420,9 @@ class RolloutWorkflow:
             raise asyncio.CancelledError
 
     def _step_input(self, inp: RolloutInput, last: bool, score_only: bool = False) -> EnvStepInput:
+        assert self._ref is not None
         return EnvStepInput(
-            run_id=inp.run_id,
-            rollout_id=inp.rollout_id,
-            task_id=inp.task_id,
-            env=inp.env.name,
-            turn=self._s.turn,
-            last_turn=last,
-            score_only=score_only,
-            engine_url=self._engine,
-            model=inp.engine.model,
+            ref=self._ref, turn=self._s.turn, last_turn=last, score_only=score_only, engine_url=self._engine
         )
 
     async def _score_truncated(self, inp: RolloutInput, reason: TruncationReason) -> _Ended:
@@ -444,30 +437,11 @@ class RolloutWorkflow:
         s = self._s
         if self._sandbox is not None:
             await self._sandbox.destroy()
-        scorable = ended.reward is not None and ended.outcome in RAN_TO_END
-        stored: StoredOutcome = await call(
-            RolloutActivities.finalize_rollout,
-            FinalizeRolloutInput(
-                run_id=inp.run_id,
-                group_id=inp.group_id,
-                rollout_id=inp.rollout_id,
-                task_id=inp.task_id,
-                sample_index=inp.sample_index,
-                env=inp.env.name,
-                outcome=ended.outcome,
-                reason=ended.reason,
-                reward=ended.reward if scorable else None,
-                scorable=scorable,
-                sampling=inp.sampling,
-                turns=s.turn,
-                state=s,
-                uses_sandbox=inp.env.uses_sandbox,
-                score_truncated=inp.score_truncated if ended.outcome == Outcome.TRUNCATED else None,
-                wasted_tokens=s.sampled_tokens if ended.reason == CANCEL_REASON else None,
-                ended_at=workflow.now().timestamp(),
-                failure=ended.details,
-            ),
-        )
+        record = finalize_rollout_input(
+            inp, ended.outcome, ended.reason, ref=self._ref, reward=ended.reward, state=s,
+            ended_at=workflow.now().timestamp(), failure=ended.details,
+        )  # fmt: skip
+        stored: StoredOutcome = await call(RolloutActivities.finalize_rollout, record)
         if (stored.outcome, stored.reason) != (ended.outcome, ended.reason):
             workflow.logger.warning(
                 "rollout %s: ended %s (%s) but its record already says %s (%s); the record stands",
@@ -485,6 +459,39 @@ class RolloutWorkflow:
             turns=s.turn,
             wasted_tokens=stored.wasted_tokens,
         )
+
+
+def finalize_rollout_input(
+    inp: RolloutInput,
+    outcome: Outcome,
+    reason: str | None,
+    *,
+    ref: RolloutRef | None = None,
+    reward: float | None = None,
+    state: RolloutState | None = None,
+    ended_at: float | None = None,
+    failure: dict[str, Any] | None = None,
+) -> FinalizeRolloutInput:
+    """The input of the record of member ``inp`` (the one builder: the rollout's own end, and a member its
+    group records because its workflow died or never ran, which has no ``state``: no turns, no reward, no
+    sandbox counters). Only a rollout that ran to its end with a reward is scorable."""
+    scorable = reward is not None and outcome in RAN_TO_END and state is not None
+    s = state or RolloutState()
+    return FinalizeRolloutInput(
+        ref=ref or inp.ref(),
+        outcome=outcome,
+        reason=reason,
+        reward=reward if scorable else None,
+        scorable=scorable,
+        sampling=inp.sampling,
+        turns=s.turn,
+        state=s,
+        uses_sandbox=inp.env.uses_sandbox and state is not None,
+        score_truncated=inp.score_truncated if outcome == Outcome.TRUNCATED and state is not None else None,
+        wasted_tokens=s.sampled_tokens if reason == CANCEL_REASON and state is not None else None,
+        ended_at=ended_at,
+        failure=failure,
+    )
 
 
 def _failure(e: ActivityError | ApplicationError) -> _Ended:

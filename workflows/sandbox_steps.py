@@ -31,7 +31,7 @@ from temporalio.exceptions import ActivityError, TimeoutError, TimeoutType
 with workflow.unsafe.imports_passed_through():
     from activities.sandbox import SandboxActivities
     from contracts.sandbox import SandboxCreated, SandboxPlaceInput, SandboxPlacement, SandboxStepInput
-    from contracts.types import RolloutInput, RolloutState
+    from contracts.types import RolloutInput, RolloutRef, RolloutState
     from errors import SandboxGone, SandboxNotReady, SandboxSlotPending, application_error, is_error
     from workflows.calls import call
 
@@ -46,8 +46,8 @@ MAX_HOST_MOVES = 8
 class SandboxSteps:
     """The sandbox of one rollout; its counters live in the rollout's state."""
 
-    def __init__(self, inp: RolloutInput, state: RolloutState) -> None:
-        self.inp, self.state = inp, state
+    def __init__(self, inp: RolloutInput, state: RolloutState, ref: RolloutRef) -> None:
+        self.inp, self.state, self.ref = inp, state, ref
 
     async def _timed(self, step: Awaitable[T]) -> T:
         """Await a sandbox activity; its workflow seconds go to the rollout's ``sandbox_s``."""
@@ -60,13 +60,9 @@ class SandboxSteps:
     def _input(self, engine: str, turn: int, with_pool: bool = False) -> SandboxStepInput:
         assert self.inp.sandbox is not None
         return SandboxStepInput(
-            run_id=self.inp.run_id,
-            rollout_id=self.inp.rollout_id,
-            task_id=self.inp.task_id,
-            env=self.inp.env.name,
+            ref=self.ref,
             turn=turn,
             engine_url=engine,
-            model=self.inp.engine.model,
             spec=self.inp.sandbox,
             pool=self.inp.pool if with_pool else None,
         )

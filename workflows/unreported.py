@@ -19,7 +19,6 @@ with workflow.unsafe.imports_passed_through():
     from activities.dispatch import DispatchActivities
     from activities.rollout import RolloutActivities
     from contracts.types import (
-        FinalizeRolloutInput,
         GroupInput,
         GroupResult,
         GroupSlot,
@@ -32,6 +31,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from workflows.calls import call
     from workflows.group import close_group, finalize_input, member_input, slot_of
+    from workflows.rollout import finalize_rollout_input
 
 
 async def record_unreported(
@@ -71,13 +71,8 @@ async def record_unreported(
         i, attempt = slot_of(rid)
         m = member_input(ginp, i, attempt)
         stored: StoredOutcome = await call(
-            RolloutActivities.finalize_rollout,
-            FinalizeRolloutInput(
-                run_id=m.run_id, group_id=m.group_id, rollout_id=m.rollout_id, task_id=m.task_id,
-                sample_index=i, env=m.env.name, outcome=outcome, reason=reason, reward=None,
-                scorable=False, sampling=m.sampling, turns=0,
-            ),
-        )  # fmt: skip
+            RolloutActivities.finalize_rollout, finalize_rollout_input(m, outcome, reason)
+        )
         attempts.append(
             RolloutResult(
                 rollout_id=rid, sample_index=i, outcome=stored.outcome, reason=stored.reason,

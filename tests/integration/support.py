@@ -20,6 +20,7 @@ from config.models import Config
 from config.paths import REPO_ROOT
 from contracts.types import RunInput, RunProgress
 from engines.client import EngineClient
+from envs.fleet import live_pollers
 from records.export import export_run, iter_run
 from records.models import RECORDS, committed_schema
 from sandboxes import DockerBackend
@@ -66,10 +67,21 @@ async def worker(
         async with contextlib.AsyncExitStack() as stack:
             for w in build_workers(client, task_queue, opened, engine, sandboxed=sandboxed, envs=envs):
                 await stack.enter_async_context(w)
+                if env_queues:  # `rollouts run` submits only once Temporal lists a poller of the run's queue
+                    await until_polled(client, w.config()["task_queue"])
             yield opened
     finally:
         await engine.aclose()
         opened.close()
+
+
+async def until_polled(client: Client, queue: str, timeout_s: float = 90.0) -> None:
+    """Wait until a live worker polls ``queue`` (as Temporal's task queue description lists it)."""
+    end = time.monotonic() + timeout_s
+    while not await live_pollers(client, queue):
+        if time.monotonic() > end:
+            raise AssertionError(f"no worker polled {queue} within {timeout_s:.0f} s")
+        await asyncio.sleep(0.3)
 
 
 async def start_run(client: Client, cfg: Config, run_id: str):

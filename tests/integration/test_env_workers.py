@@ -9,12 +9,10 @@ worker started before it cannot load it, as a worker started before a ``pip inst
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -24,9 +22,9 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from config.paths import REPO_ROOT
 from envs import math as math_env
-from envs.fleet import live_pollers
 from envs.registry import env_queue
 from store import open_store
+from tests.integration.support import until_polled
 from workers import procs
 from workflows.run import RunWorkflow
 
@@ -154,12 +152,3 @@ async def test_an_environment_installed_while_a_worker_runs_is_refused_then_runs
     finally:
         for pid in reversed(pids):
             procs.stop_pid(pid, timeout=10)
-
-
-async def until_polled(client: Client, queue: str, timeout_s: float = 90.0) -> None:
-    """Wait until a live worker polls ``queue``."""
-    end = time.monotonic() + timeout_s
-    while not await live_pollers(client, queue):
-        if time.monotonic() > end:
-            raise AssertionError(f"no worker polled {queue} within {timeout_s:.0f} s")
-        await asyncio.sleep(0.3)

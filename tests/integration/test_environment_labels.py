@@ -63,7 +63,7 @@ async def test_a_math_parse_that_raises_is_the_environments_failure_and_fails_th
     args = ["run", "--wait", "--run-id", run_id]
     for key, value in settings.items():
         args += ["--set", f"{key}={json.dumps(value)}"]
-    async with worker(client, task_queue, tmp_path) as store:
+    async with worker(client, task_queue, tmp_path, env_queues=True) as store:  # `rollouts run` submits there
         cli = await asyncio.to_thread(CliRunner().invoke, app, args)
     assert cli.exit_code == ENVIRONMENT_FAILURE_EXIT, cli.output
     assert "failed by environment" in cli.output and "ZeroDivisionError: division by zero" in cli.output

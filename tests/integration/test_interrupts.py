@@ -110,7 +110,7 @@ async def test_every_long_running_command_returns_at_once_on_ctrl_c_under_load(
             run={"num_groups": 2, "group_size": 2, "max_inflight_groups": 2, "task_file": tasks},
             rollout={"max_turns": 400, "max_total_tokens": 32768},  # minutes each: live all along
         )
-        async with worker(client, task_queue, tmp_path):
+        async with worker(client, task_queue, tmp_path, env_queues=True):  # `rollouts run` submits there
             handle = await start_run(client, cfg, run_id)
             try:
 

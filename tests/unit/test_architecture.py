@@ -1,5 +1,6 @@
 """The house's structure, checked: no environment named outside the environments, no import cycle between
-top-level packages, every activity called by reference with its declared options."""
+top-level packages, the layering of the packages below the activities (``turns`` holds a turn's logic with
+no Temporal in it), every activity called by reference with its declared options."""
 
 from __future__ import annotations
 
@@ -74,6 +75,30 @@ def test_no_import_cycle_between_top_level_packages() -> None:
     cycles = [f"{a} -> {b} ({where})" for a in graph for b, where in graph[a].items() if reaches(b, a)]
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
     assert not graph["errors"] and set(graph["contracts"]) <= {"config", "sandboxes", "errors"}
+
+
+TURNS_BELOW = {"contracts", "errors", "config", "sandboxes", "store", "envs"}
+"""What ``turns`` may import: the data, the store and the environments. Not ``engines`` (it declares the
+engine it needs, ``turns.engine``; the engine client computes its window through ``turns.budget``), nor
+anything that runs on Temporal (``activities``, ``workflows``, ``workers``)."""
+
+
+def test_turns_sit_below_engines_activities_and_workflows_and_import_no_temporal() -> None:
+    graph = _package_imports()
+    upward = {p: where for p, where in graph["turns"].items() if p not in TURNS_BELOW}
+    assert not upward, f"turns imports above its layer: {upward}"
+    assert "turns" in graph["activities"] and "turns" in graph["workflows"] and "turns" in graph["engines"]
+    temporal = [
+        f"{f.relative_to(REPO_ROOT)}:{node.lineno}"
+        for f in _sources(["turns"])
+        for node in ast.walk(ast.parse(f.read_text()))
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        and any(
+            (m or "").split(".")[0] == "temporalio"
+            for m in ([a.name for a in node.names] if isinstance(node, ast.Import) else [node.module])
+        )
+    ]
+    assert not temporal, f"turns imports temporalio: {temporal}"
 
 
 def test_workflows_name_no_activity_by_string_and_every_activity_declares_its_options() -> None:

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from contracts.harness import GatewayCallInput
-from contracts.types import SamplingParams, TruncationReason
+from contracts.types import RolloutRef, SamplingParams, TruncationReason
 from engines.client import Generation
 from errors import ContextLengthExceeded
 from gateway import chat
@@ -21,6 +21,15 @@ from store.gateway_calls import CallInFlight
 
 MODEL_DIR = Path(__file__).resolve().parents[2] / "models" / "tiny-policy"
 RID = "run/g000000/0"
+REF = RolloutRef(
+    run_id="run",
+    group_id="g000000",
+    rollout_id=RID,
+    task_id="t1",
+    sample_index=0,
+    env="mini-swe-agent",
+    model="tiny",
+)
 SAMPLING = SamplingParams(
     temperature=1.0, top_p=1.0, top_k=-1, max_tokens=512, seed=7, logprob_mode="processed_logprobs"
 )
@@ -50,6 +59,9 @@ class ScriptedEngine:
     ) -> list[int]:
         return self.tok.encode(self.tok.render_chat(messages, add_generation_prompt))
 
+    async def logprob_mode(self, url: str) -> str | None:
+        return None  # not told (as vLLM outside dev mode)
+
     async def detokenize(self, url: str, model: str, token_ids: list[int]) -> str:
         return self.tok.decode(token_ids)
 
@@ -75,7 +87,7 @@ def store(tmp_path: Path) -> RunStore:
 
 def call_input(index: int, **kw: Any) -> GatewayCallInput:
     base: dict[str, Any] = dict(
-        rollout_id=RID, index=index, engine_url="http://e", model="tiny", sampling=SAMPLING,
+        ref=REF, index=index, engine_url="http://e", sampling=SAMPLING,
         max_tokens=512, max_total_tokens=4096,
     )  # fmt: skip
     return GatewayCallInput(**{**base, **kw})

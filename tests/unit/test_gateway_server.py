@@ -17,7 +17,7 @@ from gateway.server import GatewayServer, gateway_key
 from gateway.turn import GatewayTurns
 from sandboxes.base import GATEWAY_ROOT_ENV, gateway_dir
 from store import RunStore
-from tests.unit.test_gateway import RID, SAMPLING, ScriptedEngine
+from tests.unit.test_gateway import REF, RID, SAMPLING, ScriptedEngine
 
 CALL = '<tool_call>{"name": "bash", "arguments": {"command": "ls"}}</tool_call>'
 
@@ -36,7 +36,7 @@ async def served(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
         signals.append(index)
 
         async def answer() -> None:
-            inp = GatewayCallInput(rollout_id=rollout_id, index=index, engine_url="http://e", model="tiny",
+            inp = GatewayCallInput(ref=REF, index=index, engine_url="http://e",
                                    sampling=SAMPLING, max_tokens=512, max_total_tokens=0)  # fmt: skip
             await turns.answer(inp)
             server.notify(rollout_id, index)

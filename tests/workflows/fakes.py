@@ -242,7 +242,7 @@ class Fakes:
             finalized.setdefault(f.rollout_id, f)
         counts = {}
         for g in inp.groups:
-            members = [f for f in finalized.values() if f.run_id == inp.run_id and f.group_id == g]
+            members = [f for f in finalized.values() if f.ref.run_id == inp.run_id and f.ref.group_id == g]
             cancelled = sum(1 for f in members if f.reason == "admission")
             complete = [f for f in members if f.outcome in RAN_TO_END]
             counts[g] = GroupCounts(

@@ -52,6 +52,6 @@ def enable() -> bool:
     import trl.experimental.async_grpo.async_grpo_trainer as trainer_mod
     import trl.experimental.async_grpo.packing as packing
 
-    packing._flash_attn = lambda: types.SimpleNamespace(flash_attn_varlen_func=flash_attn_varlen_func)
+    packing._flash_attn = lambda: types.SimpleNamespace(flash_attn_varlen_func=flash_attn_varlen_func)  # type: ignore[assignment]
     trainer_mod.get_peak_flops_per_device = lambda *a, **k: None
     return True

@@ -1,4 +1,4 @@
-"""Transfer time: the seconds an activity spends in run-store reads and writes.
+"""Transfer time: the seconds a turn (an activity) spends in run-store reads and writes.
 
 Invariants: every store call an activity times goes through one :class:`StoreClock` (a thread, as the
 activities always ran them), so timing adds no store round trip; the seconds are recorded with the turn
