@@ -111,8 +111,7 @@ class RolloutWorkflow:
         """Attempts of engine calls that failed over, not yet folded into ``_attempt``."""
         self._sandbox_host: str | None = None
         self._harness: HarnessSteps | None = None
-        self._calls: set[int] = set()
-        """Harness calls waiting at the gateway (``gateway_call`` signals), by index."""
+        self._calls: set[int] = set()  # harness calls waiting at the gateway (gateway_call signals)
 
     @workflow.signal
     def cancel_for(self, reason: str) -> None:
@@ -209,9 +208,8 @@ class RolloutWorkflow:
         if inp.env.uses_sandbox:
             self._sandbox = SandboxSteps(inp, s, self._ref)
             if inp.env.harness:
-                self._harness = HarnessSteps(
-                    inp, self._ref, s, self._sandbox, self._calls, self._with_failover
-                )
+                steps = (self._sandbox, self._calls, self._with_failover)
+                self._harness = HarnessSteps(inp, self._ref, s, *steps)
         remaining = inp.timeout_s - (workflow.now().timestamp() - started)
         try:
             if remaining <= 0:
