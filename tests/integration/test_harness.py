@@ -51,11 +51,10 @@ def _plugin_site(site: Path) -> None:
     (info / "METADATA").write_text(
         "Metadata-Version: 2.1\nName: durable-rollouts-harness-test\nVersion: 0.1\n"
     )
-    eps = (
+    eps = (  # the plug-in's own entry point too (as make setup's editable install names it, if there)
         "[durable_rollouts.environments]\nharness-probe = tests.integration.harness_probe:ProbeEnvironment\n"
+        "mini-swe-agent = harness_env:MiniSweAgentEnvironment\n"
     )
-    if registry.find("mini-swe-agent") is None:
-        eps += "mini-swe-agent = harness_env:MiniSweAgentEnvironment\n"
     (info / "entry_points.txt").write_text(eps)
     for p in (str(site), str(HARNESS), str(HARBOR)):  # this checkout's plug-ins before an editable install
         if p not in sys.path:
