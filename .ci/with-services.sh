@@ -59,6 +59,7 @@ if docker info >/dev/null 2>&1; then
   bash sandboxes/image/build_image.sh || echo "sandbox image build failed; Docker tests will say why" >&2
   bash environments/swe/build_images.sh || echo "SWE image build failed; SWE Docker tests will say why" >&2
   bash environments/harbor/base_images.sh || echo "Harbor examples' base image failed; Harbor tests will say why" >&2
+  bash environments/harness/build_image.sh || echo "harness image build failed; harness tests will say why" >&2
   bash workers/image/build_local_image.sh || echo "project image build failed; the compose test will say why" >&2
 fi
 

@@ -48,6 +48,7 @@ from engines.watchdog import watching
 from envs import registry
 from envs.base import calling
 from errors import ConfigError, EngineBadRequest, RolloutError, TaskFileError, names
+from gateway.turn import sequence_starts
 from records.export import rollout_lineage
 from store import RunStore
 from turns.clock import StoreClock
@@ -70,7 +71,7 @@ def engine_retry(retry: RetrySettings) -> RetryPolicy:
 def env_traits(env: str) -> EnvTraits:
     """What the workflows need to know of the environment registered as ``env``."""
     e = registry.get(env)
-    return EnvTraits(name=e.name, uses_sandbox=e.uses_sandbox, inline_steps=e.inline_steps)
+    return EnvTraits(name=e.name, uses_sandbox=e.uses_sandbox, inline_steps=e.inline_steps, harness=e.harness)
 
 
 class RolloutActivities:
@@ -182,6 +183,8 @@ class RolloutActivities:
             **_times(inp, timed.seconds, time.monotonic() - t0),
             "lineage": rollout_lineage(run, ref.env, segs, image),
         }
+        if starts := sequence_starts(segs):  # a harness rewrote its history: where and why
+            extra["sequences"] = starts
         prompt_len = segs[0].end if segs and segs[0].kind == "prompt" else 0
         rec = {
             "rollout_id": ref.rollout_id,

@@ -130,6 +130,8 @@ class EnvTraits(_Data):
     """Rollouts may hold a sandbox (created before the first turn, destroyed at the end)."""
     inline_steps: bool = False
     """The env step runs inside the model call's activity (cheap, no sandbox)."""
+    harness: bool = False
+    """A harness program in the sandbox drives the rollout; its model calls come through the gateway."""
 
 
 class RetrySettings(_Data):

@@ -109,9 +109,23 @@ class EngineClient:
                 raise EngineBadReply(f"{base_url}/v1/models: no max_model_len for model {model!r}") from e
         return self._max_len[base_url]
 
-    async def tokenize_chat(self, base_url: str, model: str, messages: list[dict[str, str]]) -> list[int]:
-        """Render messages through the model's chat template once and return the token ids."""
-        body = {"model": model, "messages": messages, "add_generation_prompt": True}
+    async def tokenize_chat(
+        self,
+        base_url: str,
+        model: str,
+        messages: list[dict[str, str]],
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
+        """Render messages (and the tools a harness declares) through the model's chat template once and
+        return the token ids; with the generation prompt unless told otherwise (a closed conversation)."""
+        body: dict[str, Any] = {
+            "model": model,
+            "messages": messages,
+            "add_generation_prompt": add_generation_prompt,
+        }
+        if tools:
+            body["tools"] = tools
         return _tokens(base_url, await self._post(base_url, "/tokenize", body))
 
     async def tokenize_text(self, base_url: str, model: str, text: str) -> list[int]:

@@ -196,6 +196,9 @@ class Environment(ABC):
     inline_steps: ClassVar[bool] = False
     """Its steps are cheap and need no sandbox: the pipeline runs them inside the model call's activity
     (one activity per turn instead of two)."""
+    harness: ClassVar[bool] = False
+    """Its agent is a harness program run in the sandbox, its model calls served by the rollout's gateway
+    (``envs.harness.HarnessEnvironment``); the turn hooks are then not used."""
     observation_role: ClassVar[str] = "user"
     """Chat role of observation messages (``tool`` for tool results)."""
     retryable_errors: ClassVar[tuple[type[BaseException], ...]] = ()

@@ -18,10 +18,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 """Version of the export format written today (1 = the implicit format before ``schema_version``; 3 added
 the time decomposition: ``time`` and the turns' ``transfer_s``; 5 the infra retries: a rollout's
-``superseded_by``, a group's ``superseded`` and ``unscorable_reason``)."""
+``superseded_by``, a group's ``superseded`` and ``unscorable_reason``; 6 a harness rollout's
+``sequences``)."""
 
 ROLLOUT_OPTIONAL = (
     "sandbox_replays",
@@ -32,6 +33,7 @@ ROLLOUT_OPTIONAL = (
     "score_truncated",
     "wasted_tokens",
     "superseded_by",
+    "sequences",
 )
 """Optional rollout fields, as the rollout workflow stores them (``extra_json``) when they apply."""
 
@@ -140,6 +142,20 @@ class SamplingRecord(_Record):
     """The end-of-turn token was suppressed until a turn had this many tokens (absent in old records)."""
 
 
+class SequenceStart(_Record):
+    """Where a harness's rewritten history (truncated, summarised) started a new token sequence, and why."""
+
+    start: int = Field(ge=0)
+    """Offset in ``token_ids`` of the sequence's first token (its context, loss mask 0)."""
+    call: int = Field(ge=0)
+    """The harness's model call (0-based) whose messages did not extend the previous call's."""
+    at_message: int | None = None
+    """The first message that differs from the previous call's conversation (null: the template's render
+    of the new messages did not extend the old one)."""
+    why: str
+    """What did not extend, in words."""
+
+
 class RolloutRecord(_Record):
     """One rollout: its outcome, reward and the full token sequence with per-token sampling data.
 
@@ -166,6 +182,9 @@ class RolloutRecord(_Record):
     superseded_by: str | None = None
     """Present on a rollout that failed for infrastructure and whose slot ran again
     (``rollout.infra_retries``): the id of the attempt that replaced it; the slot's last attempt counts."""
+    sequences: list[SequenceStart] | None = None
+    """Harness rollouts whose harness rewrote its history only: where each token sequence after the first
+    starts (a trainer scores each sequence on its own: its model tokens were sampled on it alone)."""
     kind: Literal["rollout"]
     """Line type."""
     run_id: str

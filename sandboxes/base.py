@@ -26,6 +26,12 @@ DEFAULT_IMAGE = "durable-rollouts-sandbox:latest"
 RESERVED_LABEL_PREFIX = "durable-rollouts"
 """Label keys the backend owns; user labels may not start with it."""
 
+GATEWAY_MOUNT = "/.dr-gateway"
+"""Where a sandbox with ``gateway`` sees its rollout's gateway folder (the socket is ``gw.sock`` in it)."""
+
+GATEWAY_ROOT_ENV = "DR_GATEWAY_DIR"
+"""Environment variable naming the host folder of the gateways' sockets (default /tmp/dr-gateway)."""
+
 _MAX_PATH_CHARS = 1024
 """Longest relative path accepted by `validate_relative_path`."""
 
@@ -72,6 +78,10 @@ class SandboxSpec(BaseModel):
     """Extra size-capped tmpfs folders (absolute path -> MiB), writable by `user`, like the workdir (e.g.
     Harbor's ``/logs`` and ``/tests``); they count against `memory_mb` with the workdir and /tmp."""
 
+    gateway: bool = False
+    """Bind the rollout's own gateway folder (`gateway_dir`, on the daemon's machine) read-only at
+    `GATEWAY_MOUNT`: its Unix socket is the only thing outside the container the sandbox can reach."""
+
     @model_validator(mode="after")
     def _check_tmpfs_fits_memory(self) -> SandboxSpec:
         # tmpfs pages are charged to the container's memory cgroup: a full workdir must not starve processes
@@ -113,6 +123,28 @@ class SandboxSpec(BaseModel):
         if reserved:
             raise ValueError(f"labels starting with {RESERVED_LABEL_PREFIX!r} are reserved: {reserved}")
         return value
+
+
+def gateway_dir(key: str) -> str:
+    """The host folder of sandbox ``key``'s gateway socket: one per rollout, so a sandbox mounts only its own
+    (named by a hash of the key; the worker serving the sandbox's host creates it, mode 0755)."""
+    import hashlib
+    import os
+
+    root = os.environ.get(GATEWAY_ROOT_ENV) or "/tmp/dr-gateway"
+    return os.path.join(root, hashlib.sha256(key.encode()).hexdigest()[:32])
+
+
+def gateway_binds(spec: SandboxSpec, key: str) -> dict[str, dict[str, str]] | None:
+    """Docker's ``binds`` of sandbox ``key``: its own gateway folder, read-only, when ``spec.gateway``
+    (created here, mode 0755); None otherwise."""
+    if not spec.gateway:
+        return None
+    import os
+
+    folder = gateway_dir(key)
+    os.makedirs(folder, mode=0o755, exist_ok=True)
+    return {folder: {"bind": GATEWAY_MOUNT, "mode": "ro"}}
 
 
 def _check_mount_path(value: str, what: str) -> str:

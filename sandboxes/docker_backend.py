@@ -37,6 +37,7 @@ from sandboxes.base import (
     SandboxHandle,
     SandboxInfo,
     SandboxSpec,
+    gateway_binds,
     validate_relative_path,
 )
 
@@ -77,7 +78,7 @@ def container_name(key: str) -> str:
 
 def _spec_digest(spec: SandboxSpec) -> str:
     # A spec without mounts hashes as it did before mounts existed (running sandboxes stay reattachable).
-    exclude = {"mounts"} if not spec.mounts else None
+    exclude = ({"mounts"} if not spec.mounts else set()) | ({"gateway"} if not spec.gateway else set())
     return hashlib.sha256(spec.model_dump_json(exclude=exclude).encode()).hexdigest()[:16]
 
 
@@ -207,6 +208,7 @@ class DockerBackend:
             init=True,
             ipc_mode="private",
             ulimits=[docker.types.Ulimit(name="nofile", soft=4096, hard=4096)],
+            binds=gateway_binds(spec, labels[LABEL_ROLLOUT]),  # its own gateway folder, nothing else
         )
         created = self.api.create_container(
             spec.image,

@@ -47,6 +47,8 @@ class Message(_Body):
 class TokenizeChatIn(_Body):
     model: str | None = None
     messages: list[Message]
+    tools: list[dict[str, object]] | None = None
+    """Accepted as vLLM does; the bundled policy's template does not render them."""
     add_generation_prompt: bool = True
     add_special_tokens: bool = False
 

@@ -1,4 +1,5 @@
-"""The run store: runs, tasks, token segments, records, dispatch log, policies, feed marks, sandbox pool.
+"""The run store: runs, tasks, token segments, records, dispatch log, policies, feed marks, sandbox pool,
+harnesses' gateway calls.
 
 One implementation of the store's logic over two databases (store/db.py): the embedded default, SQLite
 in a home directory (``RunStore(root)``: ``root/store.sqlite``), or a PostgreSQL server
@@ -25,6 +26,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from store.db import Database, SqliteDatabase
+from store.gateway_calls import GatewayCallStore
 from store.logs import LogStore
 from store.schema import BASE, MIGRATIONS, SCHEMA_VERSION
 from store.segments import CONTEXT_CACHE, Segment, SegmentStore, model_segment, obs_segment
@@ -40,7 +42,7 @@ __all__ = [
 ]
 
 
-class RunStore(SegmentStore, LogStore):
+class RunStore(SegmentStore, LogStore, GatewayCallStore):
     """The run store on one database; safe to share between threads and processes (and, on PostgreSQL,
     hosts)."""
 

@@ -89,6 +89,15 @@ CREATE TABLE IF NOT EXISTS image_builds (
     PRIMARY KEY (host, tag));
 """,
     ),
+    (
+        6,
+        """
+CREATE TABLE IF NOT EXISTS gateway_calls (
+    rollout_id TEXT NOT NULL, idx INTEGER NOT NULL, request_key TEXT NOT NULL, request_json TEXT NOT NULL,
+    status INTEGER, response_json TEXT, detail_json TEXT, created_at REAL NOT NULL, answered_at REAL,
+    PRIMARY KEY (rollout_id, idx));
+""",
+    ),
 ]
 """(version, DDL) in order. 1: the manual-actions log of ``rollouts cancel/retry/terminate``. 2: token
 arrays packed in the segment row (``tokens`` int32, ``logprobs`` float32, little-endian; ``versions`` the
@@ -96,6 +105,8 @@ policy version of each token, run-length encoded JSON); rows written before it k
 name their JSON file under the store root in ``blob``, and are read from there. 3: the sandbox pool's
 state (sandboxes/pool.py), shared by every worker of the store instead of one file per host. 4: sandbox
 hosts (sandboxes/hosts.py) and the host each pool slot is held on. 5: image builds per sandbox host
-(sandboxes/images.py): one build of a tag per host at a time, its log, and how many builds it took."""
+(sandboxes/images.py): one build of a tag per host at a time, its log, and how many builds it took. 6: the
+model calls harnesses made through their rollouts' gateways (gateway/): each request, and its answer once
+the rollout's model-call activity wrote it."""
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]

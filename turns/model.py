@@ -147,7 +147,7 @@ class ModelTurns:
         context = await timed(self.store.token_ids, rid)
         if turn_budget(len(context), inp.max_total_tokens, inp.max_tokens).truncated is not None:
             return _no_turn(inp, len(context), TruncationReason.TOKEN_BUDGET)  # no engine asked
-        served = await self._served_mode(inp.engine_url, inp.sampling.logprob_mode)
+        served = await self.served_mode(inp.engine_url, inp.sampling.logprob_mode)
         request_id = f"{rid}/{inp.turn}/{attempt}"
         try:
             gen = await call_model(
@@ -159,7 +159,7 @@ class ModelTurns:
             raise
         if isinstance(gen, TruncationReason):
             return _no_turn(inp, len(context), gen)
-        await self._refuse_unknown_versions(inp.engine_url, gen.policy_versions, timed)
+        await self.refuse_unknown_versions(inp.engine_url, gen.policy_versions, timed)
         meta = {
             "engine": inp.engine_url,
             "finish_reason": gen.finish_reason,
@@ -183,7 +183,7 @@ class ModelTurns:
         seg = await timed(self.store.put_segment, rid, seg)
         return seg, timed.seconds - before
 
-    async def _served_mode(self, engine_url: str, wanted: str) -> str | None:
+    async def served_mode(self, engine_url: str, wanted: str) -> str | None:
         """The logprobs mode the engine really serves (asked at most every MODE_TTL_S per engine, and
         again after it failed a call); an engine whose mode differs from the run's is refused as
         EngineUnavailable (the rollout fails over, or waits for an engine that serves the right mode), so
@@ -211,7 +211,7 @@ class ModelTurns:
         self._modes[engine_url] = answer
         return answer
 
-    async def _refuse_unknown_versions(
+    async def refuse_unknown_versions(
         self, engine_url: str, versions: list[str | None], timed: StoreClock
     ) -> None:
         """A turn sampled under a version label the store never saw published (or being published) is not

@@ -29,10 +29,12 @@ from temporalio.client import Client
 from temporalio.worker import Worker
 
 from activities.environment import EnvironmentActivities
+from activities.harness import HarnessActivities
 from activities.sandbox import SandboxActivities
 from engines.client import EngineClient
 from envs.registry import env_part, env_queue
 from errors import SandboxNotReady
+from gateway.server import GatewayServer
 from sandboxes import AsyncSandboxBackend, DockerBackend
 from sandboxes.hosts import SandboxHosts, host_queue
 from store import RunStore
@@ -83,13 +85,14 @@ def build_host_workers(
     ``envs``, name -> ``env_version``): sandbox activities and env steps on this host's daemon."""
     sandbox_acts = SandboxActivities(store, docker_at(spec.docker_host))
     env_acts = EnvironmentActivities(store, engine, sandbox_acts)
+    harness_acts = HarnessActivities(store, engine, sandbox_acts, GatewayServer(store))
     base = host_queue(task_queue, spec.name)
     queues = [base] + [base + env_part(env_queue(task_queue, n, v)) for n, v in sorted(envs.items())]
     return [
         Worker(
             client,
             task_queue=q,
-            activities=sandbox_acts.all() + env_acts.all(),
+            activities=sandbox_acts.all() + env_acts.all() + harness_acts.all(),
             max_concurrent_activities=max(16, 4 * spec.slots),
         )
         for q in queues

@@ -26,11 +26,13 @@ from temporalio.worker import UnsandboxedWorkflowRunner, Worker
 
 from activities.dispatch import DispatchActivities
 from activities.environment import EnvironmentActivities
+from activities.harness import HarnessActivities
 from activities.rollout import RolloutActivities
 from activities.sandbox import SandboxActivities
 from contracts.client import connect
 from engines.client import EngineClient
 from envs import registry
+from gateway.server import GatewayServer
 from metrics.serve import ActivitiesInFlight, serve_metrics, temporal_runtime
 from sandboxes import AsyncSandboxBackend, DockerBackend, SandboxError
 from sandboxes.hosts import SandboxHosts
@@ -111,6 +113,7 @@ def build_workers(
     sandbox_acts = SandboxActivities(store, sandboxes, pool)
     env_acts = EnvironmentActivities(store, engine, sandbox_acts)
     rollout_acts = RolloutActivities(store, engine, env_acts)
+    harness_acts = HarnessActivities(store, engine, sandbox_acts, GatewayServer(store))
     dispatch_acts = DispatchActivities(store, pool)
     runner: dict[str, Any] = {} if sandboxed else {"workflow_runner": UnsandboxedWorkflowRunner()}
     if sandboxed:
@@ -121,6 +124,7 @@ def build_workers(
         + sandbox_acts.all()
         + sandbox_acts.placement()
         + dispatch_acts.all()
+        + harness_acts.all()
     )
     loaded = registry.loadable() if envs is None else envs
     queues = [task_queue] + [registry.env_queue(task_queue, n, v) for n, v in sorted(loaded.items())]

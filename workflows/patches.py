@@ -94,6 +94,12 @@ ENV_STOP = Patch(
     CURRENT,
     "A streak of environment failures stops the run (run.max_consecutive_environment_failures).",
 )
+HARNESS = Patch(
+    "harness-rollouts",
+    CURRENT,
+    "A harness environment's rollout runs its harness with its calls served (workflows/harness_steps.py); "
+    "a path rollouts of other environments never take.",
+)
 
 PATCHES: tuple[Patch, ...] = (
     OPS,
@@ -107,6 +113,7 @@ PATCHES: tuple[Patch, ...] = (
     NOTICE_CLOSED_GROUPS,
     INFRA_RETRIES,
     ENV_STOP,
+    HARNESS,
 )
 
 

@@ -52,30 +52,14 @@ with workflow.unsafe.imports_passed_through():
     from workflows.admission import CANCEL_REASON
     from workflows.calls import call
     from workflows.dispatch import replica_order
+    from workflows.harness_steps import HarnessSteps
     from workflows.patches import OPS, TASK_TIMEOUT
     from workflows.sandbox_steps import SandboxSteps
+    from workflows.search_attributes import utc_text, waiting_on
 
 T = TypeVar("T")
 OUTAGE_BACKOFF_MAX_S = 30.0
 """Longest wait between two tries of an engine that is out (the outage budget bounds the total)."""
-
-
-def utc_text(ts: float) -> str:
-    """Workflow seconds as the UTC text the live details and ``rollouts stuck`` show."""
-    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def waiting_on(phase: Phase, turn: int, engine: str, sandbox_host: str | None) -> str:
-    """What a rollout in ``phase`` waits on, in words (the live details' first part)."""
-    where = f" on {sandbox_host}" if sandbox_host else ""
-    return {
-        Phase.PREPARE: f"waiting on its sandbox{where} and prompt",
-        Phase.GENERATE: f"waiting on model call (turn {turn}, {engine})",
-        Phase.ENV: f"waiting on env step (turn {turn}{where})",
-        Phase.PAUSED: "waiting for a newer policy version",
-        Phase.FINALIZE: "writing its record",
-        Phase.DONE: "done",
-    }.get(phase, f"in {phase.value}")
 
 
 def rollout_replicas(inp: RolloutInput) -> list[str]:
@@ -126,6 +110,8 @@ class RolloutWorkflow:
         self._failed_attempts = 0
         """Attempts of engine calls that failed over, not yet folded into ``_attempt``."""
         self._sandbox_host: str | None = None
+        self._harness: HarnessSteps | None = None
+        self._calls: set[int] = set()  # harness calls waiting at the gateway (gateway_call signals)
 
     @workflow.signal
     def cancel_for(self, reason: str) -> None:
@@ -134,6 +120,11 @@ class RolloutWorkflow:
             self._cancel_reason = reason[:200]
         if self._task is not None and not self._task.done():
             self._task.cancel()
+
+    @workflow.signal
+    def gateway_call(self, index: int) -> None:
+        """The rollout's harness made model call ``index`` (its request is in the store)."""
+        self._calls.add(index)
 
     @workflow.query
     def state(self) -> dict:
@@ -216,6 +207,9 @@ class RolloutWorkflow:
         self._engine = self._order[min(s.engine_failovers, len(self._order) - 1)]
         if inp.env.uses_sandbox:
             self._sandbox = SandboxSteps(inp, s, self._ref)
+            if inp.env.harness:
+                steps = (self._sandbox, self._calls, self._with_failover)
+                self._harness = HarnessSteps(inp, self._ref, s, *steps)
         remaining = inp.timeout_s - (workflow.now().timestamp() - started)
         try:
             if remaining <= 0:
@@ -250,16 +244,27 @@ class RolloutWorkflow:
             # Without a sandbox the prompt is built by the first model call's activity (one step less).
             self._enter(Phase.PREPARE)
             self._sandbox_host = await self._sandbox.create(self._engine)
-            prep: PrepareResult = await self._with_failover(inp, self._prepare_on)
-            s.tokens = prep.prompt_tokens
+            if self._harness is None:  # a harness writes its own prompt (its first call's)
+                prep: PrepareResult = await self._with_failover(inp, self._prepare_on)
+                s.tokens = prep.prompt_tokens
         deadline = s.task_deadline
         if deadline is not None and workflow.patched(TASK_TIMEOUT.id):
             left = deadline - workflow.now().timestamp()
             if left <= 0:
                 raise TimeoutError
-            await asyncio.wait_for(self._turns(inp), timeout=left)  # TimeoutError: truncated (timeout)
+            await asyncio.wait_for(self._drive(inp), timeout=left)  # TimeoutError: truncated (timeout)
         else:
-            await self._turns(inp)
+            await self._drive(inp)
+
+    async def _drive(self, inp: RolloutInput) -> None:
+        """The turn loop, or the harness with its calls served (workflows/harness_steps.py)."""
+        if self._harness is None:
+            return await self._turns(inp)
+        self._enter(Phase.GENERATE)
+        reason = await self._harness.run()
+        if reason is not None:
+            raise await self._score_truncated(inp, reason)
+        raise _Ended(Outcome.COMPLETED, None, (await self._env_step(inp, True, score_only=True)).reward)
 
     async def _turns(self, inp: RolloutInput) -> None:
         s = self._s
@@ -401,7 +406,8 @@ class RolloutWorkflow:
         else:
             sandbox = self._sandbox
             run = lambda: sandbox.on_host(EnvironmentActivities.env_step, step)  # noqa: E731
-            result = await sandbox.recovering(self._engine, self._s.turn, run)
+            # a harness's process cannot be replayed into a new sandbox: its loss fails the rollout (infra)
+            result = await (run() if self._harness else sandbox.recovering(self._engine, self._s.turn, run))
         self._stop_if_cancelled()
         return result
 

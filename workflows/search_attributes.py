@@ -20,7 +20,11 @@ Operating attributes (issue 11), set on every rollout:
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
 from temporalio.common import SearchAttributeIndexedValueType, SearchAttributeKey
+
+from contracts.types import Phase
 
 RUN = SearchAttributeKey.for_keyword("RolloutRun")
 GROUP = SearchAttributeKey.for_keyword("RolloutGroup")
@@ -72,3 +76,21 @@ def progress_due(
     """Whether progress seen at ``now`` (workflow seconds) may be indexed: never indexed yet, or at least
     ``interval_s`` since the last progress upsert."""
     return last_indexed is None or now - last_indexed >= interval_s
+
+
+def utc_text(ts: float) -> str:
+    """Workflow seconds as the UTC text the live details and ``rollouts stuck`` show."""
+    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def waiting_on(phase: Phase, turn: int, engine: str, sandbox_host: str | None) -> str:
+    """What a rollout in ``phase`` waits on, in words (the live details' first part)."""
+    where = f" on {sandbox_host}" if sandbox_host else ""
+    return {
+        Phase.PREPARE: f"waiting on its sandbox{where} and prompt",
+        Phase.GENERATE: f"waiting on model call (turn {turn}, {engine})",
+        Phase.ENV: f"waiting on env step (turn {turn}{where})",
+        Phase.PAUSED: "waiting for a newer policy version",
+        Phase.FINALIZE: "writing its record",
+        Phase.DONE: "done",
+    }.get(phase, f"in {phase.value}")

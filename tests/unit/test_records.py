@@ -41,6 +41,7 @@ LINEAGE = {
 OPTIONAL = {
     "sandbox_replays": 1, "sandbox_slot_waits": 2, "partial_steps": 3, "engine_failovers": 1,
     "reprefill_tokens": 40, "score_truncated": True, "wasted_tokens": 5, "superseded_by": "rec/g0/0r1",
+    "sequences": [{"start": 6, "call": 1, "at_message": 0, "why": "message 0 differs"}],
 }  # fmt: skip
 
 

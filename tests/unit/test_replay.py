@@ -28,6 +28,7 @@ def test_histories_of_every_kind_are_committed() -> None:
         "long-rollout",
         "adaptive-run",
         "harbor-timeout-rollout",
+        "harness-rollout",
     } <= kinds, kinds
     assert any(p.name.startswith("long-rollout.1") for p in HISTORIES), "no continued-as-new rollout"
     assert any(p.name.startswith("adaptive-run.1") for p in HISTORIES), "no continued-as-new run"

@@ -1,0 +1,124 @@
+"""Activities of harness rollouts: the harness's run in its sandbox (with the rollout's gateway served
+beside it) and each of its model calls.
+
+Invariants:
+- ``harness_run`` runs on the worker of the sandbox's host (the only process that can serve the socket the
+  sandbox mounts). It starts the harness once per sandbox and watches it with heartbeats; a retry (its
+  worker died) serves the gateway again and watches the same process. Cancelled, it stops the harness.
+- A harness that exits non-zero, or exits 0 without one answered model call, is `EnvironmentFailure` (the
+  rollout fails ``environment:`` with its last output lines); a sandbox that is gone is ``infra``.
+- ``gateway_call`` is a model call (engine retry policy, engine failover): idempotent on (rollout id,
+  call index) through ``gateway.turn``; it wakes the waiting request when the gateway is in this process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from datetime import timedelta
+
+from temporalio import activity
+from temporalio.common import RetryPolicy
+
+from activities.calls import Options, options
+from activities.heartbeat import heartbeating
+from activities.sandbox import SandboxActivities
+from contracts.harness import GatewayCallInput, GatewayCallResult, HarnessExit, HarnessRunInput
+from engines.client import EngineClient
+from engines.watchdog import watching
+from envs import registry
+from envs.base import calling
+from errors import EnvironmentFailure, RolloutError, SandboxGone, names
+from gateway import harness
+from gateway.server import GatewayServer, gateway_key
+from gateway.turn import GatewayTurns
+from store import RunStore
+
+POLL_S = 1.0
+"""How often the harness's exit is looked for (one exec in its sandbox)."""
+HARNESS_RETRY = RetryPolicy(
+    initial_interval=timedelta(seconds=1),
+    maximum_interval=timedelta(seconds=10),
+    maximum_attempts=10,
+    non_retryable_error_types=names(SandboxGone),
+)
+"""A dead worker's harness activity is retried (on the same host's queue) and watches the same process."""
+
+
+class HarnessActivities:
+    """The harness activities of a worker: the store, the engine, its sandboxes and its gateways."""
+
+    def __init__(
+        self, store: RunStore, engine: EngineClient, sandboxes: SandboxActivities, gateway: GatewayServer
+    ) -> None:
+        self.store = store
+        self.sandboxes = sandboxes
+        self.gateway = gateway
+        self.turns = GatewayTurns(store, engine)
+
+    # As long as a task's agent may run; a dead worker is noticed by the heartbeat within 30 s.
+    @options(
+        Options(timedelta(hours=24), HARNESS_RETRY, heartbeat=timedelta(seconds=30), wait_cancellation=True)
+    )
+    @activity.defn
+    async def harness_run(self, inp: HarnessRunInput) -> HarnessExit:
+        """Serve the rollout's gateway, run its harness (once) and wait for it to exit."""
+        ref = inp.ref
+        rid = ref.rollout_id
+        try:
+            box = await self.sandboxes.bound(rid)
+            if box is None:
+                raise SandboxGone(f"rollout {rid}: no sandbox to run the harness in")
+            env = registry.get(ref.env)
+            row = await asyncio.to_thread(self.store.get_task, ref.run_id, ref.task_id)
+            with calling(env, "validate_task", rid):
+                task = env.validate_task(row, where=f"run {ref.run_id} task {ref.task_id}")
+            with calling(env, "harness_command", rid):
+                cmd = env.harness_command(task)  # type: ignore[attr-defined]
+            client = activity.client()
+
+            async def signal(rollout_id: str, index: int) -> None:
+                await client.get_workflow_handle(rollout_id).signal("gateway_call", index)
+
+            await self.gateway.serve(rid, ref.model, signal)
+            try:
+                env_vars = harness.gateway_env(cmd, gateway_key(rid, self.gateway.secret), ref.model)
+                await harness.start(box, cmd, env_vars)
+                while (code := await harness.poll(box)) is None:
+                    activity.heartbeat()
+                    await asyncio.sleep(POLL_S)
+                tail = await harness.tail(box)
+            except asyncio.CancelledError:
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(harness.stop(box))
+                raise
+            finally:
+                await self.gateway.stop(rid)
+            calls = await asyncio.to_thread(self.store.gateway_calls, rid)
+            if code != 0:
+                raise EnvironmentFailure(f"rollout {rid}: harness exited with code {code}: {tail[-400:]}")
+            if not any(c.answered for c in calls):
+                raise EnvironmentFailure(
+                    f"rollout {rid}: harness exited 0 without calling the model: {tail[-400:]}"
+                )
+            return HarnessExit(exit_code=code, tail=tail[-2000:])
+        except RolloutError as e:
+            raise e.to_application_error() from e
+
+    # start-to-close is derived from engine.request_timeout_s by the caller; retry from [engine]
+    @options(Options(timedelta(minutes=5), heartbeat=timedelta(seconds=10), wait_cancellation=True))
+    @activity.defn
+    async def gateway_call(self, inp: GatewayCallInput) -> GatewayCallResult:
+        """Answer one call of a rollout's harness (``gateway.turn``); its tokens go to the store."""
+        info = activity.info()
+        queued = max(0.0, (info.started_time - info.current_attempt_scheduled_time).total_seconds())
+        try:
+            with watching(inp.stall_timeout_s):
+                result = await heartbeating(self.turns.answer(inp, info.attempt, queued))
+        except RolloutError as e:
+            raise e.to_application_error() from e
+        self.gateway.notify(inp.ref.rollout_id, inp.index)
+        return result
+
+    def all(self) -> list:
+        return [self.harness_run, self.gateway_call]

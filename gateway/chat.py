@@ -1,0 +1,193 @@
+"""The OpenAI chat shapes of the gateway, and how a harness's conversation maps onto stored tokens (pure).
+
+Invariants:
+- A harness's earlier assistant message maps back to the tokens that were sampled for it: it must carry
+  exactly the content and tool calls the gateway answered (`same_answer`); it is then rendered as the raw
+  text the model wrote (`canonical`), and the stored sampled tokens stand for it. No sampled token is ever
+  re-tokenized into the stored sequence.
+- A call whose messages extend the previous call's messages plus the answer (`extends`) appends only the
+  template's tokens for the new messages (`template_delta`); anything else is a rewrite (the harness
+  truncated or summarised its history): a new token sequence starts, and the reason says where.
+- Tool calls are parsed in the model's own format (``<tool_call>{"name", "arguments"}</tool_call>``, as
+  ``envs.tool_calls`` renders it) and answered in OpenAI's shape; a block that does not parse stays in the
+  content, so the harness sees what the model wrote.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
+_BLOCK = re.compile(re.escape(OPEN_TAG) + r"(.*?)" + re.escape(CLOSE_TAG), re.S)
+
+
+class BadChatRequest(ValueError):
+    """A request the gateway cannot serve (answered 400 with the message, as an OpenAI server would)."""
+
+
+def text_of(content: Any) -> str:
+    """A message's content as text (OpenAI allows a list of parts; only text parts are kept)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(
+            str(p.get("text", "")) for p in content if isinstance(p, dict) and p.get("type") == "text"
+        )
+    raise BadChatRequest(f"message content must be a string or a list of parts, got {type(content).__name__}")
+
+
+def request_messages(body: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """The messages and tools of a ``/v1/chat/completions`` body (each message checked for a role)."""
+    if not isinstance(body, dict):
+        raise BadChatRequest("request body must be a JSON object")
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise BadChatRequest("'messages' must be a non-empty list")
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise BadChatRequest(f"messages[{i}]: each message needs a string 'role'")
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise BadChatRequest("'tools' must be a list")
+    if body.get("n", 1) != 1:
+        raise BadChatRequest("only n=1 is served")
+    return msgs, tools
+
+
+def request_key(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
+    """What makes two requests the same call (a client's retry): the conversation and the tools."""
+    norm = [_norm_message(m) for m in messages]
+    blob = json.dumps({"m": norm, "t": tools}, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _norm_message(m: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": m["role"], "content": text_of(m.get("content"))}
+    calls = _calls_of(m)
+    if calls:
+        out["tool_calls"] = calls
+    return out
+
+
+def _calls_of(m: dict[str, Any]) -> list[tuple[Any, Any]]:
+    """An assistant message's tool calls as (name, parsed arguments): ids and JSON spacing ignored."""
+    out = []
+    for c in m.get("tool_calls") or []:
+        fn = c.get("function", {}) if isinstance(c, dict) else {}
+        args = fn.get("arguments")
+        try:
+            parsed = json.loads(args) if isinstance(args, str) else args
+        except ValueError:
+            parsed = args
+        out.append((fn.get("name"), parsed))
+    return out
+
+
+@dataclass(frozen=True)
+class Parsed:
+    """What the model wrote, as an OpenAI assistant message."""
+
+    content: str | None
+    tool_calls: list[dict[str, Any]]
+
+
+def parse_answer(raw: str, call_index: int) -> Parsed:
+    """The model's raw text (end-of-turn marker stripped) as content plus tool calls; call ids are
+    deterministic (``call_<index>_<k>``) so an answer delivered twice is the same answer."""
+    calls: list[dict[str, Any]] = []
+    kept: list[str] = []
+    pos = 0
+    for m in _BLOCK.finditer(raw):
+        try:
+            obj = json.loads(m.group(1))
+            name, args = obj["name"], obj.get("arguments", {})
+            if not isinstance(name, str) or not isinstance(args, dict):
+                raise ValueError
+        except (ValueError, KeyError, TypeError):
+            continue  # not a tool call: it stays in the content
+        kept.append(raw[pos : m.start()])
+        pos = m.end()
+        calls.append(
+            {
+                "id": f"call_{call_index}_{len(calls)}",
+                "type": "function",
+                "function": {"name": name, "arguments": json.dumps(args)},
+            }
+        )
+    kept.append(raw[pos:])
+    content = "".join(kept).strip() if calls else raw
+    return Parsed(content=content or None, tool_calls=calls)
+
+
+def same_answer(message: dict[str, Any], answer: dict[str, Any]) -> bool:
+    """Whether a harness's assistant message is the answer the gateway gave (content and tool calls;
+    call ids, extra keys and JSON spacing aside)."""
+    if message.get("role") != "assistant":
+        return False
+    return text_of(message.get("content")).strip() == text_of(answer.get("content")).strip() and _calls_of(
+        message
+    ) == _calls_of(answer)
+
+
+def canonical(
+    messages: list[dict[str, Any]], answers: list[tuple[dict[str, Any], str]]
+) -> list[dict[str, str]]:
+    """The conversation as the template renders it: role and text only, and every assistant message that
+    is one of ``answers`` (answer message, raw model text) replaced by the raw text the model wrote."""
+    out = []
+    for m in messages:
+        raw = next((r for a, r in answers if same_answer(m, a)), None)
+        if raw is not None:
+            out.append({"role": "assistant", "content": raw})
+        else:
+            out.append({"role": m["role"], "content": text_of(m.get("content"))})
+    return out
+
+
+def extends(new: list[dict[str, str]], previous: list[dict[str, str]]) -> int | None:
+    """None when ``new`` starts with ``previous``; else the index of the first message that differs."""
+    for i, m in enumerate(previous):
+        if i >= len(new) or new[i] != m:
+            return i
+    return None
+
+
+def template_delta(full: list[int], prefix: list[int]) -> list[int] | None:
+    """The tokens the template adds after ``prefix`` (a closed conversation) to render ``full``; None when
+    the template is not append-only here (``full`` does not start with ``prefix``)."""
+    if full[: len(prefix)] != prefix:
+        return None
+    return full[len(prefix) :]
+
+
+def completion(
+    rollout_id: str, call_index: int, model: str, parsed: Parsed, finish: str, prompt_n: int, sampled_n: int
+) -> dict[str, Any]:
+    """The ``chat.completion`` object of one answered call."""
+    message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+    if parsed.tool_calls:
+        message["tool_calls"] = parsed.tool_calls
+    reason = "tool_calls" if parsed.tool_calls and finish == "stop" else finish
+    return {
+        "id": f"chatcmpl-{hashlib.sha256(f'{rollout_id}/{call_index}'.encode()).hexdigest()[:24]}",
+        "object": "chat.completion",
+        "created": 0,
+        "model": model,
+        "choices": [{"index": 0, "message": message, "finish_reason": reason, "logprobs": None}],
+        "usage": {
+            "prompt_tokens": prompt_n,
+            "completion_tokens": sampled_n,
+            "total_tokens": prompt_n + sampled_n,
+        },
+    }
+
+
+def error(message: str, kind: str = "invalid_request_error", code: str | None = None) -> dict[str, Any]:
+    """An OpenAI error body (``context_length_exceeded`` makes clients such as litellm stop retrying)."""
+    return {"error": {"message": message, "type": kind, "param": None, "code": code}}

@@ -1,0 +1,115 @@
+"""The harness process inside a rollout's sandbox: started once, watched, stopped (no Temporal).
+
+Invariants:
+- Started once per sandbox: a marker in the sandbox's /tmp says it was; a retried activity (its worker
+  died) finds it and watches the same process instead of starting a second one.
+- The harness runs as the sandbox's unprivileged user in its own session (it outlives the exec that
+  started it and the worker that watched it), with the gateway's URL and key in its environment; with a
+  TCP port, the loopback shim (``gateway/shim.py``) runs beside it, as the same user.
+- Its exit code and output stay in the sandbox (``/tmp/.dr-harness``) until the sandbox is destroyed.
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+from envs.base import Sandbox
+from envs.harness import HarnessCommand
+from errors import SandboxGone
+from sandboxes.base import GATEWAY_MOUNT
+
+STATE = "/tmp/.dr-harness"
+SOCKET = f"{GATEWAY_MOUNT}/gw.sock"
+TAIL_LINES = 20
+
+
+def gateway_env(cmd: HarnessCommand, key: str, model: str) -> dict[str, str]:
+    """The environment the harness runs with: its own, plus where and how to reach its gateway."""
+    env = {"DR_GATEWAY_SOCKET": SOCKET, "OPENAI_API_KEY": key, "DR_MODEL": model}
+    if cmd.tcp_port is not None:
+        url = f"http://127.0.0.1:{cmd.tcp_port}/v1"
+        env.update(OPENAI_BASE_URL=url, OPENAI_API_BASE=url, DR_GATEWAY_URL=url)
+    return {**env, **cmd.env}
+
+
+def launcher(cmd: HarnessCommand, env: dict[str, str]) -> str:
+    """The script that runs the shim and the harness and records the harness's exit code."""
+    exports = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in sorted(env.items()))
+    shim = ""
+    if cmd.tcp_port is not None:
+        shim = (
+            f"python3 {STATE}/shim.py {cmd.tcp_port} {SOCKET} &\n"
+            "i=0; while [ $i -lt 50 ] && ! python3 -c 'import socket,sys; socket.create_connection("
+            f'("127.0.0.1", {cmd.tcp_port}), 1)\' 2>/dev/null; do sleep 0.1; i=$((i+1)); done\n'
+        )
+    return (
+        "#!/bin/sh\n"
+        f"echo $$ > {STATE}/pid\n"  # after setsid: its pid is its session's and process group's id
+        f"{exports}{shim}"
+        f"sh -c {shlex.quote(cmd.command)}\n"
+        "rc=$?\n"
+        f"echo $rc > {STATE}/rc.tmp && mv {STATE}/rc.tmp {STATE}/rc\n"
+    )
+
+
+async def start(box: Sandbox, cmd: HarnessCommand, env: dict[str, str]) -> bool:
+    """Start the harness unless this sandbox started it already; True when this call started it."""
+    res = await box.exec(f"mkdir -p {STATE} && test -e {STATE}/started && echo STARTED || echo NEW", 30)
+    if "STARTED" in res.output:
+        return False
+    shim = (Path(__file__).parent / "shim.py").read_text()
+    await _write(box, f"{STATE}/shim.py", shim)
+    await _write(box, f"{STATE}/run.sh", launcher(cmd, env))
+    res = await box.exec(
+        f"touch {STATE}/started && setsid -f sh {STATE}/run.sh </dev/null >{STATE}/out 2>&1; "
+        f"i=0; while [ ! -s {STATE}/pid ] && [ $i -lt 100 ]; do sleep 0.05; i=$((i+1)); done; "
+        f"test -s {STATE}/pid",
+        30,
+    )
+    if res.exit_code != 0:
+        raise SandboxGone(f"harness launcher did not start: {res.output[-300:]}")
+    return True
+
+
+async def _write(box: Sandbox, path: str, text: str) -> None:
+    """Write a file outside the working directory (write_file is workdir-relative)."""
+    res = await box.exec(f"cat > {path} <<'DR_EOF'\n{text}\nDR_EOF", 30)
+    if res.exit_code != 0:
+        raise SandboxGone(f"cannot write {path} in the sandbox: {res.output[-200:]}")
+
+
+async def poll(box: Sandbox) -> int | None:
+    """The harness's exit code, or None while it runs.
+
+    Raises:
+        SandboxGone: it is neither running nor exited (its process vanished without an exit code).
+    """
+    res = await box.exec(
+        f"cat {STATE}/rc 2>/dev/null || {{ kill -0 $(cat {STATE}/pid) 2>/dev/null && echo RUNNING; }}"
+        " || echo VANISHED",
+        30,
+    )
+    out = res.output.strip()
+    if out.endswith("RUNNING"):
+        return None
+    if out.endswith("VANISHED"):
+        raise SandboxGone("the harness process vanished without an exit code")
+    try:
+        return int(out.splitlines()[-1])
+    except (ValueError, IndexError):
+        raise SandboxGone(f"unreadable harness exit code: {out[-100:]!r}") from None
+
+
+async def tail(box: Sandbox, lines: int = TAIL_LINES) -> str:
+    res = await box.exec(f"tail -n {lines} {STATE}/out 2>/dev/null", 30)
+    return res.output.rstrip()
+
+
+async def stop(box: Sandbox) -> None:
+    """Stop the harness's whole session (and its shim): TERM, then KILL after a second."""
+    await box.exec(
+        f'p=$(cat {STATE}/pid 2>/dev/null) && [ -n "$p" ] && '
+        "{ kill -TERM -$p 2>/dev/null; sleep 1; kill -KILL -$p 2>/dev/null; }; true",
+        30,
+    )

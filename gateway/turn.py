@@ -1,0 +1,249 @@
+"""One gateway call as a model turn of its rollout (no Temporal): the harness's request rendered through
+the engine's chat template, checked against the rollout's stored tokens, sampled token-in/token-out, stored
+as segments, parsed and answered in OpenAI's shape.
+
+Invariants:
+- Idempotent on (rollout id, call index): the added context (segment ``c<index>.ctx``, or ``prompt`` for
+  the first call), the sampled tokens (``t<index>.model``) and the answer are each written once; a retried
+  call finds them, so an answered call is never sampled again.
+- Loss mask by kind: sampled tokens are ``model`` segments (1); everything the harness added (its prompt,
+  tool results, the template's tokens around them, the end of an assistant turn the model did not sample)
+  is a ``prompt``/``observation``/``context`` segment (0).
+- No sampled token is re-tokenized: a call that extends the previous one (`gateway.chat.extends`) appends
+  only the template's tokens for the new messages; otherwise (a rewrite) a ``context`` segment starts a new
+  sequence, its meta saying at which message and why, and later calls sample on that sequence only.
+- Limits answer as an OpenAI server would: no room left in the rollout's token budget or call count is a
+  ``length`` finish with no content; a context the engine cannot take is a 400 ``context_length_exceeded``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, Protocol
+
+from contracts.harness import GatewayCallInput, GatewayCallResult
+from contracts.types import TruncationReason
+from errors import EnvironmentFailure
+from gateway import chat
+from store import RunStore, Segment, model_segment
+from store.gateway_calls import GatewayCall
+from turns.budget import turn_budget
+from turns.clock import StoreClock
+from turns.engine import Engine as TurnEngine
+from turns.model import ModelTurns, call_model
+
+
+class Engine(TurnEngine, Protocol):
+    """What a gateway call needs of an engine: a turn's, and chat renders with tools and closed
+    conversations (``engines.client.EngineClient`` is one)."""
+
+    async def tokenize_chat(
+        self, base_url: str, model: str, messages: list[dict[str, str]], tools: Any = None,
+        add_generation_prompt: bool = True,
+    ) -> list[int]: ...  # fmt: skip
+
+
+def ctx_segment(index: int) -> str:
+    """Name of the segment holding what the harness added before call ``index``."""
+    return "prompt" if index == 0 else f"c{index:05d}.ctx"
+
+
+class GatewayTurns:
+    """The gateway calls a worker answers: the store, the engine, and what it learnt of templates."""
+
+    def __init__(self, store: RunStore, engine: Engine) -> None:
+        self.store = store
+        self.engine = engine
+        self.checks = ModelTurns(store, engine)
+        """The checks every model turn makes: the logprobs mode served, a published policy version."""
+        self._closing: dict[tuple[str, str], list[int]] = {}
+        """(engine, model) -> the tokens the chat template closes an assistant turn with."""
+
+    async def answer(
+        self, inp: GatewayCallInput, attempt: int = 1, queued_s: float = 0.0
+    ) -> GatewayCallResult:
+        rid, idx = inp.ref.rollout_id, inp.index
+        call = await asyncio.to_thread(self.store.get_call, rid, idx)
+        if call is None:
+            raise EnvironmentFailure(f"rollout {rid}: gateway call {idx} was never recorded")
+        if call.answered:
+            return _result(call, attempt)
+        total = len(await asyncio.to_thread(self.store.token_ids, rid))
+        if inp.limit is not None:
+            return await self._limit(call, inp.limit, total, attempt)
+        t0 = time.monotonic()
+        ctx, canon = await self._context(inp, call)
+        seq_start = int(ctx.meta.get("sequence_start", 0))
+        tokens = await asyncio.to_thread(self.store.token_ids, rid)
+        budget = turn_budget(len(tokens), inp.max_total_tokens, inp.max_tokens)  # over every sequence
+        if budget.truncated is not None:
+            return await self._limit(call, budget.truncated, len(tokens), attempt)
+        seg = await asyncio.to_thread(self.store.get_segment, rid, model_segment(idx))
+        if seg is None:
+            sampled = await self._sample(inp, tokens, seq_start, budget.max_tokens, attempt, queued_s, t0)
+            if sampled == TruncationReason.CONTEXT_LENGTH:  # the engine's window is full
+                refusal = chat.error("context length exceeded", code="context_length_exceeded")
+                at: dict[str, Any] = {"limit": sampled.value, "start": len(tokens), "end": len(tokens)}
+                stored = await asyncio.to_thread(self.store.answer_call, rid, idx, 400, refusal, at)
+                return _result(stored, attempt)
+            if isinstance(sampled, TruncationReason):
+                return await self._limit(call, sampled, len(tokens), attempt)
+            seg = sampled
+        model = inp.ref.model
+        closing = await self._closing_tokens(inp.engine_url, model)
+        k = _sampled_closing(seg.token_ids, closing)
+        raw = await self.engine.detokenize(inp.engine_url, model, seg.token_ids[: len(seg.token_ids) - k])
+        finish = str(seg.meta.get("finish_reason") or "stop")  # the engine's: stop or length, as OpenAI's
+        parsed = chat.parse_answer(raw, idx)
+        body = chat.completion(rid, idx, model, parsed, finish, seg.start - seq_start, len(seg.token_ids))
+        versions = [v for v in seg.policy_versions or [] if v is not None]
+        detail = {
+            "messages": canon, "raw": raw, "closing": closing[k:],
+            "sequence_start": seq_start,
+            "start": seg.start, "end": seg.end, "finish_reason": seg.meta.get("finish_reason"),
+            "version": versions[-1] if versions else None, "rewrite": "rewrite" in ctx.meta,
+        }  # fmt: skip
+        stored = await asyncio.to_thread(self.store.answer_call, rid, idx, 200, body, detail)
+        return _result(stored, attempt)
+
+    async def _sample(
+        self,
+        inp: GatewayCallInput,
+        tokens: list[int],
+        seq_start: int,
+        max_tokens: int,
+        attempt: int,
+        queued_s: float,
+        t0: float,
+    ) -> Segment | TruncationReason:
+        """Sample on the call's sequence (``turns.model.call_model``: the turn's budget, the engine's window)
+        under the checks of every model turn (the logprobs mode the run declares, a published policy
+        version) and store the segment; or the limit that left nothing."""
+        rid, url, timed = inp.ref.rollout_id, inp.engine_url, StoreClock()
+        served = await self.checks.served_mode(url, inp.sampling.logprob_mode)
+        # the budget counts every sequence (the caller's); the call samples on its own sequence
+        gen = await call_model(
+            self.engine, url, inp.ref.model, tokens[seq_start:], inp.sampling, max_tokens, 0,
+            f"{rid}/gw{inp.index}/{attempt}",
+        )  # fmt: skip
+        if isinstance(gen, TruncationReason):
+            return gen
+        await self.checks.refuse_unknown_versions(url, gen.policy_versions, timed)
+        meta = {
+            "engine": url, "finish_reason": gen.finish_reason, "queue_s": queued_s + gen.queue_s,
+            "model_s": gen.model_s, "attempt": attempt, "logprob_mode": served, "gateway_call": inp.index,
+            "transfer_s": timed.seconds, "gateway_s": time.monotonic() - t0 - gen.model_s,
+        }  # fmt: skip
+        seg = Segment(
+            name=model_segment(inp.index), kind="model", turn=inp.index, start=len(tokens),
+            token_ids=gen.token_ids, logprobs=gen.logprobs, policy_versions=gen.policy_versions, meta=meta,
+        )  # fmt: skip
+        return await asyncio.to_thread(self.store.put_segment, rid, seg)
+
+    async def _limit(
+        self, call: GatewayCall, reason: TruncationReason, at: int, attempt: int
+    ) -> GatewayCallResult:
+        """Answer a call that a limit leaves nothing: a ``length`` finish with no content (no sampling)."""
+        body = chat.completion(call.rollout_id, call.index, "", chat.Parsed(None, []), "length", at, 0)
+        detail = {"limit": reason.value, "start": at, "end": at, "finish_reason": "length"}
+        stored = await asyncio.to_thread(
+            self.store.answer_call, call.rollout_id, call.index, 200, body, detail
+        )
+        return _result(stored, attempt)
+
+    async def _context(
+        self, inp: GatewayCallInput, call: GatewayCall
+    ) -> tuple[Segment, list[dict[str, str]]]:
+        """The segment of what the harness added before this call (stored once), and the conversation as
+        the template renders it (recomputed: pure, from the request and the earlier answers)."""
+        rid, idx, name = inp.ref.rollout_id, inp.index, ctx_segment(inp.index)
+        messages, tools = chat.request_messages(call.request)
+        earlier = await asyncio.to_thread(self.store.gateway_calls, rid, idx)
+        answers = [
+            (c.response["choices"][0]["message"], c.detail["raw"])
+            for c in earlier
+            if c.status == 200 and c.detail and "raw" in c.detail and c.response
+        ]
+        canon = chat.canonical(messages, answers)
+        seg = await asyncio.to_thread(self.store.get_segment, rid, name)
+        if seg is not None:
+            return seg, canon
+        url, model = inp.engine_url, inp.ref.model
+        start = len(await asyncio.to_thread(self.store.token_ids, rid))
+        meta: dict[str, Any] = {"gateway_call": idx}
+        prev = next((c for c in reversed(earlier) if c.index == idx - 1), None)
+        if prev is None:
+            kind, ids = "prompt", await self.engine.tokenize_chat(url, model, canon, tools)
+            meta["sequence_start"] = 0
+        else:
+            added, why, at = await self._extension(url, model, canon, tools, prev)
+            meta["sequence_start"] = (prev.detail or {}).get("sequence_start", 0)
+            kind, ids = "observation", added or []
+            if added is None:  # a rewrite: a new sequence, rendered whole, sampled on alone
+                kind, ids = "context", await self.engine.tokenize_chat(url, model, canon, tools)
+                meta.update(sequence_start=start, rewrite={"call": idx, "at_message": at, "why": why})
+        seg = Segment(name=ctx_segment(idx), kind=kind, turn=None, start=start, token_ids=ids, meta=meta)
+        return await asyncio.to_thread(self.store.put_segment, rid, seg), canon
+
+    async def _extension(
+        self, url: str, model: str, canon: list[dict[str, str]], tools: Any, prev: GatewayCall
+    ) -> tuple[list[int] | None, str, int | None]:
+        """The tokens to append after the previous call's sampled tokens, or None with why and where not."""
+        detail = prev.detail or {}
+        if "raw" not in detail or detail.get("messages") is None:
+            return None, f"call {prev.index} ended without an answer to extend ({detail.get('limit')})", None
+        before = [*detail["messages"], {"role": "assistant", "content": detail["raw"]}]
+        at = chat.extends(canon, before)
+        if at is not None:
+            return None, f"message {at} differs from what the previous call sent and was answered", at
+        full = await self.engine.tokenize_chat(url, model, canon, tools)
+        prefix = await self.engine.tokenize_chat(url, model, before, tools, add_generation_prompt=False)
+        delta = chat.template_delta(full, prefix)
+        if delta is None:
+            return None, "the chat template's render of the new messages does not extend the old one", None
+        return [*detail.get("closing", []), *delta], "", None
+
+    async def _closing_tokens(self, url: str, model: str) -> list[int]:
+        """The tokens the chat template puts after an assistant message's content (e.g. the end marker)."""
+        key = (url, model)
+        if key not in self._closing:
+            probe = [{"role": "user", "content": "x"}]
+            opened = await self.engine.tokenize_chat(url, model, probe)
+            closed = await self.engine.tokenize_chat(
+                url, model, [*probe, {"role": "assistant", "content": ""}], add_generation_prompt=False
+            )
+            self._closing[key] = closed[len(opened) :] if closed[: len(opened)] == opened else []
+        return self._closing[key]
+
+
+def sequence_starts(segs: list[Segment]) -> list[dict[str, Any]]:
+    """Where a rewritten history started a new token sequence (the record's ``sequences``; empty when the
+    harness never rewrote its history)."""
+    return [
+        {"start": s.start, **s.meta["rewrite"]} for s in segs if s.kind == "context" and "rewrite" in s.meta
+    ]
+
+
+def _sampled_closing(sampled: list[int], closing: list[int]) -> int:
+    """How many of the template's closing tokens the model sampled at the end of its turn (e.g. its EOS)."""
+    for k in range(min(len(closing), len(sampled)), 0, -1):
+        if sampled[-k:] == closing[:k]:
+            return k
+    return 0
+
+
+def _result(call: GatewayCall, attempt: int) -> GatewayCallResult:
+    """What the workflow learns of an answered call (from its stored detail: the same on every retry)."""
+    d = call.detail or {}
+    limit = d.get("limit")
+    return GatewayCallResult(
+        index=call.index,
+        start=int(d.get("start", 0)),
+        end=int(d.get("end", 0)),
+        finish_reason=str(d.get("finish_reason") or "stop"),
+        policy_version=d.get("version"),
+        truncated_reason=TruncationReason(limit) if limit else None,
+        rewrite=bool(d.get("rewrite")),
+        attempt=attempt,
+    )
