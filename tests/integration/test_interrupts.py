@@ -105,7 +105,9 @@ async def test_every_long_running_command_returns_at_once_on_ctrl_c_under_load(
 ) -> None:
     run_id = "interrupted"
     tasks = never_tasks(tmp_path)
-    async with SimEngine(SimSettings(policy="random", prefill_ms=500)).serve(port=0) as url:
+    # 2 s a turn, up to 400 turns: the run outlives the test (at 0.5 s a turn it ended within the rounds on a
+    # loaded CI machine, and `run --wait` then rightly returned 0 at once).
+    async with SimEngine(SimSettings(policy="random", prefill_ms=2000)).serve(port=0) as url:
         cfg = make_config(
             [url],
             task_queue,
@@ -138,6 +140,7 @@ async def test_every_long_running_command_returns_at_once_on_ctrl_c_under_load(
                             if rc is None or not ok or "Traceback" in err:
                                 failures.append(f"{name} at {at} s: rc={rc} after {took:.1f} s; {err[-800:]}")
                 assert rounds == REPEATS * len(MOMENTS)
+                assert await live(), "the run ended during the rounds: the interrupts were not tried on a live run"
                 for name in FINISH:  # their command lines are good: left alone, they end well
                     env = {**os.environ, "ROLLOUTS_HOME": str(tmp_path)}
                     argv = [sys.executable, "-m", "workers.cli", *commands[name]]
