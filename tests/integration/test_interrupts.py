@@ -140,7 +140,7 @@ async def test_every_long_running_command_returns_at_once_on_ctrl_c_under_load(
                             if rc is None or not ok or "Traceback" in err:
                                 failures.append(f"{name} at {at} s: rc={rc} after {took:.1f} s; {err[-800:]}")
                 assert rounds == REPEATS * len(MOMENTS)
-                assert await live(), "the run ended during the rounds: the interrupts were not tried on a live run"
+                assert await live(), "the run ended during the rounds: the interrupts met no live run"
                 for name in FINISH:  # their command lines are good: left alone, they end well
                     env = {**os.environ, "ROLLOUTS_HOME": str(tmp_path)}
                     argv = [sys.executable, "-m", "workers.cli", *commands[name]]
