@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from cli.rollouts import app
 from config.load import ConfigError, load_config
 from config.paths import REPO_ROOT
-from workers.cli import app
 
 EXAMPLES = sorted((REPO_ROOT / "config" / "examples").glob("*.toml"))
 

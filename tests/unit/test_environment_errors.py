@@ -111,7 +111,7 @@ def test_a_load_tasks_that_raises_at_submit_is_one_line_naming_the_environment(
 ) -> None:
     from typer.testing import CliRunner
 
-    from workers.cli import app
+    from cli.rollouts import app
 
     eps = {
         **registry.installed(),

@@ -1,4 +1,4 @@
-"""``workers.procs.exit_now``: a process leaves without interpreter finalization (where the Temporal
+"""``stack.procs.exit_now``: a process leaves without interpreter finalization (where the Temporal
 runtime's threads can abort it) yet with its exit status and all its buffered output."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from config.paths import REPO_ROOT
 
 
 def _run(body: str) -> subprocess.CompletedProcess[str]:
-    code = f"import sys\nfrom workers.procs import run_main\n{body}\n"
+    code = f"import sys\nfrom stack.procs import run_main\n{body}\n"
     argv = [sys.executable, "-c", code]
     return subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
 

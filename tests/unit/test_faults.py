@@ -177,7 +177,7 @@ def test_rollouts_ledger_prints_one_line_per_violation_and_exits_1(
 ) -> None:
     from typer.testing import CliRunner
 
-    from workers.cli import app
+    from cli.rollouts import app
 
     monkeypatch.setenv("ROLLOUTS_HOME", str(tmp_path))
     store = _store(tmp_path)
@@ -202,7 +202,7 @@ def test_rollouts_ledger_prints_one_line_per_violation_and_exits_1(
 
 def _sleeper(home: Path, name: str = "worker") -> int:
     """A stand-in component: started as the stack starts its own (own session, pid file, log)."""
-    from workers import procs
+    from stack import procs
 
     return procs.spawn(
         name, [sys.executable, "-c", "import time; time.sleep(600)"], home, {"CHAOS_MARK": "1"}
@@ -215,7 +215,7 @@ def _state(pid: int) -> str:
 
 def test_process_faults_freeze_kill_and_restart_the_same_command(tmp_path: Path) -> None:
     from faults import process
-    from workers import procs
+    from stack import procs
 
     pid = _sleeper(tmp_path)
     try:
@@ -249,7 +249,7 @@ def test_a_pid_file_whose_start_time_differs_is_never_signalled(tmp_path: Path) 
 async def test_the_injector_logs_each_fault_with_its_time_and_clears_it(tmp_path: Path) -> None:
     from faults.chaos import Chaos
     from faults.schedule import Planned
-    from workers import procs
+    from stack import procs
 
     pid = _sleeper(tmp_path)
     log = tmp_path / "chaos.jsonl"
@@ -284,7 +284,7 @@ def test_rollouts_chaos_refuses_bad_input_in_one_line(
 ) -> None:
     from typer.testing import CliRunner
 
-    from workers.cli import app
+    from cli.rollouts import app
 
     monkeypatch.setenv("ROLLOUTS_HOME", str(tmp_path))
     _store(tmp_path)

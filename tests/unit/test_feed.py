@@ -334,7 +334,7 @@ def test_books_that_do_not_balance_are_reported(tmp_path: Path) -> None:
 def test_cli_takes_a_batch_and_shows_the_books(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from typer.testing import CliRunner
 
-    from workers.cli import app
+    from cli.rollouts import app
 
     monkeypatch.setenv("ROLLOUTS_HOME", str(tmp_path))
     store = RunStore(tmp_path)

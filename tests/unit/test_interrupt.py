@@ -1,4 +1,4 @@
-"""Ctrl-C in the ``rollouts`` command (workers/interrupt.py): exit 130 without a traceback wherever the
+"""Ctrl-C in the ``rollouts`` command (stack/interrupt.py): exit 130 without a traceback wherever the
 interrupt lands (the imports, a command that swallows it, click's own handling), and a command that cleans up
 after Ctrl-C (``patient``) is not cut short."""
 
@@ -13,8 +13,7 @@ import pytest
 from config.paths import REPO_ROOT
 
 PRELUDE = (
-    "import sys, time\nfrom workers import interrupt\ninterrupt.install()\n"
-    "from workers.procs import run_main\n"
+    "import sys, time\nfrom stack import interrupt\ninterrupt.install()\nfrom stack.procs import run_main\n"
 )
 
 

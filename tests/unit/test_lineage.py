@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 
 from activities.rollout import RolloutActivities
+from cli.reproduce import ReproduceError, Reproduction, reproduce
 from config.load import config_hash, load_config
 from contracts.types import FinalizeRolloutInput, Outcome, RolloutState, SamplingParams
 from envs import coding as coding_env
 from envs import math as math_env
 from records.export import rollout_record, versions_in_order
 from store.runstore import RunStore, Segment
-from workers.reproduce import ReproduceError, Reproduction, reproduce
 
 RUN = "lin"
 SAMPLING = SamplingParams(

@@ -12,9 +12,9 @@ from urllib.parse import parse_qs, urlparse
 import pytest
 from rich.console import Console
 
+from cli import ops
 from contracts.types import Outcome, RolloutResult, RunProgress, SandboxCreated
 from store.runstore import SCHEMA_VERSION, RunStore
-from workers import ops
 from workflows import search_attributes as sa
 from workflows.group import close_group, slot_of
 

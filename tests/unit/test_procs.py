@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from cli.stack import stack_app
 from config.models import StackConfig
-from workers import procs, stack
-from workers.stack_cli import stack_app
+from stack import procs, stack
 
 
 @pytest.fixture

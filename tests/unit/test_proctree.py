@@ -19,7 +19,7 @@ from config import proctree
 from config.models import StackConfig
 from config.proctree import Record
 from faults import process
-from workers import procs, stack
+from stack import procs, stack
 
 PARENT = (
     "import subprocess, sys, time; "

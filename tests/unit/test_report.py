@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from cli.rollouts import app
 from reports import PLOTS, ReportError, load, render, write_report
 from reports.render import reason_label
 from reports.svg import nice_ticks
 from store.runstore import RunStore, Segment
-from workers.cli import app
 
 RUN = "rep"
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_tokens": 8, "seed": 1}

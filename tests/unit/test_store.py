@@ -225,7 +225,7 @@ def test_tasks_uploaded_at_submit_are_what_a_worker_on_another_host_loads(
 ) -> None:
     from typer.testing import CliRunner
 
-    import workers.cli as cli
+    import cli.rollouts as cli
     from activities.rollout import RolloutActivities
     from contracts.types import LoadRunInput
 

@@ -17,10 +17,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from rich.console import Console
 
+from cli.progress import run_totals, time_table
 from records.export import iter_run, rollout_times
 from records.timing import COMPONENTS, Totals, rollout_time, totals_by_env, turn_times
 from store.runstore import RunStore, Segment
-from workers.progress import run_totals, time_table
 
 RUN = "tim"
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_tokens": 8, "seed": 1}

@@ -288,7 +288,7 @@ def fake_engine() -> Iterator[str]:
 
 def test_stack_records_the_bundled_policy_as_published_v0_once(tmp_path: Path, fake_engine: str) -> None:
     from config.models import StackConfig
-    from workers.stack import _register_policy
+    from stack.stack import _register_policy
 
     cfg = StackConfig(model_dir=str(MODEL))
     store = RunStore(tmp_path)
@@ -304,8 +304,8 @@ def test_stack_records_the_bundled_policy_as_published_v0_once(tmp_path: Path, f
 
 def test_stack_refuses_a_v0_bound_to_other_weights(tmp_path: Path, fake_engine: str) -> None:
     from config.models import StackConfig
-    from workers.procs import StackError
-    from workers.stack import _register_policy
+    from stack.procs import StackError
+    from stack.stack import _register_policy
 
     RunStore(tmp_path).put_policy("v0", "0" * 64, "/elsewhere", [])
     with pytest.raises(StackError, match="immutable"):

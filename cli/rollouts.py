@@ -4,7 +4,7 @@ Invariant: user mistakes (config, task file, run id) print one line starting wit
 an unreachable service prints one line and exits 1; ``run --wait`` on a run whose environment failures
 exceed ``run.max_environment_failure_share`` prints one line and exits 3; Ctrl-C ends a command within
 ``interrupt.GRACE_S`` (but ``stack up`` and ``worker``, which clean up first) with exit 130 and no traceback
-(``workers.interrupt``, installed before anything else is imported). Heavy imports happen inside commands,
+(``stack.interrupt``, installed before anything else is imported). Heavy imports happen inside commands,
 so ``--help`` answers at once.
 """
 
@@ -13,10 +13,10 @@ from __future__ import annotations
 import os
 import sys
 
-from workers import interrupt
+from stack import interrupt
 
 if __name__ == "__main__" or os.path.basename(sys.argv[0]) == "rollouts":  # the program, not an importer
-    interrupt.install()  # first: Ctrl-C during the imports below returns at once too (workers/interrupt.py)
+    interrupt.install()  # first: Ctrl-C during the imports below returns at once too (stack/interrupt.py)
 
 import asyncio
 import re
@@ -157,8 +157,8 @@ async def _submit(cfg, cfg_hash: str, rid: str, wait: bool, upload: Callable[[],
     typer.echo(rid)
     if attached:
         typer.echo(f"attached to existing run {rid} (its stored config applies)", err=True)
-    if wait:  # exit 3 past run.max_environment_failure_share (workers.progress.wait_verdict)
-        from workers.progress import ENVIRONMENT_FAILURE_EXIT, follow, wait_verdict
+    if wait:  # exit 3 past run.max_environment_failure_share (cli.progress.wait_verdict)
+        from cli.progress import ENVIRONMENT_FAILURE_EXIT, follow, wait_verdict
 
         store = _store(cfg.store.url)
         final = await follow(handle, store)
@@ -175,7 +175,7 @@ def status(
     address: Annotated[str, typer.Option(help="Temporal frontend host:port.")] = "127.0.0.1:7233",
 ) -> None:
     """Show a run's progress (live from the run workflow, or its final result)."""
-    from workers.progress import show_status
+    from cli.progress import show_status
 
     async def go() -> None:
         client = await _client(address)
@@ -285,15 +285,15 @@ Address = Annotated[str, typer.Option(help="Temporal frontend host:port.")]
 
 
 def _ops(work: Callable[[], Coroutine[Any, Any, None]]) -> None:
-    """Run an operating command (``workers.ops``): its OpsError is one line and exit 2."""
-    from workers.ops import OpsError
+    """Run an operating command (``cli.ops``): its OpsError is one line and exit 2."""
+    from cli.ops import OpsError
 
     error = None
     try:
-        asyncio.run(work())  # Ctrl-C (how `top` ends) propagates: exit 130 (workers.interrupt)
+        asyncio.run(work())  # Ctrl-C (how `top` ends) propagates: exit 130 (stack.interrupt)
     except OpsError as e:
         error = str(e)  # raised below, so no traceback keeps the client alive into interpreter shutdown
-    if error is not None:  # one line, exit 2 (main() leaves without finalizing: workers.procs.exit_now)
+    if error is not None:  # one line, exit 2 (main() leaves without finalizing: stack.procs.exit_now)
         typer.echo(f"error: {error}", err=True)
         raise typer.Exit(2)
 
@@ -310,7 +310,7 @@ def stuck(
     sandbox, and the pending call (attempt, heartbeat, last failure); one line each."""
     import time
 
-    from workers import ops
+    from cli import ops
 
     async def go() -> None:
         seconds = ops.parse_duration(for_)
@@ -334,7 +334,7 @@ def top(
     address: Address = "127.0.0.1:7233",
 ) -> None:
     """Live view of the run's in-flight rollouts by phase and replica (Ctrl-C exits)."""
-    from workers import ops
+    from cli import ops
 
     async def go() -> None:
         await ops.top(await _client(address), run_id, interval_s=max(0.5, interval))
@@ -343,7 +343,7 @@ def top(
 
 
 def _act(action: str, target: str, address: str) -> None:
-    from workers import ops
+    from cli import ops
 
     async def go() -> None:
         client = await _client(address)
@@ -467,20 +467,20 @@ def worker(
 
 def _mount_stack() -> None:
     try:
-        from workers.stack_cli import stack_app
+        from cli.stack import stack_app
     except ImportError:  # pragma: no cover - only while the stack module is absent
         return
     app.add_typer(stack_app, name="stack", help="Start, stop and inspect the embedded stack.")
 
 
 def _mount_feed() -> None:
-    from workers.feed_cli import feed_app
+    from cli.feed import feed_app
 
     app.add_typer(feed_app, name="feed")
 
 
 def _mount_reproduce() -> None:
-    from workers.reproduce import reproduce_command
+    from cli.reproduce import reproduce_command
 
     app.command("reproduce")(reproduce_command)
 
@@ -505,7 +505,7 @@ _mount_chaos()
 
 
 def main() -> None:
-    from workers.procs import run_main
+    from stack.procs import run_main
 
     run_main(lambda: app(prog_name="rollouts"))
 

@@ -13,7 +13,7 @@ import typer
 
 if TYPE_CHECKING:
     from config.models import StackConfig
-    from workers.stack import ComponentStatus, StackInfo
+    from stack.stack import ComponentStatus, StackInfo
 
 stack_app = typer.Typer(
     help="Run the embedded stack: a Temporal dev server, one vLLM engine and one worker.",
@@ -95,12 +95,12 @@ def up(
     ] = None,
 ) -> None:
     """Start Temporal, the engine and a worker; wait until all are healthy."""
-    from workers import interrupt
+    from stack import interrupt
 
     interrupt.patient()  # Ctrl-C stops what it started (up to 15 s a component): no watchdog cuts that short
     cfg = load_stack_config(config)
     from config.paths import rollouts_home
-    from workers import stack
+    from stack import stack
 
     try:
         stack.up(cfg, rollouts_home(), detach, on_ready=lambda info: _print_info(info, detach))
@@ -117,7 +117,7 @@ def up(
 def down() -> None:
     """Stop the stack started from $ROLLOUTS_HOME (worker, engine, then Temporal)."""
     from config.paths import rollouts_home
-    from workers import stack
+    from stack import stack
 
     try:
         stopped = stack.down(rollouts_home())
@@ -130,7 +130,7 @@ def down() -> None:
 def status() -> None:
     """Show each component's pid, health and address; exit 1 unless every component is healthy."""
     from config.paths import rollouts_home
-    from workers import stack
+    from stack import stack
 
     rows = stack.status(rollouts_home())
     _print_status(rows)
@@ -144,7 +144,7 @@ def search_attributes(
 ) -> None:
     """Register the project's search attributes on a Temporal server that lacks them (idempotent): the
     one set-up step a production server needs before the first run (docker-compose runs it)."""
-    from workers.stack import StackError, ensure_search_attributes
+    from stack.stack import StackError, ensure_search_attributes
 
     try:
         ensure_search_attributes(address)
@@ -154,6 +154,6 @@ def search_attributes(
 
 
 if __name__ == "__main__":
-    from workers.procs import run_main
+    from stack.procs import run_main
 
     run_main(stack_app)

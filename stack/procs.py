@@ -62,9 +62,9 @@ def run_main(main: Callable[[], object]) -> NoReturn:
     """Run a process's entry point, then leave through ``exit_now``: with its ``SystemExit`` code, 130 on
     Ctrl-C, 1 (and the traceback, as Python would print it) on any other exception.
 
-    Once a SIGINT has arrived under ``workers.interrupt`` the status is 130 whatever the entry point did,
+    Once a SIGINT has arrived under ``stack.interrupt`` the status is 130 whatever the entry point did,
     and an exception it raised while unwinding prints no traceback."""
-    from workers import interrupt
+    from stack import interrupt
 
     code: int | str | None = 0
     interrupt.begin()
@@ -388,7 +388,7 @@ def temporal_argv(home: Path, port: int, ui_port: int) -> list[str]:
     """Command line of the Temporal dev server with SQLite persistence and our search attributes.
 
     start-dev registers ``--search-attribute`` only when it creates the database; on an existing file it
-    silently skips them, so the stack also reconciles them after start (see ``workers.stack``).
+    silently skips them, so the stack also reconciles them after start (see ``stack.stack``).
     """
     from workflows.search_attributes import DEFINITIONS
 

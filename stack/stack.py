@@ -26,7 +26,7 @@ from pathlib import Path
 
 from config.models import StackConfig
 from config.paths import resolve_repo_path, venv_bin
-from workers.procs import (
+from stack.procs import (
     StackError,
     engine_argv,
     engine_env,

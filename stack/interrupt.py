@@ -1,11 +1,11 @@
 """Ctrl-C for the ``rollouts`` command: it returns promptly, at any moment of its life, with exit 130 and no
 traceback.
 
-:func:`install` runs first in ``workers.cli`` (before its heavy imports) when that is the program (the
-``rollouts`` script, ``python -m workers.cli``; not a process that imports it, such as a test run) and
+:func:`install` runs first in ``cli.rollouts`` (before its heavy imports) when that is the program (the
+``rollouts`` script, ``python -m cli.rollouts``; not a process that imports it, such as a test run) and
 replaces Python's SIGINT handling for the whole process:
 
-- A SIGINT before the command runs (imports, mounting the sub-commands: before ``workers.procs.run_main``
+- A SIGINT before the command runs (imports, mounting the sub-commands: before ``stack.procs.run_main``
   calls :func:`begin`) leaves at once with 130: there is nothing to clean up yet, and a ``KeyboardInterrupt``
   there would escape ``run_main`` with a traceback.
 - The first SIGINT while it runs raises ``KeyboardInterrupt`` in the main thread, as Python's default
@@ -13,7 +13,7 @@ replaces Python's SIGINT handling for the whole process:
   ``chaos`` thaws a frozen process), and arms a watchdog that leaves through ``exit_now(130)`` if the
   process is still running :data:`GRACE_S` later.
 - A second SIGINT leaves at once (130), unless the command is :func:`patient`.
-- ``workers.procs.run_main`` exits 130 once a command ends after a SIGINT, whatever it returned or raised
+- ``stack.procs.run_main`` exits 130 once a command ends after a SIGINT, whatever it returned or raised
   (click turns ``KeyboardInterrupt`` into "Aborted!" and exit 1; ``top`` used to swallow it and exit 0).
 
 Why a watchdog, and why it is woken by the signal itself (``signal.set_wakeup_fd``) rather than by the
@@ -63,7 +63,7 @@ def patient() -> None:
 
 
 def _flush_and_exit(code: int) -> None:
-    """What ``workers.procs.exit_now`` does (without importing it: this may run mid-import)."""
+    """What ``stack.procs.exit_now`` does (without importing it: this may run mid-import)."""
     logging = sys.modules.get("logging")
     if logging is not None:
         with contextlib.suppress(Exception):
