@@ -486,13 +486,13 @@ def _mount_reproduce() -> None:
 
 
 def _mount_chaos() -> None:
-    from faults.cli import chaos_command
+    from cli.chaos import chaos_command
 
     app.command("chaos")(chaos_command)
 
 
 def _mount_train() -> None:
-    from trainer.cli import train
+    from cli.train import train
 
     app.command("train")(train)
 
