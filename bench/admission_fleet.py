@@ -40,7 +40,7 @@ per task instead of per rollout).
 
 Reported per policy: accepted (finished) rollouts per simulated second, engine busy fraction (simulated time
 with at least one running sequence / elapsed, mean over engines), preemptions, storm polls (polls in which
-some engine preempted a storm's worth, `workflows.admission` rule P1's definition, read from the engines'
+some engine preempted a storm's worth, `admission.controller` rule P1's definition, read from the engines'
 own counters every poll interval for every policy), wasted tokens (KV recomputed after preemptions + tokens
 of cancelled rollouts), and adaptive's throughput ratios. Engines, tool waits and
 polls share one `PacedClock`: simulated time advances ``--time-scale`` times faster than the wall clock but
@@ -78,13 +78,13 @@ from typing import Any
 import httpx
 from fleet_groups import GroupBook, group_stats  # bench/ is on sys.path as a script
 
+from admission.controller import AdmissionConfig, AdmissionController, Inflight
 from contracts.types import SamplingParams
 from engines.client import EngineClient
 from engines.metrics import fetch_reading
 from simengine import PolicyName, SimEngine, SimSettings, TimingSettings
 from simengine.clock import PacedClock
 from turns.budget import turn_budget, turn_truncation
-from workflows.admission import AdmissionConfig, AdmissionController, Inflight
 from workflows.length_aware import GroupOffer, LengthAwareConfig, LengthAwareScheduler, Outcome
 
 MODEL = "tiny"

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from workflows.admission import (
+from admission.controller import (
     AdmissionConfig,
     AdmissionController,
     AdmissionState,

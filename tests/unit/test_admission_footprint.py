@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import math
 
+from admission.controller import AdmissionController, Decision
 from tests.unit.test_admission_probe import cfg, flight
 from tests.unit.test_admission_ramp import reading
-from workflows.admission import AdmissionController, Decision
 
 
 class Trace:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from workflows.admission import AdmissionConfig, AdmissionController, Decision, EngineReading, Inflight
+from admission.controller import AdmissionConfig, AdmissionController, Decision, EngineReading, Inflight
 
 
 def cfg(**overrides) -> AdmissionConfig:

@@ -17,15 +17,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.unit.test_admission_probe import cfg, flight
-from tests.unit.test_admission_probe import reading as probe_reading
-from workflows.admission import (
+from admission.controller import (
     AdmissionConfig,
     AdmissionController,
     Decision,
     EngineReading,
     Inflight,
 )
+from tests.unit.test_admission_probe import cfg, flight
+from tests.unit.test_admission_probe import reading as probe_reading
 
 DEFAULTS = AdmissionConfig()
 NEAR_STORM = DEFAULTS.near_storm_fraction

@@ -1,9 +1,9 @@
-"""The circuit breaker's rules (workflows/breaker.py), on recorded sequences of closed groups."""
+"""The circuit breaker's rules (admission/breaker.py), on recorded sequences of closed groups."""
 
 from __future__ import annotations
 
+from admission import breaker
 from contracts.types import BreakerState
-from workflows import breaker
 
 
 def test_consecutive_failures_of_one_kind_open_it_and_a_success_closes_it() -> None:

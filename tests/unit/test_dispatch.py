@@ -9,17 +9,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from contracts.types import GroupCounts, GroupSlot, PoolStatus
-from workflows.dispatch import (
+from admission.replicas import choose_replica, replica_load, replica_order
+from admission.room import (
     cancels_by_group,
-    choose_replica,
     inflight_view,
-    replica_load,
-    replica_order,
     running_members,
     sandbox_room,
     take_tokens,
 )
+from contracts.types import GroupCounts, GroupSlot, PoolStatus
 
 URLS = [f"http://r{i}:8000" for i in range(4)]
 

