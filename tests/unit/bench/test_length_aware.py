@@ -1,4 +1,4 @@
-"""Length-aware groups (workflows/length_aware.py): every member starts once and ends once, never before its
+"""Length-aware groups (bench/length_aware.py): every member starts once and ends once, never before its
 group is admitted, never beyond the allowance; siblings drain longest-predicted first and before new
 groups' probes; a failed or cancelled probe still releases its group. And the simulated engine's task-level
 length correlation (``random_task_sigma``, ``random_tail_key = "task"``) that the benchmark relies on."""
@@ -13,10 +13,8 @@ from pathlib import Path
 
 import pytest
 
-import workflows.length_aware
-from simengine import PolicyName, SimSettings
-from simengine.policies import heavy_tail_length
-from workflows.length_aware import (
+import bench.length_aware
+from bench.length_aware import (
     GroupOffer,
     LengthAwareConfig,
     LengthAwareScheduler,
@@ -24,6 +22,8 @@ from workflows.length_aware import (
     Outcome,
     Plan,
 )
+from simengine import PolicyName, SimSettings
+from simengine.policies import heavy_tail_length
 
 ON = LengthAwareConfig(enabled=True)
 
@@ -262,7 +262,7 @@ def test_ending_twice_or_unstarted_is_refused() -> None:
 
 
 def test_the_policy_imports_only_the_standard_library_and_pydantic() -> None:
-    tree = ast.parse(Path(workflows.length_aware.__file__).read_text())
+    tree = ast.parse(Path(bench.length_aware.__file__).read_text())
     mods = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     mods |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     assert {m.split(".")[0] for m in mods} <= {"__future__", "collections", "typing", "pydantic"}

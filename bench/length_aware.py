@@ -7,6 +7,9 @@ workflow and replays identically; its whole memory is `LengthAwareState`, a pyda
 carry through history. Every member of an admitted group starts at most once, never before its group is
 admitted, and ends at most once; ``plan`` never starts more than it is allowed.
 
+Only the benchmarks use it (bench/admission_fleet.py, bench/admission_family.py), so it lives beside them;
+RunWorkflow does not (docs/measurements/length-aware.md: off by default, it loses there).
+
 Seer (Moonshot AI, 2025) sends one speculative request per group first, takes its length as the group's
 estimate and schedules the remaining requests approximately longest-first; it relies on the lengths of
 siblings (one prompt) being correlated, as they are in RL: a hard task is long in every sibling. Here:
