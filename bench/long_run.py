@@ -22,7 +22,8 @@ acceptance numbers; ``--html`` writes a page of charts.
         --html bench/results/long_run.html
 
 Invariant: it stops everything it started (the stack by its pid files, the engine by its pid) however it
-ends; the long run itself is never run by the tests (tests/unit/test_long_run_stats.py covers the arithmetic).
+ends; the long run itself is never run by the tests (tests/unit/bench/test_long_run_stats.py covers the
+arithmetic).
 """
 
 from __future__ import annotations

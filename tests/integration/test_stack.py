@@ -228,7 +228,7 @@ def test_an_engine_whose_api_server_was_sigkilled_is_stopped_whole(
 ) -> None:
     """vLLM's EngineCore and Worker processes outlive a SIGKILLed API server (in its session); `stack down`
     stops them, and `stack up` then starts exactly one engine tree (`up` straight after such a kill stops the
-    orphans itself: tests/unit/test_proctree.py)."""
+    orphans itself: tests/unit/config/test_proctree.py)."""
     tag = secrets.token_hex(6)
     monkeypatch.setenv("ROLLOUTS_TEST_TAG", tag)  # inherited by every process the stack spawns
     cfg = _config(start_timeout_s=600)  # a loaded 2-core machine took over 240 s to start vLLM

@@ -17,7 +17,7 @@ from temporalio.worker import Replayer
 
 from workers.worker import WORKFLOWS
 
-HISTORIES = sorted((Path(__file__).parents[1] / "histories").glob("*/*.json"))
+HISTORIES = sorted((Path(__file__).parents[2] / "histories").glob("*/*.json"))
 
 
 def test_histories_of_every_kind_are_committed() -> None:

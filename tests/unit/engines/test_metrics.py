@@ -9,7 +9,7 @@ import pytest
 
 from engines.metrics import fetch_reading, parse_metrics
 
-SAMPLE = (Path(__file__).parent / "data" / "vllm_metrics_sample.txt").read_text()
+SAMPLE = (Path(__file__).parents[1] / "data" / "vllm_metrics_sample.txt").read_text()
 URL = "http://127.0.0.1:8000"
 
 

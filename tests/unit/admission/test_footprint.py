@@ -14,8 +14,8 @@ from __future__ import annotations
 import math
 
 from admission.controller import AdmissionController, Decision
-from tests.unit.test_admission_probe import cfg, flight
-from tests.unit.test_admission_ramp import reading
+from tests.unit.admission.test_controller_probe import cfg, flight
+from tests.unit.admission.test_controller_ramp import reading
 
 
 class Trace:

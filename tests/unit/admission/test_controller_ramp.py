@@ -24,8 +24,8 @@ from admission.controller import (
     EngineReading,
     Inflight,
 )
-from tests.unit.test_admission_probe import cfg, flight
-from tests.unit.test_admission_probe import reading as probe_reading
+from tests.unit.admission.test_controller_probe import cfg, flight
+from tests.unit.admission.test_controller_probe import reading as probe_reading
 
 DEFAULTS = AdmissionConfig()
 NEAR_STORM = DEFAULTS.near_storm_fraction

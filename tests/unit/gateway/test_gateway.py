@@ -19,7 +19,7 @@ from simengine.tokenizer import SimTokenizer
 from store import RunStore
 from store.gateway_calls import CallInFlight
 
-MODEL_DIR = Path(__file__).resolve().parents[2] / "models" / "tiny-policy"
+MODEL_DIR = Path(__file__).resolve().parents[3] / "models" / "tiny-policy"
 RID = "run/g000000/0"
 REF = RolloutRef(
     run_id="run",

@@ -17,7 +17,7 @@ from gateway.server import GatewayServer, gateway_key
 from gateway.turn import GatewayTurns
 from sandboxes.base import GATEWAY_ROOT_ENV, gateway_dir
 from store import RunStore
-from tests.unit.test_gateway import REF, RID, SAMPLING, ScriptedEngine
+from tests.unit.gateway.test_gateway import REF, RID, SAMPLING, ScriptedEngine
 
 CALL = '<tool_call>{"name": "bash", "arguments": {"command": "ls"}}</tool_call>'
 

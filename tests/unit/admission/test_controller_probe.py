@@ -259,7 +259,7 @@ def test_readings_carry_the_generation_token_counter_summed_and_zero_when_absent
 
     from engines.metrics import parse_metrics
 
-    sample = (Path(__file__).parent / "data" / "vllm_metrics_sample.txt").read_text()
+    sample = (Path(__file__).parents[1] / "data" / "vllm_metrics_sample.txt").read_text()
     assert parse_metrics(sample, url="u", engine_id="e", at=0.0).generation_tokens_total == 0.0
     counter = (
         "# HELP vllm:generation_tokens_total Number of generation tokens processed.\n"

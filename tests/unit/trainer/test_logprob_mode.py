@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from store.runstore import RunStore
-from tests.unit.test_feed import RUN, publish, put_group, put_member
+from tests.unit.trainer.test_feed import RUN, publish, put_group, put_member
 from trainer.feed import TrainerFeed
 
 

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from store.runstore import RunStore
-from tests.unit.test_feed import RUN, publish, put_group, put_member
+from tests.unit.trainer.test_feed import RUN, publish, put_group, put_member
 from trainer.feed import Count, TrainerFeed
 
 
