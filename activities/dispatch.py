@@ -1,4 +1,5 @@
-"""The dispatcher's poll: engine metrics, record counts of the groups in flight, the sandbox pool.
+"""The dispatcher's activities (RunWorkflow's, as it starts and watches its groups): its poll (engine metrics,
+record counts of the groups in flight, the sandbox pool) and its look at groups closed without reporting.
 
 Invariants:
 - Read-only except for the dispatch log, whose rows are keyed by (run, seq): a retried poll writes the
@@ -44,7 +45,8 @@ METRICS_TIMEOUT_S = 3.0
 
 
 class DispatchActivities:
-    """The poll a RunWorkflow makes each admission round (registered by every worker)."""
+    """The activities of the dispatcher: the poll RunWorkflow makes each admission round, and its checks of
+    groups that closed without reporting (registered by every worker)."""
 
     def __init__(self, store: RunStore, pool: SandboxPool) -> None:
         self.store = store

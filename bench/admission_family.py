@@ -16,7 +16,7 @@ cap, no storm poll.
     python bench/admission_family.py --out bench/results/admission_family.json
 
 ``--length-aware`` instead compares, per workload, adaptive with and without length-aware groups
-(`workflows.length_aware`, Seer-style waves; the same controller, seed and budget), with task-correlated
+(`bench/length_aware.py`, Seer-style waves; the same controller, seed and budget), with task-correlated
 lengths on (``--task-sigma``, a per-task log-normal length scale), in two modes: continuous admission (the
 family's usual driver) and synchronous steps of ``--step-groups`` groups (Seer's setting). Variants
 (``--la-variants``): ``la`` (one probe per group, siblings released when a member finished, predicted by

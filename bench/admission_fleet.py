@@ -24,7 +24,7 @@ make turn lengths drift during the run as a training policy's would: a turn is c
 at a per-turn limit that grows linearly in simulated time from the first value to the second.
 ``bench/admission_family.py`` runs a family of such workloads with a sweep of fixed caps (the oracle).
 
-Length-aware groups (``--length-aware``, Seer-style; the policy is `workflows.length_aware`): the controlled
+Length-aware groups (``--length-aware``, Seer-style; the policy is `bench/length_aware.py`): the controlled
 policies (adaptive, prime-rl, fixed) route the controller's admit count through `LengthAwareScheduler`:
 a new group starts ``--probe`` members, its other members wait until one of its members finished (or its
 first wave all failed), then start longest predicted first (``--la-predictor``: max or mean of the
@@ -40,7 +40,7 @@ per task instead of per rollout).
 
 Reported per policy: accepted (finished) rollouts per simulated second, engine busy fraction (simulated time
 with at least one running sequence / elapsed, mean over engines), preemptions, storm polls (polls in which
-some engine preempted a storm's worth, `workflows.admission` rule P1's definition, read from the engines'
+some engine preempted a storm's worth, `admission.controller` rule P1's definition, read from the engines'
 own counters every poll interval for every policy), wasted tokens (KV recomputed after preemptions + tokens
 of cancelled rollouts), and adaptive's throughput ratios. Engines, tool waits and
 polls share one `PacedClock`: simulated time advances ``--time-scale`` times faster than the wall clock but
@@ -77,15 +77,15 @@ from typing import Any
 
 import httpx
 from fleet_groups import GroupBook, group_stats  # bench/ is on sys.path as a script
+from length_aware import GroupOffer, LengthAwareConfig, LengthAwareScheduler, Outcome
 
+from admission.controller import AdmissionConfig, AdmissionController, Inflight
 from contracts.types import SamplingParams
 from engines.client import EngineClient
 from engines.metrics import fetch_reading
 from simengine import PolicyName, SimEngine, SimSettings, TimingSettings
 from simengine.clock import PacedClock
 from turns.budget import turn_budget, turn_truncation
-from workflows.admission import AdmissionConfig, AdmissionController, Inflight
-from workflows.length_aware import GroupOffer, LengthAwareConfig, LengthAwareScheduler, Outcome
 
 MODEL = "tiny"
 POLICIES = ("adaptive", "prime-rl", "fixed", "sync")
@@ -578,7 +578,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--drift-to-tokens", type=int, default=None, help="per-turn limit at the budget's end")
     p.add_argument("--task-sigma", type=float, default=0.0, help="per-task log-normal length scale spread")
     p.add_argument("--tail-key", choices=["request", "rollout", "task"], default="rollout", help="tail per")
-    la = p.add_argument_group("length-aware groups (workflows/length_aware.py)")
+    la = p.add_argument_group("length-aware groups (bench/length_aware.py)")
     p.add_argument("--step-groups", type=int, default=None, help="synchronous steps of this many groups")
     la.add_argument("--length-aware", action="store_true", help="start groups in waves, longest first")
     la.add_argument("--probe", type=int, default=1, help="first-wave members per group")

@@ -221,7 +221,7 @@ def fit_timing(real: dict[str, Any], args: argparse.Namespace) -> dict[str, floa
 @contextlib.asynccontextmanager
 async def real_engine(args: argparse.Namespace) -> AsyncIterator[str]:
     from config.models import StackConfig
-    from workers import procs
+    from stack import procs
 
     port = procs.free_port()
     cfg = StackConfig(

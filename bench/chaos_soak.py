@@ -49,9 +49,9 @@ from sandboxes import DockerBackend
 from sandboxes.base import DEFAULT_IMAGE
 from sandboxes.pool import SandboxPool
 from simengine import Mode, ModeRule, SimEngine, SimSettings
+from stack import stack
+from stack.procs import free_port
 from store import RunStore
-from workers import stack
-from workers.procs import free_port
 from workflows.run import RunWorkflow
 from workflows.search_attributes import reason_key
 

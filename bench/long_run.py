@@ -1,7 +1,7 @@
 """A long run, measured: ONE run of ``--rollouts`` rollouts on the embedded stack, and whether throughput,
 memory and bytes per rollout stay flat from its first tenth to its last.
 
-The stack is `workers.stack.up` without its vLLM engine: a Temporal dev server on its SQLite file and one
+The stack is `stack.stack.up` without its vLLM engine: a Temporal dev server on its SQLite file and one
 worker, separate processes from one home, as `rollouts stack up` starts them; the engine is the simulated
 one (`simengine`, its own process) answering at once. The environment is math, scripted multi-turn: a task
 file of the bundled additions whose prompts carry a ``Task id:`` line, and a transcripts file from which the
@@ -22,7 +22,8 @@ acceptance numbers; ``--html`` writes a page of charts.
         --html bench/results/long_run.html
 
 Invariant: it stops everything it started (the stack by its pid files, the engine by its pid) however it
-ends; the long run itself is never run by the tests (tests/unit/test_long_run_stats.py covers the arithmetic).
+ends; the long run itself is never run by the tests (tests/unit/bench/test_long_run_stats.py covers the
+arithmetic).
 """
 
 from __future__ import annotations
@@ -52,8 +53,8 @@ from config.models import Config, StackConfig
 from config.paths import REPO_ROOT
 from contracts.client import connect
 from contracts.types import RunInput, group_id, rollout_id
+from stack import procs, stack
 from store.runstore import RunStore
-from workers import procs, stack
 from workflows.run import RunWorkflow
 
 TASKS = REPO_ROOT / "envs" / "data" / "addition.jsonl"
@@ -356,7 +357,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         "command": "python bench/long_run.py " + shlex.join(sys.argv[1:]),
         "run_id": args.run_id,
         "setup": {
-            "stack": "workers.stack.up: Temporal dev server (SQLite) + one worker, separate processes",
+            "stack": "stack.stack.up: Temporal dev server (SQLite) + one worker, separate processes",
             "engine": "simengine, scripted policy from a transcripts file, no delay",
             "environment": f"math, scripted: k-1 wrong answers, then the right one; k = 1..{args.turns}",
             "rollouts": total,

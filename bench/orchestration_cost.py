@@ -3,10 +3,11 @@ worker(s) and of the Temporal server, history events and workflow tasks, and the
 accepts with one worker process and with two; for the current code and an older commit in one sitting.
 
 The stack is driven as processes, so either code can be measured: a Temporal dev server on its SQLite file
-(`workers.stack.up`, temporal only, of this checkout: the search attributes are the same), worker processes
-(``python -P -m workers.worker``) and the run submitted with the CLI (``python -P -m workers.cli run``), both
-from the code under test (``PYTHONPATH`` = its root; an older commit is extracted with ``git archive`` into a
-temporary directory, as tests/integration/test_upgrade.py does), all from this virtual environment. The engine
+(`stack.stack.up`, temporal only, of this checkout: the search attributes are the same), worker processes
+(``python -P -m workers.worker``) and the run submitted with the CLI (``python -P -m cli.rollouts run``;
+``workers.cli`` in commits before the ``cli`` package), both from the code under test (``PYTHONPATH`` = its
+root; an older commit is extracted with ``git archive`` into a temporary directory, as
+tests/integration/test_upgrade.py does), all from this virtual environment. The engine
 is the simulated one (`simengine`, one process for the whole sitting) answering at once, or after
 ``--turn-ms``. The environment is math, scripted as in bench/long_run.py (no Docker): every task of a shape
 takes exactly its turns (``k - 1`` wrong answers, each answered by the retry observation, then the right
@@ -66,7 +67,7 @@ from config.models import StackConfig
 from config.paths import REPO_ROOT
 from contracts.client import connect
 from contracts.types import group_id, rollout_id
-from workers import procs, stack
+from stack import procs, stack
 
 QUEUE = "cost"
 SHAPES = {"1-turn": 1, "10-turn": 10}
@@ -78,6 +79,11 @@ class Code:
     label: str
     commit: str
     root: Path
+
+    @property
+    def cli(self) -> str:
+        """The module of its ``rollouts`` command (``workers.cli`` in commits before the ``cli`` package)."""
+        return "cli.rollouts" if (self.root / "cli" / "rollouts.py").is_file() else "workers.cli"
 
 
 def git(*args: str) -> str:
@@ -226,7 +232,7 @@ class Sitting:
         assert self.client is not None
         load0, c0, t0 = os.getloadavg()[0], self.cpu(), time.time()
         sub = await asyncio.to_thread(
-            python, self.code, self.home, "-m", "workers.cli", "run", "--run-id", rid, *overrides
+            python, self.code, self.home, "-m", self.code.cli, "run", "--run-id", rid, *overrides
         )
         if sub.returncode != 0:
             raise RuntimeError(f"run {rid}: submit exited {sub.returncode}: {sub.stderr.strip()[-500:]}")
@@ -343,7 +349,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         "command": "python bench/orchestration_cost.py " + shlex.join(sys.argv[1:]),
         "commits": {c.label: c.commit for c in codes},
         "setup": {
-            "stack": "Temporal dev server (SQLite), workers.stack.up; workers and CLI from the code measured",
+            "stack": "Temporal dev server (SQLite), stack.stack.up; workers and CLI from the code measured",
             "engine": f"simengine, scripted from transcripts, {args.turn_ms} ms per model call",
             "environment": "math, scripted: k-1 wrong answers, then the right one (k: the shape's turns)",
             "shapes": SHAPES,

@@ -23,8 +23,8 @@ from config.models import StackConfig
 from config.paths import REPO_ROOT
 from engines.client import EngineClient
 from envs.tasks import load_tasks
+from stack import procs
 from store.runstore import RunStore
-from workers import procs
 from workers.worker import build_worker
 
 TASKS = REPO_ROOT / "envs" / "data" / "addition.jsonl"

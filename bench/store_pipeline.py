@@ -25,9 +25,9 @@ from config.load import load_config
 from config.models import Config
 from config.paths import REPO_ROOT
 from engines.client import EngineClient
+from stack import procs
 from store import open_store
 from store.local_postgres import local_postgres
-from workers import procs
 from workers.worker import build_worker
 
 TASKS = REPO_ROOT / "envs" / "data" / "addition.jsonl"

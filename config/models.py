@@ -165,7 +165,7 @@ class GroupConfig(_Strict):
 
 
 class AdmissionConfig(BaseModel):
-    """Constants of the admission controller (rules in workflows/admission.py).
+    """Constants of the admission controller (rules in admission/controller.py).
 
     ``preset`` picks the rule set: ``probe`` (the default) finds the cap by probing upward while throughput
     rises and cuts only on a preemption storm; ``prime-rl`` keeps the prime-rl orchestrator's rules, whose
@@ -285,7 +285,7 @@ class AdmissionConfig(BaseModel):
 
 
 class AdmissionSection(AdmissionConfig):
-    """The dispatcher: adaptive admission against the engines' /metrics (rules in workflows/admission.py).
+    """The dispatcher: adaptive admission against the engines' /metrics (rules in admission/controller.py).
 
     Disabled, the run keeps a fixed number of groups in flight (run.max_inflight_groups) and polls nothing.
     Enabled, the cap is in rollouts and follows the controller; run.max_inflight_groups still bounds

@@ -17,7 +17,7 @@ Invariants:
   even if its pid is reused in between.
 
 Standard library only, and in ``config`` (like the home layout of ``config.paths``): a leaf that both the
-stack (``workers``) and the fault kit (``faults.process``) import.
+stack (``stack.procs``) and the fault kit (``faults.process``) import.
 """
 
 from __future__ import annotations

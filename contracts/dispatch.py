@@ -55,7 +55,7 @@ class AdmissionState(BaseModel):
     admitted_since_change: int = 0
     window_start: float | None = None
     window_admitted: int = 0
-    # the probe preset's memory (workflows/admission.py, rules P0-P5)
+    # the probe preset's memory (admission/controller.py, rules P0-P5)
     tokens_total: dict[str, float] = Field(default_factory=dict)
     """Each engine's generation-token counter at the previous poll."""
     epoch_start_at: float | None = None

@@ -334,7 +334,7 @@ class GroupResult(_Data):
 
 class BreakerState(_Data):
     """What the run's circuit breaker remembers (carried across continue-as-new; rules in
-    workflows/breaker.py)."""
+    admission/breaker.py)."""
 
     streaks: dict[str, int] = Field(default_factory=dict)
     """Consecutive infra failures per error type since the last success."""
@@ -377,7 +377,7 @@ class RunState(_Data):
     wasted_tokens: int = 0
     dispatch: DispatchState = Field(default_factory=lambda: DispatchState())
     breaker: BreakerState = Field(default_factory=lambda: BreakerState())
-    """The circuit breaker (workflows/breaker.py)."""
+    """The circuit breaker (admission/breaker.py)."""
     """The adaptive dispatcher's carry (unused with a fixed cap)."""
 
 

@@ -13,7 +13,7 @@ Entry points are read once per process, so a worker knows the environments insta
 advertises each environment it loaded by polling that environment's task queue (`env_queue`: the run's queue
 plus the name and ``env_version``), and `rollouts run` starts a run on the queue of its environment at the
 version the submitter sees: so a run's workflows and activities only ever go to workers that can load its
-environment at its version, and submission refuses a run no live worker can take (workers/env_queues.py).
+environment at its version, and submission refuses a run no live worker can take (envs/fleet.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Process faults on the stack's components: SIGKILL (then a restart), a freeze (SIGSTOP for a while, then
 SIGCONT), and a graceful restart, for workers, engines and the Temporal server.
 
-Targets are named by the pid files of a stack home, as the embedded stack and ``workers.procs.spawn`` write
+Targets are named by the pid files of a stack home, as the embedded stack and ``stack.procs.spawn`` write
 them: ``<home>/pids/<name>.pid`` holding ``<pid> <kernel start time>``. ``targets(home, "worker")`` finds
 ``worker`` and every ``worker-<n>`` spawned there; a user's suite that spawns its own components the same
 way gets the same faults::
@@ -25,8 +25,8 @@ Invariants:
   same pid file, so the stack's own ``status`` and ``down`` see the new process; it starts only once nothing
   of the old tree is left.
 
-This module does not import ``workers`` (``workers`` imports ``faults``; no cycle): the pid-file format and
-the tree's membership check live in ``config.proctree``.
+This module does not import ``stack`` (``cli`` imports both; no cycle): the pid-file format and the tree's
+membership check live in ``config.proctree``.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from temporalio.testing import WorkflowEnvironment
 
 from config.models import StackConfig
 from config.paths import REPO_ROOT, venv_bin
-from workers.procs import free_port
+from stack.procs import free_port
 from workflows import search_attributes as sa
 
 pytest_plugins = ["faults.pytest_plugin", "tests.postgres"]  # the fault kit's fixtures; both store backends
@@ -105,7 +105,7 @@ class Engine:
 
 def start_engine(home: Path, **overrides: object) -> Engine:
     """Start a real vLLM engine on the bundled tiny policy and wait until it serves."""
-    from workers import procs
+    from stack import procs
 
     if not (MODEL_DIR / "config.json").exists():
         pytest.fail(f"bundled policy missing at {MODEL_DIR}; run python models/build_tiny_policy.py")
@@ -125,7 +125,7 @@ def start_engine(home: Path, **overrides: object) -> Engine:
 
 @pytest.fixture(scope="session")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
-    from workers import procs
+    from stack import procs
 
     eng = start_engine(tmp_path_factory.mktemp("engine"))
     yield eng

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from stack.procs import free_port
 from store import RunStore, open_store
 from store.local_postgres import database_url, local_postgres, postgres_bin
-from workers.procs import free_port
 
 BACKENDS = ["sqlite", "postgres"]
 _seq = itertools.count()

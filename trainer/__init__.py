@@ -3,5 +3,5 @@
 Modules: ``loss`` (the clipped, importance-weighted token loss; pure torch), ``batch`` (feed records to
 tensors, from the recorded token ids only), ``policy_io`` (load and save HF weights), ``evaluate`` (math
 accuracy through the engine), ``settings`` (the ``[trainer]`` section of a loop config), ``loop`` (the
-closed loop and its metrics) and ``cli`` (``rollouts train``).
+closed loop and its metrics). Its command, ``rollouts train``, is ``cli.train``.
 """

@@ -7,7 +7,7 @@ rollout's token limit (``rollout.max_total_tokens``) leaves, and at most what th
 that stopped for length at the rollout's limit truncates it (``token_budget``) and is not stepped.
 
 Callers: the rollout workflow (before each turn, and on each turn's result), ``turns.model`` (the call
-itself), ``engines.client.EngineClient.generate`` (the window), ``workers/reproduce.py`` and the
+itself), ``engines.client.EngineClient.generate`` (the window), ``cli/reproduce.py`` and the
 benchmarks' bare loop (``bench/harness.py``); tests/unit/turns/test_budget.py fails on another copy.
 """
 

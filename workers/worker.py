@@ -279,6 +279,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from workers.procs import run_main
+    from stack.procs import run_main
 
     run_main(main)

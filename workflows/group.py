@@ -37,6 +37,7 @@ from temporalio.exceptions import ChildWorkflowError, TerminatedError
 
 with workflow.unsafe.imports_passed_through():
     from activities.rollout import RolloutActivities
+    from admission.controller import CANCEL_REASON
     from config.models import Config
     from contracts.types import (
         EngineTarget,
@@ -53,7 +54,6 @@ with workflow.unsafe.imports_passed_through():
         sampling_params,
     )
     from workflows import search_attributes as sa
-    from workflows.admission import CANCEL_REASON
     from workflows.calls import call
     from workflows.grpo import group_stats
     from workflows.patches import INFRA_RETRIES, OPS

@@ -14,9 +14,9 @@ Policy (docs/upgrades.md, "How long a patch lives"):
 - Once ``SUPPORTED_FROM > R`` the ``deprecate_patch`` call goes too (every supported history was recorded
   by code that deprecated it, whose marker is ignored when nothing asks for it).
 
-``tests/unit/test_patches.py`` reads the workflows' source and fails when a call does not match this table
-(an unregistered id, ``patched`` where the policy says ``deprecate_patch``, or the reverse), so bumping
-`SUPPORTED_FROM` at a release tells exactly which branches to delete.
+``tests/unit/workflows/test_patches.py`` reads the workflows' source and fails when a call does not match
+this table (an unregistered id, ``patched`` where the policy says ``deprecate_patch``, or the reverse), so
+bumping `SUPPORTED_FROM` at a release tells exactly which branches to delete.
 """
 
 from __future__ import annotations

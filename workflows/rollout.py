@@ -28,6 +28,8 @@ from temporalio.exceptions import ActivityError, ApplicationError
 with workflow.unsafe.imports_passed_through():
     from activities.environment import EnvironmentActivities
     from activities.rollout import RolloutActivities, engine_retry
+    from admission.controller import CANCEL_REASON
+    from admission.replicas import replica_order
     from contracts.types import (
         RAN_TO_END,
         EnvStepInput,
@@ -49,9 +51,7 @@ with workflow.unsafe.imports_passed_through():
     from errors import EngineUnavailable, failure_details, failure_reason, is_error
     from turns.budget import turn_budget, turn_truncation
     from workflows import search_attributes as sa
-    from workflows.admission import CANCEL_REASON
     from workflows.calls import call
-    from workflows.dispatch import replica_order
     from workflows.harness_steps import HarnessSteps
     from workflows.patches import OPS, TASK_TIMEOUT
     from workflows.sandbox_steps import SandboxSteps

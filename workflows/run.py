@@ -14,7 +14,7 @@ In both modes ``run.overprovision`` is added to the group bounds (``run.max_infl
 At 0 (every 0.2.0 config) the commands are those of 0.2.0, so replay needs no patch.
 
 In both modes a group's replica is chosen here (``engine.affinity = "group"``): consistent hashing of its
-task id with bounded load over the healthy replicas (workflows/dispatch.py).
+task id with bounded load over the healthy replicas (admission/replicas.py).
 
 Invariants:
 - Group i samples task i modulo the number of tasks and has the deterministic workflow id ``<run>/g<i>``;
@@ -37,7 +37,7 @@ Invariants:
   itself for a group it cannot tell (as for a terminated one, its members recorded cancelled), marks the run
   ``cancelled`` in the store and ends cancelled. Groups never started have no record: the ledger checks a
   cancelled run's started groups only, and does not ask it for a success.
-- A streak of ``run.max_consecutive_environment_failures`` environment failures (workflows/breaker.py)
+- A streak of ``run.max_consecutive_environment_failures`` environment failures (admission/breaker.py)
   stops the run: no group starts after it, the groups in flight are cancelled as for a run cancel (reason
   ``run-stopped``), the store marks the run ``stopped`` and the run returns its progress with the reason
   (``stopped``; also the workflow's current details).
@@ -57,6 +57,17 @@ from temporalio.workflow import ParentClosePolicy
 with workflow.unsafe.imports_passed_through():
     from activities.dispatch import DispatchActivities
     from activities.rollout import RolloutActivities
+    from admission import breaker
+    from admission.controller import AdmissionController
+    from admission.replicas import choose_replica, replica_load
+    from admission.room import (
+        admission_room,
+        cancels_by_group,
+        closed_unseen,
+        inflight_view,
+        newly_complete,
+        spend_bucket,
+    )
     from contracts.types import (
         DispatchLog,
         FailureKind,
@@ -75,21 +86,10 @@ with workflow.unsafe.imports_passed_through():
         TerminatedGroupInput,
         group_id,
     )
-    from workflows import breaker, patches
+    from workflows import patches
     from workflows import search_attributes as sa
-    from workflows.admission import AdmissionController
     from workflows.calls import call
     from workflows.closed_groups import ClosedGroups
-    from workflows.dispatch import (
-        admission_room,
-        cancels_by_group,
-        choose_replica,
-        closed_unseen,
-        inflight_view,
-        newly_complete,
-        replica_load,
-        spend_bucket,
-    )
     from workflows.group import RUN_CANCEL_REASON, RUN_STOP_REASON, GroupWorkflow, rollout_template
     from workflows.run_end import cancel_groups
     from workflows.unreported import record_unreported

@@ -32,7 +32,7 @@ ROLLOUT_MAX = 400
 
 @pytest.fixture(scope="module")
 def small_kv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
-    from workers import procs
+    from stack import procs
 
     eng = start_engine(
         tmp_path_factory.mktemp("small-kv"), max_model_len=512, num_gpu_blocks=BLOCKS, block_size=BLOCK

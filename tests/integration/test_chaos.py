@@ -31,6 +31,7 @@ from sandboxes import DockerBackend
 from sandboxes.base import DEFAULT_IMAGE
 from sandboxes.pool import SandboxPool
 from simengine import Mode, ModeRule, SimEngine, SimSettings
+from stack import procs
 from store import RunStore
 from tests.conftest import MODEL_DIR, POLICY_VERSION, Engine
 from tests.integration.support import (
@@ -42,7 +43,6 @@ from tests.integration.support import (
     wait_for_first_command,
     worker,
 )
-from workers import procs
 
 VICTIMS = [f"{r}/{group_id(0)}/0" for r in ("frozen", "oom", "cli-chaos")] + [f"cli-chaos/{group_id(1)}/0"]
 TURNS = {"max_turns": 2}
@@ -248,7 +248,7 @@ async def test_rollouts_chaos_runs_a_short_schedule_logs_each_fault_and_checks_t
         await start_run(client, cfg, run_id)
         await wait_for_first_command(RunStore(tmp_path), rollout_id(run_id, group_id(0), 0))
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "workers.cli", "chaos", run_id,
+            sys.executable, "-m", "cli.rollouts", "chaos", run_id,
             "--kinds", "container_kill,container_pause,container_oom,worker_freeze,worker_kill",
             "--seed", "5", "--duration", "12", "--every", "2,3", "--fault-s", "1,3",
             "--log", str(log), "--address", address, "--wait", "200",

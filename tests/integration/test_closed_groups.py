@@ -16,6 +16,7 @@ from temporalio.client import Client, WorkflowHandle
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Replayer
 
+from cli import ops
 from config.paths import venv_bin
 from contracts.types import RunInput
 from faults import LedgerReport
@@ -23,7 +24,6 @@ from simengine import SimEngine, SimSettings
 from store import RunStore
 from tests.integration.support import export, make_config, start_run, worker
 from tests.integration.test_ops import never_tasks, running_rollouts, wait_for
-from workers import ops
 from workers.worker import WORKFLOWS
 
 TERMINATED = "infra: WorkflowTerminated: group terminated (web UI or CLI)"

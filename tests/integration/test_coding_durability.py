@@ -17,6 +17,7 @@ from contracts.types import group_id, rollout_id
 from sandboxes import DockerBackend
 from sandboxes.pool import SandboxPool
 from simengine import Mode, ModeRule, SimEngine, SimSettings
+from stack import procs
 from store.runstore import RunStore
 from tests.integration.support import (
     CODING_TASKS,
@@ -29,7 +30,6 @@ from tests.integration.support import (
     worker,
 )
 from tests.integration.test_durability import spawn_worker
-from workers import procs
 
 
 @pytest.fixture(scope="module")

@@ -26,9 +26,9 @@ import yaml
 from config.paths import REPO_ROOT
 from contracts.client import connect
 from faults.ledger import check_run
+from stack.procs import free_ports
 from store import open_store
 from tests.integration.support import until
-from workers.procs import free_ports
 
 COMPOSE = shutil.which("docker-compose")
 LOCAL = REPO_ROOT / "docker-compose.local.yml"

@@ -14,10 +14,10 @@ from temporalio.client import Client
 from temporalio.testing import WorkflowEnvironment
 
 from contracts.types import group_id, rollout_id
+from stack import procs
 from store.runstore import RunStore
 from tests.conftest import Engine
 from tests.integration.support import export, make_config, run_to_end, start_run, worker
-from workers import procs
 
 
 def spawn_worker(env: WorkflowEnvironment, task_queue: str, home: Path, name: str) -> int:

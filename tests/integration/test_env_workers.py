@@ -23,9 +23,9 @@ from temporalio.service import RPCError, RPCStatusCode
 from config.paths import REPO_ROOT
 from envs import math as math_env
 from envs.registry import env_queue
+from stack import procs
 from store import open_store
 from tests.integration.support import until_polled
-from workers import procs
 from workflows.run import RunWorkflow
 
 pytestmark = pytest.mark.integration
@@ -73,7 +73,7 @@ def start_worker(name: str, home: Path, address: str, task_queue: str, pythonpat
 def submit(home: Path, pythonpath: str, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "ROLLOUTS_HOME": str(home), "PYTHONPATH": pythonpath}
     return subprocess.run(
-        [sys.executable, "-m", "workers.cli", "run", *args],
+        [sys.executable, "-m", "cli.rollouts", "run", *args],
         capture_output=True, text=True, timeout=240, env=env, cwd=REPO_ROOT,
     )  # fmt: skip
 

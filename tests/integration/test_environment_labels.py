@@ -14,6 +14,8 @@ import pytest
 from temporalio.client import Client
 from typer.testing import CliRunner
 
+from cli.progress import ENVIRONMENT_FAILURE_EXIT
+from cli.rollouts import app
 from envs.base import Action, Step, TurnContext
 from envs.coding import CodingEnvironment
 from envs.math import MathEnvironment
@@ -29,8 +31,6 @@ from tests.integration.support import (
     run_to_end,
     worker,
 )
-from workers.cli import app
-from workers.progress import ENVIRONMENT_FAILURE_EXIT
 
 
 @pytest.mark.timeout(600)

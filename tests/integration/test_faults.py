@@ -17,10 +17,10 @@ from temporalio.client import Client
 from contracts.types import group_id, rollout_id
 from faults import Fault, FaultProxy, LedgerReport
 from simengine import SimEngine, SimSettings
+from stack.procs import free_port
 from store import RunStore
 from tests.integration.support import export, make_config, run_to_end, start_run, worker
 from trainer.feed import TrainerFeed
-from workers.procs import free_port
 
 SIM = {"policy": "random", "random_min_tokens": 4, "random_max_tokens": 8, "decode_ms_per_token": 20}
 
@@ -213,7 +213,7 @@ async def test_the_temporal_server_killed_and_restarted_mid_run(
     file and port: the worker and the client reconnect, the in-flight rollouts continue, the ledger is
     clean."""
     from contracts.client import connect
-    from workers import procs
+    from stack import procs
 
     home = tmp_path / "temporal"
     home.mkdir()

@@ -28,11 +28,11 @@ from contracts.types import group_id, rollout_id
 from sandboxes import DockerBackend
 from sandboxes.pool import SandboxPool
 from simengine import Mode, ModeRule, SimEngine, SimSettings
+from stack import procs
 from store import RunStore, model_segment, obs_segment
 from tests.integration.support import assert_no_containers, export, run_to_end, start_run, until, worker
 from tests.integration.test_durability import spawn_worker
 from tests.integration.test_harbor import harbor_base, harbor_config
-from workers import procs
 
 TASK = REPO_ROOT / "tests" / "integration" / "harbor_tasks" / "count-runs"
 UNDISTURBED = {"reward": 1.0, "step_runs": 1.0, "verifier_runs": 1.0}

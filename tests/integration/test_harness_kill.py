@@ -26,6 +26,7 @@ from contracts.types import group_id, rollout_id
 from sandboxes import DockerBackend
 from sandboxes.pool import SandboxPool
 from simengine import Mode, ModeRule, SimEngine, SimSettings
+from stack import procs
 from store.runstore import RunStore
 from tests.integration.support import assert_no_containers, export, start_run
 from tests.integration.test_harness import (  # noqa: F401  (fixtures)
@@ -36,7 +37,6 @@ from tests.integration.test_harness import (  # noqa: F401  (fixtures)
     harness_config,
     harness_image,
 )
-from workers import procs
 
 pytestmark = pytest.mark.timeout(900)
 

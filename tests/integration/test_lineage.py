@@ -16,14 +16,14 @@ from pathlib import Path
 import pytest
 from temporalio.client import Client
 
+from cli.reproduce import reproduce
 from config.load import config_hash
 from config.paths import venv_bin
 from envs import math as math_env
 from envs.math import MathEnvironment
+from stack import procs
 from tests.conftest import POLICY_VERSION, Engine
 from tests.integration.support import export, make_config, run_to_end, worker
-from workers import procs
-from workers.reproduce import reproduce
 
 RUN = "lineage"
 

@@ -182,7 +182,7 @@ async def test_resubmitting_a_run_id_attaches_instead_of_duplicating(
     async with worker(client, task_queue, tmp_path):
         first = await start_run(client, cfg, "once")
         await first.result()
-        from workers.cli import _submit
+        from cli.rollouts import _submit
 
         await _submit(cfg, "h", "once", wait=False, upload=lambda: None)  # the run exists: it attaches
         progress = await client.get_workflow_handle("once").query(RunWorkflow.progress)

@@ -21,8 +21,8 @@ from temporalio.testing import WorkflowEnvironment
 from contracts.client import connect
 from metrics.serve import serve_metrics, temporal_runtime
 from simengine import SimEngine, SimSettings
+from stack.procs import free_port, wait_until
 from tests.integration.support import export, make_config, run_to_end, worker
-from workers.procs import free_port, wait_until
 
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 QUICK = {"policy": "random", "random_min_tokens": 4, "random_max_tokens": 8, "decode_ms_per_token": 5}

@@ -19,9 +19,11 @@ from pathlib import Path
 import pytest
 from temporalio.client import Client
 
+from cli import ops
 from config.paths import REPO_ROOT
 from sandboxes import DockerBackend
 from simengine import Mode, SimEngine, SimSettings
+from stack import procs
 from store.runstore import RunStore
 from tests.integration.support import (
     CODING_TASKS,
@@ -32,7 +34,6 @@ from tests.integration.support import (
     start_run,
     worker,
 )
-from workers import ops, procs
 from workflows.rollout import RolloutWorkflow
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -60,7 +61,7 @@ def never_tasks(tmp: Path) -> str:
 def cli(client: Client, home: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     """The real ``rollouts`` command against the test's server and store."""
     address = client.service_client.config.target_host
-    argv = [sys.executable, "-m", "workers.cli", *args]
+    argv = [sys.executable, "-m", "cli.rollouts", *args]
     if args[0] in ("stuck", "cancel", "retry", "terminate", "top"):
         argv += ["--address", address]
     env = {**os.environ, "ROLLOUTS_HOME": str(home)}
@@ -210,7 +211,7 @@ async def test_cancel_retry_and_terminate_on_a_live_run_keep_the_books_whole(
             gone = await asyncio.to_thread(cli, client, tmp_path, "stuck", "no-such-run")
             assert gone.returncode == 2 and "no run" in gone.stderr, gone.stderr
             top = subprocess.Popen(  # the live view, for a few refreshes, then Ctrl-C
-                [sys.executable, "-m", "workers.cli", "top", run_id, "--interval", "0.5",
+                [sys.executable, "-m", "cli.rollouts", "top", run_id, "--interval", "0.5",
                  "--address", client.service_client.config.target_host],
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT,
             )  # fmt: skip

@@ -33,7 +33,7 @@ MAX_TOKENS = 200
 
 @pytest.fixture(scope="module")
 def eng(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
-    from workers import procs
+    from stack import procs
 
     engine = start_engine(tmp_path_factory.mktemp("policy-engine"))
     try:

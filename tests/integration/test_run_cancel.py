@@ -13,6 +13,7 @@ import pytest
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureError
 from temporalio.exceptions import CancelledError
 
+from cli import ops
 from contracts.types import group_id, rollout_id
 from faults import LedgerReport
 from sandboxes import DockerBackend
@@ -28,13 +29,12 @@ from tests.integration.support import (
     wait_for_first_command,
     worker,
 )
-from workers import ops
 from workflows.group import RUN_CANCEL_REASON
 from workflows.run import RunWorkflow
 
 
 async def _cancel_and_wait(client: Client, run_id: str, store: RunStore | None = None) -> None:
-    """Cancel the run: with a store, as ``rollouts cancel RUN`` does (``workers.ops.cancel``), else by its
+    """Cancel the run: with a store, as ``rollouts cancel RUN`` does (``cli.ops.cancel``), else by its
     workflow handle; then it ends CANCELED."""
     handle = client.get_workflow_handle(run_id)
     if store is not None:

@@ -33,10 +33,10 @@ from faults.ledger import check_run
 from sandboxes import DockerBackend
 from sandboxes.base import DEFAULT_IMAGE
 from simengine import Mode, ModeRule, SimEngine, SimSettings
+from stack import procs
 from store import RunStore, open_store
 from tests.integration.support import CODING_TASKS, coding_config, export, start_run, until
 from tests.postgres import drop_database, new_database
-from workers import procs
 
 pytestmark = pytest.mark.timeout(600)
 

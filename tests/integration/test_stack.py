@@ -21,7 +21,7 @@ import pytest
 
 from config.models import StackConfig
 from config.paths import resolve_repo_path
-from workers import procs, stack
+from stack import procs, stack
 from workflows.search_attributes import DEFINITIONS
 
 pytestmark = pytest.mark.integration
@@ -55,7 +55,7 @@ def home(tmp_path: Path) -> Iterator[Path]:
 
 
 def _cli(home: Path, *args: str, timeout: float = 400) -> subprocess.CompletedProcess[str]:
-    code = "from workers.stack_cli import stack_app; stack_app()"
+    code = "from cli.stack import stack_app; stack_app()"
     env = {**os.environ, "ROLLOUTS_HOME": str(home), "COLUMNS": "200"}
     return subprocess.run(
         [sys.executable, "-c", code, *args],
@@ -132,7 +132,7 @@ def test_detached_stack_outlives_the_process_that_started_it(home: Path) -> None
     cfg = _config()
     code = (
         "import sys; from pathlib import Path; from config.models import StackConfig; "
-        "from workers import stack; cfg = StackConfig.model_validate_json(sys.argv[1]); "
+        "from stack import stack; cfg = StackConfig.model_validate_json(sys.argv[1]); "
         "stack.up(cfg, Path(sys.argv[2]), True, ('temporal',))"
     )
     res = subprocess.run(
@@ -228,7 +228,7 @@ def test_an_engine_whose_api_server_was_sigkilled_is_stopped_whole(
 ) -> None:
     """vLLM's EngineCore and Worker processes outlive a SIGKILLed API server (in its session); `stack down`
     stops them, and `stack up` then starts exactly one engine tree (`up` straight after such a kill stops the
-    orphans itself: tests/unit/test_proctree.py)."""
+    orphans itself: tests/unit/config/test_proctree.py)."""
     tag = secrets.token_hex(6)
     monkeypatch.setenv("ROLLOUTS_TEST_TAG", tag)  # inherited by every process the stack spawns
     cfg = _config(start_timeout_s=600)  # a loaded 2-core machine took over 240 s to start vLLM

@@ -24,7 +24,7 @@ from trainer.settings import TrainerSettings
 
 @pytest.fixture(scope="module")
 def eng(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
-    from workers import procs
+    from stack import procs
 
     engine = start_engine(tmp_path_factory.mktemp("trainer-engine"))
     try:

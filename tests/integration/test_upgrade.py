@@ -28,9 +28,9 @@ from config.paths import REPO_ROOT
 from contracts.types import group_id, rollout_id
 from faults import LedgerReport
 from simengine import SimEngine, SimSettings
+from stack import procs
 from store import RunStore
 from tests.integration.support import export, worker
-from workers import procs
 
 HISTORIES = "tests/histories/0.2.0"
 SIM = {"policy": "random", "random_min_tokens": 4, "random_max_tokens": 8, "decode_ms_per_token": 120}
@@ -56,7 +56,7 @@ def _env(old: Path, home: Path) -> dict[str, str]:
 
 # The 0.2.0 CLI left through interpreter finalization, which the Temporal runtime's threads abort about
 # once in ten under load (exit 134/139 after the run id is printed; this release leaves through
-# workers.procs.exit_now). This test is about the old worker and workflows: the old CLI leaves the same way.
+# stack.procs.exit_now). This test is about the old worker and workflows: the old CLI leaves the same way.
 OLD_CLI = (
     "import os, sys\n"
     "from workers.cli import main\n"

@@ -1,6 +1,9 @@
 """The house's structure, checked: no environment named outside the environments, no import cycle between
-top-level packages, the layering of the packages below the activities (``turns`` holds a turn's logic with
-no Temporal in it), every activity called by reference with its declared options."""
+top-level packages, every package in its layer and importing only from the layers below (`LAYERS`: the
+command line on top, then the worker processes, ...; ``turns`` holds a turn's logic and ``admission`` the
+run's admission policy, neither with Temporal in it), every activity called by reference with its declared
+options. The checks are functions of the import graph, and tests below feed them graphs with a cycle and
+with an upward import, so a check that stopped seeing either would fail."""
 
 from __future__ import annotations
 
@@ -58,8 +61,8 @@ def _package_imports() -> dict[str, dict[str, str]]:
     return graph
 
 
-def test_no_import_cycle_between_top_level_packages() -> None:
-    graph = _package_imports()
+def _cycles(graph: dict[str, dict[str, str]]) -> list[str]:
+    """Every import ``a -> b`` from which ``a`` is reached again (each edge on a cycle, with its place)."""
 
     def reaches(start: str, goal: str) -> bool:
         seen, todo = set(), [start]
@@ -72,9 +75,98 @@ def test_no_import_cycle_between_top_level_packages() -> None:
                     todo.append(nxt)
         return False
 
-    cycles = [f"{a} -> {b} ({where})" for a in graph for b, where in graph[a].items() if reaches(b, a)]
+    return [f"{a} -> {b} ({where})" for a in graph for b, where in graph[a].items() if reaches(b, a)]
+
+
+def test_no_import_cycle_between_top_level_packages() -> None:
+    graph = _package_imports()
+    cycles = _cycles(graph)
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
     assert not graph["errors"] and set(graph["contracts"]) <= {"config", "sandboxes", "errors"}
+
+
+LAYERS: list[tuple[str, set[str]]] = [
+    ("the command line", {"cli"}),
+    ("the worker processes; the fault kit", {"workers", "faults"}),
+    ("the embedded stack; the example trainer", {"stack", "trainer"}),
+    ("the workflows (deterministic orchestration)", {"workflows"}),
+    ("the activities", {"activities"}),
+    ("the engine client; the model gateway; run reports", {"engines", "gateway", "reports"}),
+    ("a turn; records; the simulated engine", {"turns", "records", "simengine"}),
+    ("admission policy; environments; metrics; the run store", {"admission", "envs", "metrics", "store"}),
+    ("the data crossing Temporal", {"contracts"}),
+    ("configuration", {"config"}),
+    ("sandboxes", {"sandboxes"}),
+    ("the error model", {"errors"}),
+]
+"""The top-level packages, top layer first. A package imports only packages of the layers below its own
+(module-level and lazy imports alike): never one of its own layer, never one above. A new package, or an
+import a change means to add upward, takes a deliberate edit here."""
+
+
+def _upward(graph: dict[str, dict[str, str]], layers: list[tuple[str, set[str]]]) -> list[str]:
+    """Every import ``a -> b`` where ``b`` is not in a layer below ``a``'s, with its place."""
+    depth = {p: i for i, (_, members) in enumerate(layers) for p in members}
+    return [
+        f"{a} -> {b} ({where}): {layers[depth[a]][0]!r} may not import {layers[depth[b]][0]!r}"
+        for a in graph
+        for b, where in graph[a].items()
+        if depth[b] <= depth[a]
+    ]
+
+
+def test_every_package_has_one_layer() -> None:
+    placed = [p for _, members in LAYERS for p in members]
+    assert sorted(placed) == sorted(PACKAGES), "LAYERS and [tool.setuptools] packages differ"
+    assert len(placed) == len(set(placed)), "a package in two layers"
+
+
+def test_every_package_imports_only_the_layers_below_its_own() -> None:
+    upward = _upward(_package_imports(), LAYERS)
+    assert not upward, "imports that are not downward:\n" + "\n".join(upward)
+    graph = _package_imports()
+    assert not any("cli" in graph[p] for p in graph)  # the command line is a view; nothing calls it
+    assert "stack" in graph["workers"] and "workers" in graph["cli"]
+
+
+def test_the_checks_see_a_cycle_and_an_upward_import() -> None:
+    layers = [("top", {"a"}), ("middle", {"b"}), ("bottom", {"c"})]
+    clean = {"a": {"b": "a.py:1", "c": "a.py:2"}, "b": {"c": "b.py:1"}, "c": {}}
+    assert _cycles(clean) == [] and _upward(clean, layers) == []
+    cycle = {"a": {"b": "a.py:1"}, "b": {"c": "b.py:1"}, "c": {"a": "c.py:1"}}
+    assert sorted(_cycles(cycle)) == ["a -> b (a.py:1)", "b -> c (b.py:1)", "c -> a (c.py:1)"]
+    assert _upward(cycle, layers) == ["c -> a (c.py:1): 'bottom' may not import 'top'"]
+    sideways = {"a": {}, "b": {}, "c": {}, "d": {"c": "d.py:1"}}
+    assert _upward(sideways, [*layers[:2], ("bottom", {"c", "d"})]) == [
+        "d -> c (d.py:1): 'bottom' may not import 'bottom'"
+    ]
+    real = _package_imports()
+    assert _upward({**real, "errors": {"cli": "errors/x.py:1"}}, LAYERS) == [
+        "errors -> cli (errors/x.py:1): 'the error model' may not import 'the command line'"
+    ]
+    assert _cycles({**real, "errors": {"cli": "errors/x.py:1"}})  # cli imports errors: now a cycle
+
+
+ADMISSION_BELOW = {"config", "contracts"}
+"""What ``admission`` may import: the config models and the data it decides on. It is the run's admission
+policy as pure functions and state machines, called inside the workflows' sandbox and replayed."""
+
+
+def test_admission_is_pure_policy_below_the_workflows_and_imports_no_temporal() -> None:
+    graph = _package_imports()
+    assert set(graph["admission"]) <= ADMISSION_BELOW, graph["admission"]
+    assert "admission" in graph["workflows"]
+    temporal = [
+        f"{f.relative_to(REPO_ROOT)}:{node.lineno}"
+        for f in _sources(["admission"])
+        for node in ast.walk(ast.parse(f.read_text()))
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        and any(
+            (m or "").split(".")[0] == "temporalio"
+            for m in ([a.name for a in node.names] if isinstance(node, ast.Import) else [node.module])
+        )
+    ]
+    assert not temporal, f"admission imports temporalio: {temporal}"
 
 
 TURNS_BELOW = {"contracts", "errors", "config", "sandboxes", "store", "envs"}

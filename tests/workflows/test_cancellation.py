@@ -9,6 +9,7 @@ from temporalio import activity
 from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.exceptions import ApplicationError
 
+from admission.controller import CANCEL_REASON
 from contracts.sandbox import SandboxCreated, SandboxStepInput
 from contracts.types import (
     EnvTraits,
@@ -22,7 +23,6 @@ from contracts.types import (
     TurnResult,
 )
 from sandboxes.base import SandboxSpec
-from workflows.admission import CANCEL_REASON
 from workflows.group import GroupWorkflow
 from workflows.rollout import RolloutWorkflow
 

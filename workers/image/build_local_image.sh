@@ -72,7 +72,7 @@ install -m 755 workers/image/bin/* "$ROOTFS/usr/local/bin/"
 # The CLI and the worker as commands; bookworm's python3 runs the host-built site-packages (both 3.11).
 cat >"$ROOTFS/usr/local/bin/rollouts" <<'SH'
 #!/bin/sh
-exec python3 -m workers.cli "$@"
+exec python3 -m cli.rollouts "$@"
 SH
 chmod 755 "$ROOTFS/usr/local/bin/rollouts"
 ln -s /opt/durable-rollouts/site/bin/temporal "$ROOTFS/usr/local/bin/temporal"

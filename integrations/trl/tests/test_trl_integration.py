@@ -37,7 +37,7 @@ from tests.integration.support import export, worker
 
 @pytest.fixture(scope="module")
 def eng(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
-    from workers import procs
+    from stack import procs
 
     engine = start_engine(tmp_path_factory.mktemp("trl-engine"))
     try:

@@ -125,7 +125,7 @@ def test_the_check_finds_each_copy_the_turn_module_replaced() -> None:
         ("workflows/rollout.py", {"turn_budget", "turn_truncation"}),
         ("turns/model.py", {"turn_budget", "turn_truncation"}),
         ("engines/client.py", {"turn_budget"}),
-        ("workers/reproduce.py", {"call_model"}),
+        ("cli/reproduce.py", {"call_model"}),
         ("bench/harness.py", {"call_model", "turn_truncation"}),
         ("bench/admission_fleet.py", {"turn_budget", "turn_truncation"}),
     ],

