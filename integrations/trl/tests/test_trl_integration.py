@@ -72,28 +72,36 @@ def _check_records(records: list[dict[str, Any]], groups: dict[str, dict[str, An
             )
 
 
+def _async_trainer(
+    home: Path, run_id: str, over: list[str], out: Path, max_steps: int
+) -> tuple[Any, DurableRolloutWorker]:
+    """TRL's async GRPO trainer on CPU (8 samples a step, staleness 1) fed by a durable worker."""
+    from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+
+    cpu.enable()
+    args = AsyncGRPOConfig(
+        output_dir=str(out), max_steps=max_steps, per_device_train_batch_size=8, token_budget=0,
+        bf16=False, gradient_checkpointing=False, report_to=[], use_cpu=True, learning_rate=1e-4,
+        max_staleness=1, save_strategy="no", num_generations=4, temperature=1.0, top_k=0,
+    )  # fmt: skip
+    w = DurableRolloutWorker(None, home=home, run_id=run_id, overrides=over, max_staleness=1,
+                             sampling=Sampling(args.temperature, args.top_p, args.top_k),
+                             groups_per_take=2, drop_zero_variance=False)  # fmt: skip
+    dataset = __import__("datasets").Dataset.from_dict({"prompt": ["x"] * 8})
+    trainer = AsyncGRPOTrainer(model=str(MODEL_DIR), args=args, processing_class=_tokenizer(),
+                               train_dataset=dataset, rollout_worker=w, weight_transfer=w)  # fmt: skip
+    return trainer, w
+
+
 @pytest.mark.timeout(900)
 async def test_async_grpo_trainer_with_the_durable_worker(
     eng: Engine, client: Client, task_queue: str, tmp_path: Path
 ) -> None:
-    from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
-
-    cpu.enable()
     home = tmp_path / "home"
     over = overrides(eng.url, _address(client), task_queue, num_groups=6, group_size=4, max_inflight_groups=2)
     async with worker(client, task_queue, home, env_queues=True) as store:
         publish([eng.url], "v0", MODEL_DIR, store)
-        args = AsyncGRPOConfig(
-            output_dir=str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=8, token_budget=0,
-            bf16=False, gradient_checkpointing=False, report_to=[], use_cpu=True, learning_rate=1e-4,
-            max_staleness=1, save_strategy="no", num_generations=4, temperature=1.0, top_k=0,
-        )  # fmt: skip
-        w = DurableRolloutWorker(None, home=home, run_id="trl-async", overrides=over, max_staleness=1,
-                                 sampling=Sampling(args.temperature, args.top_p, args.top_k),
-                                 groups_per_take=2, drop_zero_variance=False)  # fmt: skip
-        dataset = __import__("datasets").Dataset.from_dict({"prompt": ["x"] * 8})
-        trainer = AsyncGRPOTrainer(model=str(MODEL_DIR), args=args, processing_class=_tokenizer(),
-                                   train_dataset=dataset, rollout_worker=w, weight_transfer=w)  # fmt: skip
+        trainer, w = _async_trainer(home, "trl-async", over, tmp_path / "out", max_steps=2)
         try:
             await asyncio.to_thread(trainer.train)
         finally:
@@ -209,13 +217,10 @@ async def test_a_rollout_worker_sigkilled_mid_loop_loses_and_repeats_no_sample(
 ) -> None:
     """The async trainer keeps training through a SIGKILL of the rollout worker process (a second one
     starts): every generated rollout recorded once, none handed to TRL twice, the feed's books balance."""
-    from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
-
     from store.runstore import RunStore
     from trainer.feed import TrainerFeed
     from workers import procs
 
-    cpu.enable()
     home, run_id = tmp_path / "home", "trl-kill"
     address = _address(client)
     over = overrides(eng.url, address, task_queue, num_groups=8, group_size=4, max_inflight_groups=2)
@@ -232,17 +237,7 @@ async def test_a_rollout_worker_sigkilled_mid_loop_loses_and_repeats_no_sample(
     try:
         await until_polled(client, registry.run_queue(task_queue, "math"))
         publish([eng.url], "v0", MODEL_DIR, store)
-        args = AsyncGRPOConfig(
-            output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=8, token_budget=0,
-            bf16=False, gradient_checkpointing=False, report_to=[], use_cpu=True, learning_rate=1e-4,
-            max_staleness=1, save_strategy="no", num_generations=4, temperature=1.0, top_k=0,
-        )  # fmt: skip
-        w = DurableRolloutWorker(None, home=home, run_id=run_id, overrides=over, max_staleness=1,
-                                 sampling=Sampling(args.temperature, args.top_p, args.top_k),
-                                 groups_per_take=2, drop_zero_variance=False)  # fmt: skip
-        dataset = __import__("datasets").Dataset.from_dict({"prompt": ["x"] * 8})
-        trainer = AsyncGRPOTrainer(model=str(MODEL_DIR), args=args, processing_class=_tokenizer(),
-                                   train_dataset=dataset, rollout_worker=w, weight_transfer=w)  # fmt: skip
+        trainer, w = _async_trainer(home, run_id, over, tmp_path / "out", max_steps=3)
         training = asyncio.ensure_future(asyncio.to_thread(trainer.train))
         end = time.monotonic() + 600
         while len(w.consumed) < 8 and not training.done():  # the first step's samples handed out
