@@ -5,6 +5,7 @@ Invariants:
 - ``harness_run`` runs on the worker of the sandbox's host (the only process that can serve the socket the
   sandbox mounts). It starts the harness once per sandbox and watches it with heartbeats; a retry (its
   worker died) serves the gateway again and watches the same process. Cancelled, it stops the harness.
+  Once the harness exited, the files its environment keeps are stored with the rollout (first write stands).
 - A harness that exits non-zero, or exits 0 without one answered model call, is `EnvironmentFailure` (the
   rollout fails ``environment:`` with its last output lines); a sandbox that is gone is ``infra``.
 - ``gateway_call`` is a model call (engine retry policy, engine failover): idempotent on (rollout id,
@@ -27,8 +28,8 @@ from contracts.harness import GatewayCallInput, GatewayCallResult, HarnessExit, 
 from engines.client import EngineClient
 from engines.watchdog import watching
 from envs import registry
-from envs.base import calling
-from errors import EnvironmentFailure, RolloutError, SandboxGone, names
+from envs.base import Sandbox, calling
+from errors import EnvironmentFailure, RolloutError, SandboxFileError, SandboxGone, SandboxPathError, names
 from gateway import harness
 from gateway.server import GatewayServer, gateway_key
 from gateway.turn import GatewayTurns
@@ -88,6 +89,7 @@ class HarnessActivities:
                     activity.heartbeat()
                     await asyncio.sleep(POLL_S)
                 tail = await harness.tail(box)
+                await self._keep(rid, box, cmd.keep)
             except asyncio.CancelledError:
                 with contextlib.suppress(Exception):
                     await asyncio.shield(harness.stop(box))
@@ -104,6 +106,16 @@ class HarnessActivities:
             return HarnessExit(exit_code=code, tail=tail[-2000:])
         except RolloutError as e:
             raise e.to_application_error() from e
+
+    async def _keep(self, rid: str, box: Sandbox, paths: tuple[str, ...]) -> None:
+        """Store the files the environment keeps from its harness (or why one could not be read)."""
+        for path in paths:
+            data, error = None, None
+            try:
+                data = await harness.read_kept(box, path)
+            except (SandboxFileError, SandboxPathError) as e:
+                error = str(e)
+            await asyncio.to_thread(self.store.keep_harness_file, rid, path, data, error)
 
     # start-to-close is derived from engine.request_timeout_s by the caller; retry from [engine]
     @options(Options(timedelta(minutes=5), heartbeat=timedelta(seconds=10), wait_cancellation=True))

@@ -18,15 +18,11 @@ import secrets
 import shlex
 import xml.etree.ElementTree as ET
 
-from contracts.types import TruncationReason
-from envs.base import Action, Environment, Prompt, Sandbox, SandboxPlan, Step, Task, TurnContext, until_end
+from envs.base import Prompt, SandboxPlan, Task, TurnContext
 from envs.coding_tasks import CodingTask
-from envs.tool_calls import TOOLS, ToolCallError, parse_tool_call
-from errors import SandboxFileError, SandboxGone, SandboxPathError
+from envs.tool_calls import TOOLS
+from envs.tool_env import ToolCallEnvironment, format_exec
 from sandboxes.base import SandboxSpec
-
-READ_LIMIT = 16384
-"""Most bytes read_file shows the model."""
 
 ENV_VERSION = "coding-v1"
 """Version of the harness's behaviour (system prompt, tool-call format, observations); every record carries it
@@ -85,21 +81,13 @@ def reward_from_junit(xml_text: str, expected_tests: int) -> tuple[float, int, i
     return passed / total, passed, total
 
 
-def format_exec(exit_code: int, output: str, timed_out: bool) -> str:
-    """Observation text of a bash call."""
-    status = "timed out" if timed_out else f"exit code {exit_code}"
-    return f"{output}\n[{status}]" if output else f"[{status}]"
-
-
-class CodingEnvironment(Environment):
+class CodingEnvironment(ToolCallEnvironment):
     """Tool-using coding agent in a hardened sandbox; reward from hidden tests (see the module docstring)."""
 
     name = "coding"
     env_version = ENV_VERSION
     verifier_version = VERIFIER_VERSION
     task_model = CodingTask
-    uses_sandbox = True
-    observation_role = "tool"
 
     def prompt(self, task: Task) -> Prompt:
         return Prompt(messages=first_messages(task.model_dump()))
@@ -108,42 +96,9 @@ class CodingEnvironment(Environment):
         assert isinstance(task, CodingTask)
         return SandboxPlan(spec=default, files=dict(task.files))
 
-    def parse(self, ctx: TurnContext, text: str) -> Action | Step:
-        """One tool call per turn; a malformed call becomes an error observation for the model."""
-        call = parse_tool_call(until_end(text))
-        if isinstance(call, ToolCallError):
-            return Step(observation=call.message)
-        if call.name == "submit":
-            return Step(done=True)  # scored by `score`: the hidden tests
-        return call.model_dump(mode="json")
-
-    async def act(self, ctx: TurnContext, action: Action) -> Step:
-        """Run the turn's tool call; a bash command runs once per turn in its sandbox (a retried step whose
-        worker died mid-command gets the first run's result)."""
-        return await self._act(ctx, action, once_key=f"turn-{ctx.turn}")
-
-    async def _act(self, ctx: TurnContext, action: Action, once_key: str | None) -> Step:
-        sandbox = _sandbox(ctx)
-        name, args = action["name"], action.get("arguments", {})
-        if name == "bash":
-            res = await sandbox.exec(args["cmd"], once_key=once_key)
-            reason = TruncationReason.COMMAND_TIMEOUT if res.timed_out else None
-            text = format_exec(res.exit_code, res.output, res.timed_out)
-            return Step(observation=text, truncated=reason)
-        try:
-            if name == "write_file":
-                await sandbox.write_file(args["path"], args["content"])
-                obs = f"wrote {len(args['content'].encode())} bytes to {args['path']}"
-            else:
-                data = await sandbox.read_file(args["path"], READ_LIMIT)
-                obs = data.decode("utf-8", errors="replace")
-        except (SandboxPathError, SandboxFileError) as e:
-            obs = f"error: {e}"
-        return Step(observation=obs)
-
     async def score(self, ctx: TurnContext, text: str | None) -> float:
         """Hidden tests run in the sandbox on a copy of the submitted files."""
-        task, sandbox = ctx.task, _sandbox(ctx)
+        task, sandbox = ctx.task, self.sandbox_of(ctx)
         assert isinstance(task, CodingTask)
         hidden = f".hidden-{secrets.token_hex(6)}"
         for path, src in task.tests.items():
@@ -153,16 +108,6 @@ class CodingEnvironment(Environment):
         res = await sandbox.exec(cmd, timeout_s=300)
         reward, _, _ = reward_from_junit(res.output, count_tests(task.tests))
         return reward
-
-    async def replay(self, ctx: TurnContext, action: Action) -> None:
-        if action["name"] != "read_file":  # reading changes nothing; a fresh sandbox: every action runs
-            await self._act(ctx, action, once_key=None)
-
-
-def _sandbox(ctx: TurnContext) -> Sandbox:
-    if ctx.sandbox is None:
-        raise SandboxGone(f"rollout {ctx.rollout_id}: no sandbox")
-    return ctx.sandbox
 
 
 __all__ = [

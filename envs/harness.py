@@ -11,7 +11,9 @@ How the pipeline drives a `HarnessEnvironment`, per rollout:
    ``OPENAI_API_KEY`` (the rollout's key), ``DR_GATEWAY_SOCKET`` and ``DR_MODEL`` set.
 3. Each model call the harness makes is one ``gateway_call`` activity of the rollout (its tokens, logprobs,
    policy versions stored as segments; loss mask 1 exactly on sampled tokens).
-4. When the harness exits 0, ``score(ctx, None)`` scores the container (e.g. a Harbor task's verifier).
+4. When the harness exits, the files its command names in ``keep`` are stored with the rollout
+   (``RunStore.harness_files``). When it exits 0, ``score(ctx, None)`` scores the container (e.g. a Harbor
+   task's verifier).
    A harness that exits non-zero, or never called the model, fails the rollout as ``environment:`` with its
    last output lines. A limit (``rollout.max_turns`` calls, ``rollout.max_total_tokens``, the engine's
    context length, the wall-clock limits) is answered as an OpenAI server would, then the harness is
@@ -41,6 +43,9 @@ class HarnessCommand:
     tcp_port: int | None = 8011
     """Loopback port of the TCP shim (``http://127.0.0.1:PORT/v1``); None: the harness speaks to the Unix
     socket ``DR_GATEWAY_SOCKET`` itself."""
+    keep: tuple[str, ...] = ()
+    """Files the harness leaves in the sandbox (absolute, or relative to the workdir) kept with the rollout
+    once it exits, whatever its exit code (e.g. the harness's own trajectory): `RunStore.harness_files`."""
 
 
 class HarnessEnvironment(Environment):

@@ -7,21 +7,26 @@ Invariants:
   started it and the worker that watched it), with the gateway's URL and key in its environment; with a
   TCP port, the loopback shim (``gateway/shim.py``) runs beside it, as the same user.
 - Its exit code and output stay in the sandbox (``/tmp/.dr-harness``) until the sandbox is destroyed.
+- A file the environment keeps (``HarnessCommand.keep``) is read after the harness exits, wherever it lies
+  in the sandbox: copied under the workdir for the sandbox's checked reader, read, the copy removed.
 """
 
 from __future__ import annotations
 
+import hashlib
 import shlex
 from pathlib import Path
 
 from envs.base import Sandbox
 from envs.harness import HarnessCommand
-from errors import SandboxGone
+from errors import SandboxFileError, SandboxGone
 from sandboxes.base import GATEWAY_MOUNT
 
 STATE = "/tmp/.dr-harness"
 SOCKET = f"{GATEWAY_MOUNT}/gw.sock"
 TAIL_LINES = 20
+KEEP_LIMIT = 64 * 1024 * 1024
+"""Largest file kept from a harness (bytes); a larger one is kept as the reason it was not."""
 
 
 def gateway_env(cmd: HarnessCommand, key: str, model: str) -> dict[str, str]:
@@ -113,3 +118,19 @@ async def stop(box: Sandbox) -> None:
         "{ kill -TERM -$p 2>/dev/null; sleep 1; kill -KILL -$p 2>/dev/null; }; true",
         30,
     )
+
+
+async def read_kept(box: Sandbox, path: str, max_bytes: int = KEEP_LIMIT) -> bytes:
+    """A file the harness left at ``path`` (absolute, or relative to the workdir).
+
+    Raises:
+        SandboxFileError: missing, not a regular file, or larger than ``max_bytes``.
+    """
+    copy = f".dr-keep-{hashlib.sha256(path.encode()).hexdigest()[:16]}"
+    res = await box.exec(f"cp -- {shlex.quote(path)} {copy} 2>&1", 30)
+    if res.exit_code != 0:
+        raise SandboxFileError(f"keep {path!r}: {res.output.strip()[-200:] or f'cp exited {res.exit_code}'}")
+    try:
+        return await box.read_file(copy, max_bytes)
+    finally:
+        await box.exec(f"rm -f -- {copy}", 30)

@@ -1,4 +1,5 @@
-"""The model calls a harness made through its rollout's gateway (table ``gateway_calls``, migration 6).
+"""The model calls a harness made through its rollout's gateway (table ``gateway_calls``, migration 6), and
+the files its harness leaves that are kept with the rollout (table ``harness_files``, migration 7).
 
 Invariants:
 - A call is numbered once: the harness's request is recorded under (rollout id, index), the next index
@@ -103,6 +104,23 @@ class GatewayCallStore:
             (rollout_id, below if below is not None else 1 << 62),
         ).fetchall()
         return [_call(r) for r in rows]
+
+    def keep_harness_file(self, rollout_id: str, path: str, data: bytes | None, error: str | None) -> None:
+        """Keep a file the rollout's harness left in its sandbox (or why it could not be read); the first
+        write stands (a retried harness activity reads the same file of the same process)."""
+        with self.db.tx() as db:
+            db.execute(
+                "INSERT INTO harness_files (rollout_id, path, data, error, kept_at) VALUES (?,?,?,?,?)"
+                " ON CONFLICT DO NOTHING",
+                (rollout_id, path, data, error, time.time()),
+            )
+
+    def harness_files(self, rollout_id: str) -> dict[str, bytes | str]:
+        """The files kept from the rollout's harness: path -> its bytes, or the reason it is missing (str)."""
+        rows = self.db.execute(
+            "SELECT path, data, error FROM harness_files WHERE rollout_id=? ORDER BY path", (rollout_id,)
+        ).fetchall()
+        return {r["path"]: bytes(r["data"]) if r["data"] is not None else str(r["error"]) for r in rows}
 
 
 def _call(row: Any) -> GatewayCall:

@@ -98,6 +98,14 @@ CREATE TABLE IF NOT EXISTS gateway_calls (
     PRIMARY KEY (rollout_id, idx));
 """,
     ),
+    (
+        7,
+        """
+CREATE TABLE IF NOT EXISTS harness_files (
+    rollout_id TEXT NOT NULL, path TEXT NOT NULL, data BLOB, error TEXT, kept_at REAL NOT NULL,
+    PRIMARY KEY (rollout_id, path));
+""",
+    ),
 ]
 """(version, DDL) in order. 1: the manual-actions log of ``rollouts cancel/retry/terminate``. 2: token
 arrays packed in the segment row (``tokens`` int32, ``logprobs`` float32, little-endian; ``versions`` the
@@ -107,6 +115,8 @@ state (sandboxes/pool.py), shared by every worker of the store instead of one fi
 hosts (sandboxes/hosts.py) and the host each pool slot is held on. 5: image builds per sandbox host
 (sandboxes/images.py): one build of a tag per host at a time, its log, and how many builds it took. 6: the
 model calls harnesses made through their rollouts' gateways (gateway/): each request, and its answer once
-the rollout's model-call activity wrote it."""
+the rollout's model-call activity wrote it. 7: the files a harness leaves in its sandbox that its environment
+keeps with the rollout (``HarnessCommand.keep``: e.g. the harness's own trajectory), or why one could not be
+read."""
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]

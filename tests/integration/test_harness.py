@@ -128,6 +128,25 @@ def assert_token_exact(store: Any, rec: dict[str, Any], rewrites: bool = False) 
     return list(zip(starts, [*starts[1:], len(rec["token_ids"])], strict=True))
 
 
+def assert_trajectory_agrees(store: Any, rollout_id: str) -> dict[str, Any]:
+    """mini-swe-agent's own trajectory file, kept with the rollout, saw every answer of the gateway's log
+    exactly once and in order (each assistant message is one gateway answer, by its response id and
+    content; its own call count is the log's); returns the trajectory."""
+    from harness_env import TRAJECTORY
+
+    kept = store.harness_files(rollout_id)
+    assert isinstance(kept.get(TRAJECTORY), bytes), kept
+    traj = json.loads(kept[TRAJECTORY])
+    assert traj["trajectory_format"].startswith("mini-swe-agent-")
+    calls = store.gateway_calls(rollout_id)
+    answers = [c.response for c in calls]
+    assistant = [m for m in traj["messages"] if m["role"] == "assistant"]
+    assert [m["extra"]["response"]["id"] for m in assistant] == [a["id"] for a in answers]
+    assert [m["content"] for m in assistant] == [a["choices"][0]["message"]["content"] for a in answers]
+    assert traj["info"]["model_stats"]["api_calls"] == len(calls)
+    return traj
+
+
 async def test_mini_swe_agent_solves_a_harbor_task_through_the_gateway(
     client: Client, docker: DockerBackend, sim: str, dataset: Path, task_queue: str, tmp_path: Path
 ) -> None:
@@ -149,6 +168,7 @@ async def test_mini_swe_agent_solves_a_harbor_task_through_the_gateway(
     message = calls[0].response["choices"][0]["message"]  # type: ignore[index]
     assert message["tool_calls"][0]["function"]["name"] == "bash"
     assert_token_exact(store, rec)
+    assert_trajectory_agrees(store, rec["rollout_id"])
     assert rec["lineage"]["env"] == "mini-swe-agent"
     assert_no_containers(docker, "harness-ref")
 

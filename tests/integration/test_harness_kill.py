@@ -1,6 +1,7 @@
 """A worker SIGKILLed while mini-swe-agent's model call waits at the gateway: the harness keeps running in
 its container, the pending call is answered once (after its activity is retried on another worker), and
-the rollout still scores 1.0.
+the rollout still scores 1.0; mini-swe-agent's own trajectory file (kept with the rollout) agrees with the
+gateway's log: every answer seen once.
 
 Real Temporal, real Docker, the scripted engine slowed down (each call takes seconds), two worker
 processes one after the other; the harness's client (litellm through mini-swe-agent) retries the call
@@ -33,6 +34,7 @@ from tests.integration.test_harness import (  # noqa: F401  (fixtures)
     HARBOR,
     HARNESS,
     assert_token_exact,
+    assert_trajectory_agrees,
     dataset,
     harness_config,
     harness_image,
@@ -118,4 +120,5 @@ async def test_worker_sigkill_while_a_harness_call_waits(
     ).fetchone()
     assert answered_at > kill_time  # the pending call was answered by the second worker
     assert_token_exact(store, rec)
+    assert_trajectory_agrees(store, rid)  # the harness got every reply once, the pending one included
     assert_no_containers(docker, run_id)

@@ -34,9 +34,9 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, cast
 
-from envs.base import Environment, Prompt, Sandbox, SandboxPlan, Score, Step, Task, TurnContext, until_end
-from envs.tool_calls import ToolCallError, parse_tool_call
-from errors import EnvironmentFailure, SandboxFileError, SandboxPathError, TaskFileError
+from envs.base import Prompt, SandboxPlan, Score, Task, TurnContext
+from envs.tool_env import ToolCallEnvironment
+from errors import EnvironmentFailure, TaskFileError
 from harbor_env import verifier
 from harbor_env.tasks import HarborTask, load_dataset
 from sandboxes.base import ImageBuild, SandboxSpec
@@ -49,7 +49,6 @@ SYSTEM_PROMPT = (
     "Tools: bash(cmd), write_file(path, content), read_file(path), submit(). Paths are relative to the "
     "working directory; there is no network. Call submit() when the task is done: tests then check it."
 )
-READ_LIMIT = 16384
 SEED_DIR = "/.harbor-seed"
 MOUNTS = {"/logs": 32, "/tests": 32, "/solution": 32}
 """Writable tmpfs folders every Harbor sandbox has besides its working directory and /tmp (MiB)."""
@@ -62,15 +61,13 @@ def image_tag(task: HarborTask) -> str:
     return f"dr-harbor-env:{task.content_hash[:32]}"
 
 
-class HarborEnvironment(Environment):
+class HarborEnvironment(ToolCallEnvironment):
     """Harbor task directories (see the module docstring)."""
 
     name: ClassVar[str] = "harbor"
     env_version: ClassVar[str] = "harbor-v1"
     verifier_version: ClassVar[str] = "harbor-verifier-v1"
     task_model: ClassVar[type[Task]] = HarborTask
-    uses_sandbox: ClassVar[bool] = True
-    observation_role: ClassVar[str] = "tool"
 
     def load_tasks(self, path: Any) -> list[Task]:
         """A Harbor dataset (`harbor_env.tasks.load_dataset`)."""
@@ -115,49 +112,14 @@ class HarborEnvironment(Environment):
             timeout_s=t.cfg.agent.timeout_sec,
         )
 
-    def parse(self, ctx: TurnContext, text: str) -> dict[str, Any] | Step:
-        call = parse_tool_call(until_end(text))
-        if isinstance(call, ToolCallError):
-            return Step(observation=call.message)
-        if call.name == "submit":
-            return Step(done=True)
-        return call.model_dump(mode="json")
-
-    async def act(self, ctx: TurnContext, action: dict[str, Any]) -> Step:
-        return await self._act(ctx, action, once_key=f"turn-{ctx.turn}")
-
-    async def _act(self, ctx: TurnContext, action: dict[str, Any], once_key: str | None) -> Step:
-        box = _sandbox(ctx)
-        name, args = action["name"], action.get("arguments", {})
-        if name == "bash":
-            res = await box.exec(args["cmd"], once_key=once_key)
-            status = "timed out" if res.timed_out else f"exit code {res.exit_code}"
-            obs = f"{res.output}\n[{status}]" if res.output else f"[{status}]"
-            return Step(observation=obs, truncated="command_timeout" if res.timed_out else None)
-        try:
-            if name == "write_file":
-                await box.write_file(args["path"], args["content"])
-                obs = f"wrote {len(args['content'].encode())} bytes to {args['path']}"
-            elif name == "read_file":
-                obs = (await box.read_file(args["path"], READ_LIMIT)).decode("utf-8", errors="replace")
-            else:
-                raise EnvironmentFailure(f"rollout {ctx.rollout_id}: unknown action {name!r}")
-        except (SandboxPathError, SandboxFileError) as e:
-            obs = f"error: {e}"
-        return Step(observation=obs)
-
     async def score(self, ctx: TurnContext, text: str | None) -> Score:
         t = _harbor(ctx.task)
         tests = t.tree("tests")
         executables = {p.removeprefix("tests/") for p in t.executables if p.startswith("tests/")}
         ver = t.cfg.verifier
         return await verifier.verify(
-            _sandbox(ctx), t.id, tests, executables, ver.timeout_sec, ver.env, once=f"score-{ctx.turn}"
+            self.sandbox_of(ctx), t.id, tests, executables, ver.timeout_sec, ver.env, once=f"score-{ctx.turn}"
         )
-
-    async def replay(self, ctx: TurnContext, action: dict[str, Any]) -> None:
-        if action.get("name") in ("bash", "write_file"):  # into a fresh sandbox: every action runs
-            await self._act(ctx, action, once_key=None)
 
 
 def image_build(t: HarborTask, tag: str) -> ImageBuild:
@@ -201,9 +163,3 @@ def _harbor(task: Task | dict[str, Any]) -> HarborTask:
         return cast(HarborTask, HarborEnvironment().validate_task(obj, where=f"task {obj.get('id')!r}"))
     except TaskFileError as e:
         raise EnvironmentFailure(str(e)) from None
-
-
-def _sandbox(ctx: TurnContext) -> Sandbox:
-    if ctx.sandbox is None:
-        raise EnvironmentFailure(f"rollout {ctx.rollout_id}: the harbor environment needs a sandbox")
-    return ctx.sandbox

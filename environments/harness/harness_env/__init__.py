@@ -32,6 +32,8 @@ MSWEA_VERSION = "2.4.6"
 HARNESS_IMAGE = f"dr-harness/mini-swe-agent:{MSWEA_VERSION}"
 """The image /opt/harness is copied from (``environments/harness/build_image.sh``)."""
 STATE = "/tmp/.dr-harness"
+TRAJECTORY = f"{STATE}/trajectory.json"
+"""mini-swe-agent's own trajectory file, kept with the rollout (`RunStore.harness_files`)."""
 STEP_TIMEOUT_S = 60
 """mini-swe-agent's limit of one command (its local environment's ``timeout``)."""
 CLIENT_TIMEOUT_S = 900
@@ -80,7 +82,7 @@ class MiniSweAgentEnvironment(HarnessEnvironment):
         command = (
             "python3 -m minisweagent.run.mini --yolo --exit-immediately"
             ' --model "openai/$DR_MODEL" --task "$DR_TASK" --environment-class local'
-            f" --output {STATE}/trajectory.json {config}"
+            f" --output {TRAJECTORY} {config}"
         )
         env = {
             "PYTHONPATH": "/opt/harness",
@@ -92,7 +94,7 @@ class MiniSweAgentEnvironment(HarnessEnvironment):
             "LITELLM_LOCAL_MODEL_COST_MAP": "True",
             "PAGER": "cat",
         }
-        return HarnessCommand(command=command, env=env, tcp_port=8011)
+        return HarnessCommand(command=command, env=env, tcp_port=8011, keep=(TRAJECTORY,))
 
     async def score(self, ctx: TurnContext, text: str | None) -> Score:
         return await _HARBOR.score(ctx, text)

@@ -41,9 +41,9 @@ import shlex
 import xml.etree.ElementTree as ET
 from typing import Any, ClassVar, cast
 
-from envs.base import Environment, Prompt, Sandbox, SandboxPlan, Step, Task, TurnContext, until_end
-from envs.tool_calls import ToolCallError, parse_tool_call
-from errors import EnvironmentFailure, SandboxFileError, SandboxPathError
+from envs.base import Prompt, Sandbox, SandboxPlan, Task, TurnContext
+from envs.tool_env import ToolCallEnvironment
+from errors import EnvironmentFailure
 from sandboxes.base import SandboxSpec
 from swe_env import swebench
 from swe_env.swebench import SweBenchTask
@@ -59,21 +59,17 @@ SYSTEM_PROMPT = (
     "working directory; there is no network. Call submit() when the bug is fixed: hidden tests then score "
     "your change."
 )
-READ_LIMIT = 16384
-"""Largest file read_file shows (bytes)."""
 EXIT_MARK = "swe-exit: "
 """Line the scoring command prints with the test command's exit status, before the report."""
 
 
-class SweEnvironment(Environment):
+class SweEnvironment(ToolCallEnvironment):
     """SWE-style repository tasks in per-task images (see the module docstring)."""
 
     name: ClassVar[str] = "swe"
     env_version: ClassVar[str] = "swe-v1"
     verifier_version: ClassVar[str] = "swe-tests-v1"
     task_model: ClassVar[type[Task]] = SweTask
-    uses_sandbox: ClassVar[bool] = True
-    observation_role: ClassVar[str] = "tool"
 
     def validate_task(self, obj: dict[str, Any], where: str = "task") -> Task:
         """A `SweBenchTask` for a SWE-bench row (it has ``instance_id``), else a `SweTask`."""
@@ -108,41 +104,9 @@ class SweEnvironment(Environment):
             setup_timeout_s=t.setup_timeout_s,
         )
 
-    def parse(self, ctx: TurnContext, text: str) -> dict[str, Any] | Step:
-        """The turn's tool call as an action (``{"name", "arguments"}``), or a `Step`: the parser's error
-        message as the observation, or ``done`` for ``submit``."""
-        call = parse_tool_call(until_end(text))
-        if isinstance(call, ToolCallError):
-            return Step(observation=call.message)
-        if call.name == "submit":
-            return Step(done=True)
-        return call.model_dump(mode="json")
-
-    async def act(self, ctx: TurnContext, action: dict[str, Any]) -> Step:
-        """Run a parsed tool call in the sandbox; its result is the observation. A bash command over its
-        time limit truncates the rollout (``command_timeout``); a rejected path is an error observation."""
-        box = _sandbox(ctx)
-        name, args = action["name"], action.get("arguments", {})
-        if name == "bash":
-            res = await box.exec(args["cmd"])
-            status = "timed out" if res.timed_out else f"exit code {res.exit_code}"
-            obs = f"{res.output}\n[{status}]" if res.output else f"[{status}]"
-            return Step(observation=obs, truncated="command_timeout" if res.timed_out else None)
-        try:
-            if name == "write_file":
-                await box.write_file(args["path"], args["content"])
-                obs = f"wrote {len(args['content'].encode())} bytes to {args['path']}"
-            elif name == "read_file":
-                obs = (await box.read_file(args["path"], READ_LIMIT)).decode("utf-8", errors="replace")
-            else:
-                raise EnvironmentFailure(f"rollout {ctx.rollout_id}: unknown action {name!r}")
-        except (SandboxPathError, SandboxFileError) as e:
-            obs = f"error: {e}"
-        return Step(observation=obs)
-
     async def score(self, ctx: TurnContext, text: str | None) -> float | None:
         t = _swe(ctx.task)
-        box = _sandbox(ctx)
+        box = self.sandbox_of(ctx)
         if isinstance(t, SweBenchTask):
             return await _score_swebench(t, box)
         token = secrets.token_hex(8)
@@ -160,11 +124,6 @@ class SweEnvironment(Environment):
         if t.reward == "exit_status":
             return 1.0 if status.strip() == "0" else 0.0
         return reward_from_junit(xml_text, t.expected_tests)
-
-    async def replay(self, ctx: TurnContext, action: dict[str, Any]) -> None:
-        """Redo a recorded bash or write_file action in a fresh sandbox (reads change nothing)."""
-        if action.get("name") in ("bash", "write_file"):
-            await self.act(ctx, action)
 
 
 def scoring_command(task: SweTask, hidden: str, token: str) -> str:
@@ -234,9 +193,3 @@ def _swe(task: Task | dict[str, Any]) -> SweTask | SweBenchTask:
         return task
     obj = task if isinstance(task, dict) else task.model_dump(mode="json")
     return cast(SweTask, SweEnvironment().validate_task(obj, where=f"task {obj.get('id')!r}"))
-
-
-def _sandbox(ctx: TurnContext) -> Sandbox:
-    if ctx.sandbox is None:
-        raise EnvironmentFailure(f"rollout {ctx.rollout_id}: the swe environment needs a sandbox")
-    return ctx.sandbox

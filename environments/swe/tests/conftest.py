@@ -31,7 +31,7 @@ class BoundSandbox:
         self.backend = backend
         self.handle = handle
 
-    async def exec(self, cmd: str, timeout_s: float | None = None) -> ExecResult:
+    async def exec(self, cmd: str, timeout_s: float | None = None, once_key: str | None = None) -> ExecResult:
         return await self.backend.exec(self.handle, cmd, timeout_s)
 
     async def write_file(self, path: str, content: bytes | str) -> None:

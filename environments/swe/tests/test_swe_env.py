@@ -32,7 +32,7 @@ class FakeSandbox:
         self.commands: list[str] = []
         self.results = list(results or [])
 
-    async def exec(self, cmd: str, timeout_s: float | None = None) -> ExecResult:
+    async def exec(self, cmd: str, timeout_s: float | None = None, once_key: str | None = None) -> ExecResult:
         self.commands.append(cmd)
         return self.results.pop(0) if self.results else ExecResult(exit_code=0, output="")
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,8 +33,9 @@ from durable_rollouts_trl.worker import DurableRolloutWorker
 from trl_support import MODEL_DIR, REPO, group_advantage, overrides
 
 from engines.policy import publish
+from envs import registry
 from tests.conftest import Engine, start_engine
-from tests.integration.support import export, worker
+from tests.integration.support import export, until_polled, worker
 
 
 @pytest.fixture(scope="module")
@@ -69,28 +72,36 @@ def _check_records(records: list[dict[str, Any]], groups: dict[str, dict[str, An
             )
 
 
+def _async_trainer(
+    home: Path, run_id: str, over: list[str], out: Path, max_steps: int
+) -> tuple[Any, DurableRolloutWorker]:
+    """TRL's async GRPO trainer on CPU (8 samples a step, staleness 1) fed by a durable worker."""
+    from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+
+    cpu.enable()
+    args = AsyncGRPOConfig(
+        output_dir=str(out), max_steps=max_steps, per_device_train_batch_size=8, token_budget=0,
+        bf16=False, gradient_checkpointing=False, report_to=[], use_cpu=True, learning_rate=1e-4,
+        max_staleness=1, save_strategy="no", num_generations=4, temperature=1.0, top_k=0,
+    )  # fmt: skip
+    w = DurableRolloutWorker(None, home=home, run_id=run_id, overrides=over, max_staleness=1,
+                             sampling=Sampling(args.temperature, args.top_p, args.top_k),
+                             groups_per_take=2, drop_zero_variance=False)  # fmt: skip
+    dataset = __import__("datasets").Dataset.from_dict({"prompt": ["x"] * 8})
+    trainer = AsyncGRPOTrainer(model=str(MODEL_DIR), args=args, processing_class=_tokenizer(),
+                               train_dataset=dataset, rollout_worker=w, weight_transfer=w)  # fmt: skip
+    return trainer, w
+
+
 @pytest.mark.timeout(900)
 async def test_async_grpo_trainer_with_the_durable_worker(
     eng: Engine, client: Client, task_queue: str, tmp_path: Path
 ) -> None:
-    from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
-
-    cpu.enable()
     home = tmp_path / "home"
     over = overrides(eng.url, _address(client), task_queue, num_groups=6, group_size=4, max_inflight_groups=2)
     async with worker(client, task_queue, home, env_queues=True) as store:
         publish([eng.url], "v0", MODEL_DIR, store)
-        args = AsyncGRPOConfig(
-            output_dir=str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=8, token_budget=0,
-            bf16=False, gradient_checkpointing=False, report_to=[], use_cpu=True, learning_rate=1e-4,
-            max_staleness=1, save_strategy="no", num_generations=4, temperature=1.0, top_k=0,
-        )  # fmt: skip
-        w = DurableRolloutWorker(None, home=home, run_id="trl-async", overrides=over, max_staleness=1,
-                                 sampling=Sampling(args.temperature, args.top_p, args.top_k),
-                                 groups_per_take=2, drop_zero_variance=False)  # fmt: skip
-        dataset = __import__("datasets").Dataset.from_dict({"prompt": ["x"] * 8})
-        trainer = AsyncGRPOTrainer(model=str(MODEL_DIR), args=args, processing_class=_tokenizer(),
-                                   train_dataset=dataset, rollout_worker=w, weight_transfer=w)  # fmt: skip
+        trainer, w = _async_trainer(home, "trl-async", over, tmp_path / "out", max_steps=2)
         try:
             await asyncio.to_thread(trainer.train)
         finally:
@@ -198,3 +209,56 @@ async def test_grpo_trainer_with_the_durable_rollout_func(
         assert not same["flagged"] and same["lag0_mean_abs_dlogp"] < 0.01
         assert wrong["flagged"] and "temperature" in wrong["flag"]
         assert wrong["lag0_mean_abs_dlogp"] > 10 * same["lag0_mean_abs_dlogp"]
+
+
+@pytest.mark.timeout(900)
+async def test_a_rollout_worker_sigkilled_mid_loop_loses_and_repeats_no_sample(
+    eng: Engine, client: Client, task_queue: str, tmp_path: Path
+) -> None:
+    """The async trainer keeps training through a SIGKILL of the rollout worker process (a second one
+    starts): every generated rollout recorded once, none handed to TRL twice, the feed's books balance."""
+    from store.runstore import RunStore
+    from trainer.feed import TrainerFeed
+    from workers import procs
+
+    home, run_id = tmp_path / "home", "trl-kill"
+    address = _address(client)
+    over = overrides(eng.url, address, task_queue, num_groups=8, group_size=4, max_inflight_groups=2)
+    over.append("admission.max_queued_groups=4")  # generation waits for the trainer: the kill lands mid-run
+    path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    env = {"ROLLOUTS_HOME": str(home), "PYTHONPATH": path}
+
+    def spawn(name: str) -> int:
+        return procs.spawn(name, procs.worker_argv(address, task_queue), home, env=env)
+
+    first, second = spawn("worker-1"), None
+    store = RunStore(home)
+    w: DurableRolloutWorker | None = None
+    try:
+        await until_polled(client, registry.run_queue(task_queue, "math"))
+        publish([eng.url], "v0", MODEL_DIR, store)
+        trainer, w = _async_trainer(home, run_id, over, tmp_path / "out", max_steps=3)
+        training = asyncio.ensure_future(asyncio.to_thread(trainer.train))
+        end = time.monotonic() + 600
+        while len(w.consumed) < 8 and not training.done():  # the first step's samples handed out
+            assert time.monotonic() < end, "no sample handed out within 600 s"
+            await asyncio.sleep(0.1)
+        recorded_at_kill = len(store.rollouts(run_id))
+        os.killpg(first, signal.SIGKILL)
+        second = spawn("worker-2")
+        await training
+    finally:
+        if w is not None:
+            w.stop()
+        procs.stop_pid(first)
+        if second is not None:
+            procs.stop_pid(second)
+    assert recorded_at_kill < 32  # the kill came mid-run: rollouts were still to be generated
+    assert trainer.model_version == 4  # train begin + 3 steps: training went on past the kill
+    await asyncio.wait_for(client.get_workflow_handle(run_id).result(), timeout=300)
+    rollouts, _ = export(store, run_id)
+    assert len(rollouts) == len({r["rollout_id"] for r in rollouts}) == 32  # every rollout recorded, once
+    taken = [c["rollout_id"] for c in w.consumed]
+    assert len(taken) >= 24 and len(taken) == len(set(taken))  # three steps of 8, none handed out twice
+    books = TrainerFeed(store, run_id).ledger().check()
+    assert books.generated.records == 32 and books.consumed.records >= len(taken)
