@@ -219,7 +219,7 @@ async def test_a_rollout_worker_sigkilled_mid_loop_loses_and_repeats_no_sample(
     starts): every generated rollout recorded once, none handed to TRL twice, the feed's books balance."""
     from store.runstore import RunStore
     from trainer.feed import TrainerFeed
-    from workers import procs
+    from stack import procs
 
     home, run_id = tmp_path / "home", "trl-kill"
     address = _address(client)
