@@ -217,9 +217,9 @@ async def test_a_rollout_worker_sigkilled_mid_loop_loses_and_repeats_no_sample(
 ) -> None:
     """The async trainer keeps training through a SIGKILL of the rollout worker process (a second one
     starts): every generated rollout recorded once, none handed to TRL twice, the feed's books balance."""
+    from stack import procs
     from store.runstore import RunStore
     from trainer.feed import TrainerFeed
-    from stack import procs
 
     home, run_id = tmp_path / "home", "trl-kill"
     address = _address(client)
