@@ -13,7 +13,8 @@ RUN_ID  ?= demo-$(shell date +%Y%m%d-%H%M%S)
 .PHONY: setup demo test test-unit lint docs down bench grpo trl-grpo harbor-venv
 
 # Harbor 0.25 (the cross-check of the harbor plug-in's task.toml parser) needs Python >= 3.12.
-PY312   ?= $(or $(shell command -v python3.12 2>/dev/null),$(lastword $(sort $(wildcard $(HOME)/.pyenv/versions/3.12.*/bin/python))))
+# pyenv's own 3.12 first: a `python3.12` shim on the PATH fails where 3.12 is installed but not selected.
+PY312   ?= $(or $(lastword $(sort $(wildcard $(HOME)/.pyenv/versions/3.12.*/bin/python))),$(shell command -v python3.12 2>/dev/null))
 HARBOR_STAMP := .venv-harbor/.installed
 
 $(STAMP): pyproject.toml environments/swe/pyproject.toml environments/reasoning_gym/pyproject.toml environments/harbor/pyproject.toml environments/harness/pyproject.toml integrations/trl/pyproject.toml
