@@ -38,7 +38,7 @@ setup: $(STAMP)
 # A separate venv with Harbor's own package, which tests/test_harbor_crosscheck.py runs in a subprocess.
 $(HARBOR_STAMP):
 	@test -n "$(PY312)" || { echo "Python 3.12 is needed for .venv-harbor (pyenv install 3.12, or set PY312)"; exit 1; }
-	$(PY312) -m venv .venv-harbor
+	$(PY312) -m venv --clear .venv-harbor
 	.venv-harbor/bin/pip install -q harbor==0.25.0
 	touch $(HARBOR_STAMP)
 
