@@ -73,18 +73,18 @@ def _check_records(records: list[dict[str, Any]], groups: dict[str, dict[str, An
 
 
 def _async_trainer(
-    home: Path, run_id: str, over: list[str], out: Path, max_steps: int
+    home: Path, run_id: str, over: list[str], out: Path, max_steps: int, staleness: int = 1
 ) -> tuple[Any, DurableRolloutWorker]:
-    """TRL's async GRPO trainer on CPU (8 samples a step, staleness 1) fed by a durable worker."""
+    """TRL's async GRPO trainer on CPU (8 samples a step) fed by a durable worker, one staleness bound."""
     from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 
     cpu.enable()
     args = AsyncGRPOConfig(
         output_dir=str(out), max_steps=max_steps, per_device_train_batch_size=8, token_budget=0,
         bf16=False, gradient_checkpointing=False, report_to=[], use_cpu=True, learning_rate=1e-4,
-        max_staleness=1, save_strategy="no", num_generations=4, temperature=1.0, top_k=0,
+        max_staleness=staleness, save_strategy="no", num_generations=4, temperature=1.0, top_k=0,
     )  # fmt: skip
-    w = DurableRolloutWorker(None, home=home, run_id=run_id, overrides=over, max_staleness=1,
+    w = DurableRolloutWorker(None, home=home, run_id=run_id, overrides=over, max_staleness=staleness,
                              sampling=Sampling(args.temperature, args.top_p, args.top_k),
                              groups_per_take=2, drop_zero_variance=False)  # fmt: skip
     dataset = __import__("datasets").Dataset.from_dict({"prompt": ["x"] * 8})
@@ -237,7 +237,9 @@ async def test_a_rollout_worker_sigkilled_mid_loop_loses_and_repeats_no_sample(
     try:
         await until_polled(client, registry.run_queue(task_queue, "math"))
         publish([eng.url], "v0", MODEL_DIR, store)
-        trainer, w = _async_trainer(home, run_id, over, tmp_path / "out", max_steps=3)
+        # Staleness 4 (> the 3 steps' versions): the kill delays the rollouts in flight past weight syncs, and
+        # none may be discarded as stale here, so every sample not taken is still waiting at the end.
+        trainer, w = _async_trainer(home, run_id, over, tmp_path / "out", max_steps=3, staleness=4)
         training = asyncio.ensure_future(asyncio.to_thread(trainer.train))
         end = time.monotonic() + 600
         while len(w.consumed) < 8 and not training.done():  # the first step's samples handed out
@@ -262,3 +264,4 @@ async def test_a_rollout_worker_sigkilled_mid_loop_loses_and_repeats_no_sample(
     assert len(taken) >= 24 and len(taken) == len(set(taken))  # three steps of 8, none handed out twice
     books = TrainerFeed(store, run_id).ledger().check()
     assert books.generated.records == 32 and books.consumed.records >= len(taken)
+    assert books.discarded.records == 0 and w.discarded == []  # nothing stale, nothing lost
