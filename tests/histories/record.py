@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import tempfile
+from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
+from typing import Any
 
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
@@ -42,17 +45,34 @@ async def _save(client: Client, out: Path, name: str, workflow_id: str, runs: in
     return saved
 
 
-async def record(out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
+@contextlib.asynccontextmanager
+async def dev_server(*extra_args: str) -> AsyncIterator[Client]:
+    """A client of a fresh Temporal dev server (the project's binary, its search attributes), shut down
+    after; ``extra_args`` go to ``temporal server start-dev``."""
     env = await WorkflowEnvironment.start_local(
         dev_server_existing_path=str(venv_bin("temporal")),
         data_converter=pydantic_data_converter,
         search_attributes=sa.ALL,
         dev_server_log_level="error",
-        dev_server_extra_args=["--dynamic-config-value", "limit.historyCount.suggestContinueAsNew=40"],
+        dev_server_extra_args=list(extra_args),
     )
     try:
-        client = env.client
+        yield env.client
+    finally:
+        await env.shutdown()
+
+
+def main_of(record: Callable[[Path], Coroutine[Any, Any, None]], doc: str | None) -> None:
+    """A recorder's command line: ``--release NAME`` records into tests/histories/NAME/."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--release", required=True, help="folder name under tests/histories/")
+    asyncio.run(record(HERE / p.parse_args().release))
+
+
+async def record(out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    suggest = ["--dynamic-config-value", "limit.historyCount.suggestContinueAsNew=40"]
+    async with dev_server(*suggest) as client:
         with tempfile.TemporaryDirectory() as home:
             async with (
                 SimEngine(SimSettings(**RANDOM)).serve(port=0) as math_url,
@@ -83,19 +103,10 @@ async def record(out: Path) -> None:
             "long-rollout": await _save(client, out, "long-rollout", "long/g000000/0"),
             "adaptive-run": await _save(client, out, "adaptive-run", "adaptive"),
         }
-    finally:
-        await env.shutdown()
     print(json.dumps(counts))
     assert counts["long-rollout"] >= 2, "the long rollout did not continue as new"
     assert counts["adaptive-run"] >= 2, "the adaptive run did not continue as new"
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--release", required=True, help="folder name under tests/histories/")
-    args = p.parse_args()
-    asyncio.run(record(HERE / args.release))
-
-
 if __name__ == "__main__":
-    main()
+    main_of(record, __doc__)

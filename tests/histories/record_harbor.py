@@ -4,26 +4,20 @@ Runs, on a real Temporal dev server with an in-process worker, real Docker and t
 playing the oracle: the example ``hello-from-image`` (its agent timeout sets a deadline whose timer is
 cancelled when it completes) and a copy whose agent timeout (3 s) cuts its solve.sh (a 20 s sleep) short.
 
-    python -m tests.histories.record_harbor --release 0.2.0-harbor
+    python -m tests.histories.record_harbor --release 0.3.0-harbor
 """
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import json
 import shutil
 import tempfile
 from pathlib import Path
 
-from temporalio.contrib.pydantic import pydantic_data_converter
-from temporalio.testing import WorkflowEnvironment
-
-from config.paths import REPO_ROOT, venv_bin
+from config.paths import REPO_ROOT
 from simengine import Mode, ModeRule, SimEngine, SimSettings
-from tests.histories.record import HERE, _save
+from tests.histories.record import _save, dev_server, main_of
 from tests.integration.support import make_config, run_to_end, worker
-from workflows import search_attributes as sa
 
 SANDBOX = {"memory_mb": 512, "workdir_size_mb": 64, "tmp_size_mb": 64, "command_timeout_s": 30}
 EXAMPLE = REPO_ROOT / "environments" / "harbor" / "examples" / "hello-from-image"
@@ -33,12 +27,7 @@ async def record(out: Path) -> None:
     from harbor_env.transcripts import write
 
     out.mkdir(parents=True, exist_ok=True)
-    env = await WorkflowEnvironment.start_local(
-        dev_server_existing_path=str(venv_bin("temporal")), data_converter=pydantic_data_converter,
-        search_attributes=sa.ALL, dev_server_log_level="error",
-    )  # fmt: skip
-    try:
-        client = env.client
+    async with dev_server() as client:
         with tempfile.TemporaryDirectory() as home:
             data = Path(home) / "datasets"
             shutil.copytree(EXAMPLE, data / "hello")
@@ -68,16 +57,8 @@ async def record(out: Path) -> None:
                 client, out, "harbor-timeout-rollout", "harbor-slow/g000000/0"
             ),
         }
-    finally:
-        await env.shutdown()
     print(json.dumps(counts))
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--release", required=True, help="folder name under tests/histories/")
-    asyncio.run(record(HERE / p.parse_args().release))
-
-
 if __name__ == "__main__":
-    main()
+    main_of(record, __doc__)
