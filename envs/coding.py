@@ -21,7 +21,7 @@ import xml.etree.ElementTree as ET
 from envs.base import Prompt, SandboxPlan, Task, TurnContext
 from envs.coding_tasks import CodingTask
 from envs.tool_calls import TOOLS
-from envs.tool_env import ToolCallEnvironment, format_exec
+from envs.tool_env import ToolCallEnvironment
 from sandboxes.base import SandboxSpec
 
 ENV_VERSION = "coding-v1"
@@ -118,7 +118,6 @@ __all__ = [
     "CodingEnvironment",
     "count_tests",
     "first_messages",
-    "format_exec",
     "reward_from_junit",
     "scoring_command",
 ]

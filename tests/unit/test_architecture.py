@@ -147,6 +147,20 @@ def test_the_checks_see_a_cycle_and_an_upward_import() -> None:
     assert _cycles({**real, "errors": {"cli": "errors/x.py:1"}})  # cli imports errors: now a cycle
 
 
+def _temporal_imports(package: str) -> list[str]:
+    """Where ``package`` imports temporalio (file:line), module-level and lazy imports alike."""
+    return [
+        f"{f.relative_to(REPO_ROOT)}:{node.lineno}"
+        for f in _sources([package])
+        for node in ast.walk(ast.parse(f.read_text()))
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        and any(
+            (m or "").split(".")[0] == "temporalio"
+            for m in ([a.name for a in node.names] if isinstance(node, ast.Import) else [node.module])
+        )
+    ]
+
+
 ADMISSION_BELOW = {"config", "contracts"}
 """What ``admission`` may import: the config models and the data it decides on. It is the run's admission
 policy as pure functions and state machines, called inside the workflows' sandbox and replayed."""
@@ -156,16 +170,7 @@ def test_admission_is_pure_policy_below_the_workflows_and_imports_no_temporal() 
     graph = _package_imports()
     assert set(graph["admission"]) <= ADMISSION_BELOW, graph["admission"]
     assert "admission" in graph["workflows"]
-    temporal = [
-        f"{f.relative_to(REPO_ROOT)}:{node.lineno}"
-        for f in _sources(["admission"])
-        for node in ast.walk(ast.parse(f.read_text()))
-        if isinstance(node, ast.Import | ast.ImportFrom)
-        and any(
-            (m or "").split(".")[0] == "temporalio"
-            for m in ([a.name for a in node.names] if isinstance(node, ast.Import) else [node.module])
-        )
-    ]
+    temporal = _temporal_imports("admission")
     assert not temporal, f"admission imports temporalio: {temporal}"
 
 
@@ -180,16 +185,7 @@ def test_turns_sit_below_engines_activities_and_workflows_and_import_no_temporal
     upward = {p: where for p, where in graph["turns"].items() if p not in TURNS_BELOW}
     assert not upward, f"turns imports above its layer: {upward}"
     assert "turns" in graph["activities"] and "turns" in graph["workflows"] and "turns" in graph["engines"]
-    temporal = [
-        f"{f.relative_to(REPO_ROOT)}:{node.lineno}"
-        for f in _sources(["turns"])
-        for node in ast.walk(ast.parse(f.read_text()))
-        if isinstance(node, ast.Import | ast.ImportFrom)
-        and any(
-            (m or "").split(".")[0] == "temporalio"
-            for m in ([a.name for a in node.names] if isinstance(node, ast.Import) else [node.module])
-        )
-    ]
+    temporal = _temporal_imports("turns")
     assert not temporal, f"turns imports temporalio: {temporal}"
 
 
