@@ -17,10 +17,13 @@ RUN_ID  ?= demo-$(shell date +%Y%m%d-%H%M%S)
 PY312   ?= $(or $(lastword $(sort $(wildcard $(HOME)/.pyenv/versions/3.12.*/bin/python))),$(shell command -v python3.12 2>/dev/null))
 HARBOR_STAMP := .venv-harbor/.installed
 
-$(STAMP): pyproject.toml environments/swe/pyproject.toml environments/reasoning_gym/pyproject.toml environments/harbor/pyproject.toml environments/harness/pyproject.toml integrations/trl/pyproject.toml
+$(STAMP): pyproject.toml environments/math/pyproject.toml environments/coding/pyproject.toml environments/swe/pyproject.toml environments/reasoning_gym/pyproject.toml environments/harbor/pyproject.toml environments/harness/pyproject.toml integrations/trl/pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e ".[cpu,dev]"
+	# The bundled environments are plug-ins, each its own distribution (the core names none of them).
+	$(BIN)/pip install -q -e environments/math
+	$(BIN)/pip install -q -e environments/coding
 	$(BIN)/pip install -q -e environments/swe
 	# reasoning-gym (pinned) and its dependencies come with this plug-in only, never with the core.
 	$(BIN)/pip install -q -e environments/reasoning_gym

@@ -55,8 +55,8 @@ from store import RunStore
 from workflows.run import RunWorkflow
 from workflows.search_attributes import reason_key
 
-CODING_TASKS = REPO_ROOT / "envs" / "data" / "coding.jsonl"
-MATH_TASKS = REPO_ROOT / "envs" / "data" / "addition.jsonl"
+CODING_TASKS = REPO_ROOT / "environments" / "coding" / "coding_env" / "data" / "coding.jsonl"
+MATH_TASKS = REPO_ROOT / "environments" / "math" / "math_env" / "data" / "addition.jsonl"
 LOST = {"missing-group", "missing-record", "missing-run", "group-size"}
 DUPLICATED = {"duplicate", "unknown-rollout", "unknown-group"}
 LEAKED = {"leaked-container", "leaked-slot"}

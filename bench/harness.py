@@ -5,9 +5,10 @@ the script directory on sys.path).
 
 - `temporal_env`: a real Temporal dev server (in memory, our search attributes) for one benchmark.
 - `bare_round`: the run's rollouts with no orchestration, doing the same engine calls the activities do
-  (render the prompt via /tokenize once; per turn: generate, detokenize, verify, and on a wrong answer
-  tokenize the retry observation and append it), with the same dispatch shape as `RunWorkflow`: at most
-  ``run.max_inflight_groups`` groups in flight, every member of a group at once.
+  (render the environment's prompt via /tokenize once; per turn: generate, detokenize, the environment's
+  ``parse``, and for an observation, such as math's retry prompt after a wrong answer, tokenize it and
+  append it), with the same dispatch shape as `RunWorkflow`: at most ``run.max_inflight_groups`` groups in
+  flight, every member of a group at once.
 - `pipeline_round`: the same run through the full durable pipeline (RunWorkflow -> groups -> rollouts).
 - `cpu_s` / `rss_bytes` / `child_pids`: process CPU time and resident memory from /proc, for CPU-per-turn
   accounting and memory over a long run.
@@ -31,7 +32,8 @@ from config.models import Config
 from config.paths import venv_bin
 from contracts.types import RunInput, TruncationReason, group_id, rollout_id, sampling_params
 from engines.client import EngineClient
-from envs.math import RETRY_PROMPT, verify
+from envs import registry
+from envs.base import Step, TurnContext
 from turns.budget import turn_truncation
 from turns.model import call_model
 from workflows import search_attributes as sa
@@ -65,18 +67,23 @@ class BareRollout:
     model_s: list[float] = field(default_factory=list)
     """Per turn: the generate HTTP call."""
     env_s: list[float] = field(default_factory=list)
-    """Per turn: detokenize, verify, and the retry observation's /tokenize."""
+    """Per turn: detokenize, the environment's ``parse``, and its observation's /tokenize."""
 
 
 async def bare_rollout(engine: EngineClient, url: str, cfg: Config, task: dict, rid: str) -> BareRollout:
-    """One math rollout with no orchestration, making the same engine calls as the pipeline's activities
-    through the same model call (``turns.model.call_model``) and truncation verdict (``turns.budget``)."""
+    """One rollout of the run's environment with no orchestration, making the same engine calls as the
+    pipeline's activities through the same model call (``turns.model.call_model``) and truncation verdict
+    (``turns.budget``), and the same environment hooks (``prompt``, ``parse``). For environments whose steps
+    need no sandbox (``inline_steps``, e.g. math): a turn that ``parse`` makes an action is refused."""
+    env = registry.get(cfg.run.env)
+    item = env.validate_task(task)
     out = BareRollout()
     t0 = time.perf_counter()
     base = sampling_params(cfg)
     sampling = base.model_copy(update={"seed": member_seed(base.seed, rid)})
     model = cfg.engine.model
-    context = await engine.tokenize_chat(url, model, [{"role": "user", "content": task["prompt"]}])
+    prompt = env.prompt(item)
+    context = prompt.token_ids or await engine.tokenize_chat(url, model, prompt.messages or [])
     total = cfg.rollout.max_total_tokens
     for turn in range(cfg.rollout.max_turns):
         t1 = time.perf_counter()
@@ -92,12 +99,15 @@ async def bare_rollout(engine: EngineClient, url: str, cfg: Config, task: dict, 
         if turn_truncation(gen.finish_reason, len(context), total) is not None:
             break
         text = await engine.detokenize(url, model, gen.token_ids)
-        reward = verify(text.split("<|end|>", 1)[0], task["answer"])
-        if reward == 1.0 or turn + 1 >= cfg.rollout.max_turns:
+        last = turn + 1 >= cfg.rollout.max_turns
+        step = env.parse(TurnContext(task=item, rollout_id=rid, turn=turn, last_turn=last), text)
+        if not isinstance(step, Step):
+            raise ValueError(f"run.env: {env.name!r} acts in a sandbox; the bare driver steps inline only")
+        if step.done or last or step.observation is None:
             out.env_s.append(time.perf_counter() - t2)
             break
-        obs = await engine.tokenize_chat(url, model, [{"role": "user", "content": RETRY_PROMPT}])
-        context = context + obs
+        message = {"role": env.observation_role, "content": step.observation}
+        context = context + await engine.tokenize_chat(url, model, [message])
         out.env_s.append(time.perf_counter() - t2)
     out.wall_s = time.perf_counter() - t0
     return out

@@ -57,7 +57,7 @@ from stack import procs, stack
 from store.runstore import RunStore
 from workflows.run import RunWorkflow
 
-TASKS = REPO_ROOT / "envs" / "data" / "addition.jsonl"
+TASKS = REPO_ROOT / "environments" / "math" / "math_env" / "data" / "addition.jsonl"
 HISTORY_SAMPLES = 3
 """Groups per tenth whose histories (the group's and its first member's) are read."""
 

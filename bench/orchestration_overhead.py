@@ -45,7 +45,7 @@ from stack import procs
 from store.runstore import RunStore
 from workers.worker import build_worker
 
-TASKS = REPO_ROOT / "envs" / "data" / "addition.jsonl"
+TASKS = REPO_ROOT / "environments" / "math" / "math_env" / "data" / "addition.jsonl"
 MAX_TOKENS = 8
 
 

@@ -30,7 +30,7 @@ from store import open_store
 from store.local_postgres import local_postgres
 from workers.worker import build_worker
 
-TASKS = REPO_ROOT / "envs" / "data" / "addition.jsonl"
+TASKS = REPO_ROOT / "environments" / "math" / "math_env" / "data" / "addition.jsonl"
 
 
 def make_config(url: str, args: argparse.Namespace, queue: str) -> Config:

@@ -57,19 +57,20 @@ def train(
     except ConfigError as e:
         raise _fail(str(e)) from None
     from envs import registry
-    from envs.math import MathEnvironment
 
     try:
         env = registry.get(cfg.run.env)
     except ConfigError as e:
         raise _fail(f"{config}: {e}") from None
-    if not isinstance(env, MathEnvironment):  # its evaluation uses the math verifier
-        raise _fail(f"{config}: run.env: the example trainer scores math runs, not {cfg.run.env!r}")
+    if not env.inline_steps:  # its evaluation scores one sampled turn, with no sandbox
+        raise _fail(
+            f"{config}: run.env: the example trainer evaluates inline-step runs (math), not {cfg.run.env!r}"
+        )
     tasks_path = resolve_repo_path(cfg.run.task_file)
     cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"task_file": str(tasks_path)})})
     try:
         load_tasks(tasks_path, cfg.run.env)
-        load_tasks(resolve_repo_path(ts.eval_task_file), "math")
+        load_tasks(resolve_repo_path(ts.eval_task_file), cfg.run.env)
     except TaskFileError as e:
         raise _fail(str(e)) from None
     rid = run_id or time.strftime("grpo-%Y%m%d-%H%M%S")

@@ -110,7 +110,7 @@ class RolloutConfig(_Strict):
 
 
 class RunConfig(_Strict):
-    task_file: str = Field("envs/data/addition.jsonl", min_length=1)
+    task_file: str = Field("environments/math/math_env/data/addition.jsonl", min_length=1)
     """JSONL task file in the environment's task format; a relative path resolves against the submitter's
     working directory. The tasks are read once, at submit, and stored with the run."""
     env: str = Field("math", min_length=1)

@@ -1,8 +1,9 @@
 """The environment registry: environments are found by name through Python entry points.
 
 Invariant: the core never names an environment. ``run.env`` is looked up here, among the entry points of
-the group ``durable_rollouts.environments`` of every installed distribution (this project registers
-``math`` and ``coding``; a user's own package registers its own in its ``pyproject.toml``)::
+the group ``durable_rollouts.environments`` of every installed distribution (the core registers none; the
+plug-ins under ``environments/`` register ``math``, ``coding``, ``swe``, ...; a user's own package registers
+its own the same way, in its ``pyproject.toml``)::
 
     [project.entry-points."durable_rollouts.environments"]
     swe = "swe_env:SweEnvironment"

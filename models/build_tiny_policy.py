@@ -4,7 +4,8 @@ The project's tests and demos need a policy that vLLM can serve fully offline, t
 to commit, and whose sampled answers are right only part of the time, so that a group of rollouts of
 one task has reward variance. This script builds all of that from scratch in a few minutes:
 
-* ``envs/data/addition.jsonl``: 200 two-digit + two-digit addition tasks (``{"id", "prompt", "answer"}``).
+* ``environments/math/math_env/data/addition.jsonl``: 200 two-digit + two-digit addition tasks
+  (``{"id", "prompt", "answer"}``; the math plug-in's bundled task file).
 * ``models/tiny-policy/``: a Hugging Face model directory holding
 
   - a byte-level tokenizer (every byte is one token, its id equal to the byte's value) with seven
@@ -17,7 +18,8 @@ one task has reward variance. This script builds all of that from scratch in a f
 Everything is seeded and runs single-threaded with deterministic algorithms, so two runs on the same
 machine produce the same files. Usage::
 
-    python models/build_tiny_policy.py [--out models/tiny-policy] [--tasks-out envs/data/addition.jsonl]
+    python models/build_tiny_policy.py [--out models/tiny-policy] \
+        [--tasks-out environments/math/math_env/data/addition.jsonl]
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from transformers import AutoTokenizer, BatchEncoding, LlamaConfig, LlamaForCaus
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / "models" / "tiny-policy"
-DEFAULT_TASKS_OUT = REPO_ROOT / "envs" / "data" / "addition.jsonl"
+DEFAULT_TASKS_OUT = REPO_ROOT / "environments" / "math" / "math_env" / "data" / "addition.jsonl"
 
 PAD, BOS, END = "<|pad|>", "<|bos|>", "<|end|>"
 SPECIAL_TOKENS = [PAD, BOS, END, "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>"]

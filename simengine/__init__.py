@@ -25,8 +25,8 @@ It is NOT a replacement for tests against real vLLM: it has no model and no samp
 linear cost model, and it reproduces only the parts of vLLM's behaviour listed above. Anything that depends
 on how vLLM actually behaves must also be tested against vLLM.
 
-Start it with ``python -m simengine --port P --model tiny --tasks envs/data/coding.jsonl --policy scripted
---mode reference``, or in process::
+Start it with ``python -m simengine --port P --model tiny --tasks
+environments/coding/coding_env/data/coding.jsonl --policy scripted --mode reference``, or in process::
 
     async with SimEngine(SimSettings(tasks=...)).serve(port=0) as url:
         ...

@@ -26,9 +26,8 @@ from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from envs.coding_tasks import CodingTask, load_coding_tasks
 from errors import TaskFileError
-from simengine.scripts import script
+from simengine.scripts import ScriptedTask, load_scripted_tasks, script
 from simengine.settings import Mode, PolicyName, SimSettings
 from simengine.tokenizer import ASSISTANT, SimTokenizer
 
@@ -112,7 +111,7 @@ class ScriptedPolicy:
 
     def __init__(
         self,
-        tasks: list[CodingTask],
+        tasks: list[ScriptedTask],
         tokenizer: SimTokenizer,
         settings: SimSettings,
         transcripts: Transcripts | None = None,
@@ -199,7 +198,7 @@ def make_policy(settings: SimSettings, tokenizer: SimTokenizer) -> Policy:
     TaskFileError)."""
     if settings.policy == PolicyName.RANDOM:
         return RandomPolicy(tokenizer, settings)
-    tasks = load_coding_tasks(settings.tasks) if settings.tasks is not None else []
+    tasks = load_scripted_tasks(settings.tasks) if settings.tasks is not None else []
     transcripts = load_transcripts(settings.transcripts) if settings.transcripts is not None else None
     return ScriptedPolicy(tasks, tokenizer, settings, transcripts)
 

@@ -4,13 +4,63 @@ Invariant: pure and deterministic. The same task, mode and turn always give the 
 replayed or retried against the simulated engine produces the same tokens. Every well-formed action is
 rendered by `envs.tool_calls.render_call`, the same format the harness parses; the malformed ones are fixed
 strings that `envs.tool_calls.parse_tool_call` rejects.
+
+The tasks come from a coding task file (the coding plug-in's ``coding_env/data/coding.jsonl``, or any JSONL
+file whose lines carry an ``id`` and the ``reference`` and ``wrong`` file maps): the script reads only those
+(`ScriptedTask`); the environment that runs the rollouts validates the rest.
 """
 
 from __future__ import annotations
 
-from envs.coding_tasks import CodingTask
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
 from envs.tool_calls import ToolCall, render_call
+from errors import TaskFileError
 from simengine.settings import Mode
+
+FileMap = dict[str, str]
+"""Relative path -> file content."""
+
+
+class ScriptedTask(BaseModel):
+    """What the script needs of one line of a coding task file; its other keys are ignored."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
+
+    id: str = Field(min_length=1)
+    """The task's id, as the environment writes it in the ``Task id: <id>`` line of the prompt."""
+    reference: FileMap = Field(min_length=1)
+    """Files that solve the task (written in modes other than ``wrong``)."""
+    wrong: FileMap = Field(min_length=1)
+    """Files of a plausible but wrong solution (written in mode ``wrong``)."""
+
+
+def load_scripted_tasks(path: str | Path) -> list[ScriptedTask]:
+    """Read the tasks the script plays from a coding task file (JSONL, ids unique).
+
+    Raises:
+        TaskFileError: one line naming the file, the line and the field at fault.
+    """
+    from envs.tasks import json_objects
+
+    p = Path(path)
+    tasks: dict[str, ScriptedTask] = {}
+    for n, obj in json_objects(p):
+        try:
+            task = ScriptedTask.model_validate(obj)
+        except ValidationError as e:
+            err = e.errors()[0]
+            field = str(err["loc"][0]) if err["loc"] else "task"
+            raise TaskFileError(f"{p}:{n}: field {field!r}: {err['msg']}") from None
+        if task.id in tasks:
+            raise TaskFileError(f"{p}:{n}: field 'id': duplicate task id {task.id!r}")
+        tasks[task.id] = task
+    if not tasks:
+        raise TaskFileError(f"{p}: no tasks")
+    return list(tasks.values())
+
 
 MALFORMED_TURNS: tuple[str, ...] = (
     # Bad JSON: the arguments object is not closed.
@@ -24,7 +74,7 @@ LOOP_CMD = "echo step"
 SLEEP_CMD = "sleep 30"
 
 
-def script(task: CodingTask, mode: Mode) -> list[str]:
+def script(task: ScriptedTask, mode: Mode) -> list[str]:
     """Every turn of the scripted agent in ``mode`` on ``task``, in order (the last one repeats forever)."""
     if mode == Mode.LOOP:
         return [_call("bash", cmd=LOOP_CMD)]

@@ -196,18 +196,20 @@ class Loop:
 
     async def evaluate(self, label: str) -> dict[str, Any] | None:
         from contracts.types import SamplingParams
+        from envs import registry
         from envs.tasks import load_tasks
-        from trainer.evaluate import math_accuracy
+        from trainer.evaluate import accuracy
 
         if self.ts.eval_samples_per_task == 0:
             return None
-        tasks = load_tasks(resolve_repo_path(self.ts.eval_task_file), "math")
+        env = self.cfg.run.env
+        tasks = load_tasks(resolve_repo_path(self.ts.eval_task_file), env)
         s = self.cfg.sampling
         sampling = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                                   max_tokens=s.max_tokens, seed=None,
                                   logprob_mode=self.cfg.engine.logprob_mode)  # fmt: skip
         t0 = time.monotonic()
-        res = await math_accuracy(self.urls[0], self.cfg.engine.model, tasks, sampling,
+        res = await accuracy(self.urls[0], self.cfg.engine.model, registry.get(env), tasks, sampling,
                                   self.ts.eval_samples_per_task, self.ts.eval_seed,
                                   self.ts.eval_concurrency)  # fmt: skip
         out = {**res.as_dict(), "seconds": round(time.monotonic() - t0, 2)}

@@ -28,8 +28,8 @@ from store import RunStore, open_store
 from workers.worker import build_workers
 from workflows.run import RunWorkflow
 
-TASKS = REPO_ROOT / "envs" / "data" / "addition.jsonl"
-CODING_TASKS = REPO_ROOT / "envs" / "data" / "coding.jsonl"
+TASKS = REPO_ROOT / "environments" / "math" / "math_env" / "data" / "addition.jsonl"
+CODING_TASKS = REPO_ROOT / "environments" / "coding" / "coding_env" / "data" / "coding.jsonl"
 
 
 def make_config(engine_urls: list[str], task_queue: str, **sections: dict[str, Any]) -> Config:

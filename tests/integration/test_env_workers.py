@@ -15,13 +15,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import math_env
 import pytest
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client
 from temporalio.service import RPCError, RPCStatusCode
 
 from config.paths import REPO_ROOT
-from envs import math as math_env
 from envs.registry import env_queue
 from stack import procs
 from store import open_store

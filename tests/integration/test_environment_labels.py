@@ -11,14 +11,14 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from coding_env import CodingEnvironment
+from math_env import MathEnvironment
 from temporalio.client import Client
 from typer.testing import CliRunner
 
 from cli.progress import ENVIRONMENT_FAILURE_EXIT
 from cli.rollouts import app
 from envs.base import Action, Step, TurnContext
-from envs.coding import CodingEnvironment
-from envs.math import MathEnvironment
 from sandboxes import DockerBackend
 from simengine import Mode, ModeRule, SimEngine, SimSettings
 from tests.conftest import Engine

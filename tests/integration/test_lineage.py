@@ -13,14 +13,14 @@ import os
 import subprocess
 from pathlib import Path
 
+import math_env
 import pytest
+from math_env import MathEnvironment
 from temporalio.client import Client
 
 from cli.reproduce import reproduce
 from config.load import config_hash
 from config.paths import venv_bin
-from envs import math as math_env
-from envs.math import MathEnvironment
 from stack import procs
 from tests.conftest import POLICY_VERSION, Engine
 from tests.integration.support import export, make_config, run_to_end, worker

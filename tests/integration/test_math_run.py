@@ -8,11 +8,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from math_env import verify
 from temporalio.client import Client
 from transformers import AutoTokenizer
 
 from contracts.types import group_id, rollout_id
-from envs.math import verify
 from tests.conftest import MODEL_DIR, POLICY_VERSION, Engine, free_port
 from tests.integration.support import (
     assert_schema_valid,

@@ -1,9 +1,10 @@
-"""The house's structure, checked: no environment named outside the environments, no import cycle between
-top-level packages, every package in its layer and importing only from the layers below (`LAYERS`: the
-command line on top, then the worker processes, ...; ``turns`` holds a turn's logic and ``admission`` the
-run's admission policy, neither with Temporal in it), every activity called by reference with its declared
-options. The checks are functions of the import graph, and tests below feed them graphs with a cycle and
-with an upward import, so a check that stopped seeing either would fail."""
+"""The house's structure, checked: no environment named outside the environments, no plug-in package
+imported by the core, no import cycle between top-level packages, every package in its layer and importing
+only from the layers below (`LAYERS`: the command line on top, then the worker processes, ...; ``turns``
+holds a turn's logic and ``admission`` the run's admission policy, neither with Temporal in it), every
+activity called by reference with its declared options. The checks are functions of the import graph, and
+tests below feed them graphs with a cycle and with an upward import, so a check that stopped seeing either
+would fail."""
 
 from __future__ import annotations
 
@@ -20,6 +21,11 @@ PACKAGES: list[str] = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())[
     "packages"
 ]
 OUTSIDE_ENVS = [p for p in PACKAGES if p != "envs"] + ["bench"]
+PLUGINS: dict[str, list[str]] = {
+    str(f.parent.relative_to(REPO_ROOT)): tomllib.loads(f.read_text())["tool"]["setuptools"]["packages"]
+    for f in sorted((REPO_ROOT / "environments").glob("*/pyproject.toml"))
+}
+"""The environment plug-ins (environments/NAME/, each its own distribution) and their packages."""
 
 
 def _sources(packages: list[str]) -> list[Path]:
@@ -40,6 +46,29 @@ def test_no_environment_name_is_compared_outside_the_environments() -> None:
         if compared.search(line)
     ]
     assert not hits, "environment names compared outside envs/:\n" + "\n".join(hits)
+
+
+def test_the_core_imports_no_plug_in_package() -> None:
+    assert {"math_env", "coding_env", "swe_env"} <= {m for pkgs in PLUGINS.values() for m in pkgs}
+    assert not {"math_env", "coding_env"} & set(PACKAGES)  # the bundled environments are plug-ins too
+    plugins = {m for pkgs in PLUGINS.values() for m in pkgs}
+    hits = [
+        f"{f.relative_to(REPO_ROOT)}:{node.lineno}: {m}"
+        for f in _sources([*PACKAGES, "bench"])
+        for node in ast.walk(ast.parse(f.read_text()))
+        for m in _imported(node)
+        if m.split(".")[0] in plugins
+    ]
+    assert not hits, "plug-in packages imported by the core (go through envs.registry):\n" + "\n".join(hits)
+
+
+def _imported(node: ast.AST) -> list[str]:
+    """The modules an import statement names (none for any other node, or a relative import)."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+        return [node.module]
+    return []
 
 
 def _package_imports() -> dict[str, dict[str, str]]:

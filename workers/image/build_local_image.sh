@@ -37,8 +37,8 @@ done
 
 PY="${PYTHON:-.venv/bin/python}"
 [[ -x "$PY" ]] || PY=python3
-SOURCE=$( { git ls-files -z -- pyproject.toml environments/swe '*.py' config/examples models/tiny-policy envs/data \
-              records/schema workers/image config/compose | xargs -0 sha256sum; echo "$PACKAGES"; } | sha256sum | cut -c1-16)
+SOURCE=$( { git ls-files -z -- pyproject.toml environments/math environments/coding environments/swe '*.py' \
+              config/examples models/tiny-policy records/schema workers/image config/compose | xargs -0 sha256sum; echo "$PACKAGES"; } | sha256sum | cut -c1-16)
 if [[ $FORCE -eq 0 ]] && [[ "$(docker image inspect -f '{{index .Config.Labels "durable-rollouts.source"}}' "$TAG" 2>/dev/null)" == "$SOURCE" ]]; then
     echo "image $TAG is up to date ($SOURCE); use --force to rebuild"
     exit 0
@@ -63,10 +63,13 @@ trap 'rm -rf "$ROOTFS" "$SRC"' EXIT
 mkdir -p "$APP" "$SRC"
 # Built from the tracked files only (a copy: setuptools writes build/ beside the sources).
 git ls-files -z | xargs -0 tar -c | tar -x -C "$SRC"
-echo "pip install --target $APP/site (the project, environments/swe)"
-"$PY" -m pip install -q --no-compile --no-warn-conflicts --target "$APP/site" "$SRC" "$SRC/environments/swe"
+echo "pip install --target $APP/site (the project, environments/math, coding, swe)"
+"$PY" -m pip install -q --no-compile --no-warn-conflicts --target "$APP/site" "$SRC" \
+    "$SRC/environments/math" "$SRC/environments/coding" "$SRC/environments/swe"
 cp -r config/examples "$APP/examples"
 cp -r config/compose "$APP/compose"
+# The bundled task files at their repository paths (the configs name them so; run from the WORKDIR).
+(cd "$SRC" && cp -r --parents environments/math/math_env/data environments/coding/coding_env/data "$APP/")
 mkdir -p "$APP/models" && cp -r models/tiny-policy "$APP/models/"
 install -m 755 workers/image/bin/* "$ROOTFS/usr/local/bin/"
 # The CLI and the worker as commands; bookworm's python3 runs the host-built site-packages (both 3.11).

@@ -174,10 +174,12 @@ class Sidecar:
         }
 
     def op_evaluate(self, config: str | None, overrides: list[str], samples_per_task: int, seed: int) -> Any:
-        """Math accuracy through the first engine at the run's sampling settings (trainer/evaluate.py)."""
+        """Accuracy on the run's tasks (math) through the first engine at the run's sampling settings
+        (trainer/evaluate.py)."""
         from contracts.types import SamplingParams
+        from envs import registry
         from envs.tasks import load_tasks
-        from trainer.evaluate import math_accuracy
+        from trainer.evaluate import accuracy
 
         cfg = self._config(config, overrides)
         s = cfg.sampling
@@ -189,9 +191,10 @@ class Sidecar:
             seed=None,
             logprob_mode=cfg.engine.logprob_mode,
         )
-        tasks = load_tasks(cfg.run.task_file, "math")
+        tasks = load_tasks(cfg.run.task_file, cfg.run.env)
+        env = registry.get(cfg.run.env)
         res = self.loop.run_until_complete(
-            math_accuracy(cfg.engine.urls[0], cfg.engine.model, tasks, sampling, samples_per_task, seed)
+            accuracy(cfg.engine.urls[0], cfg.engine.model, env, tasks, sampling, samples_per_task, seed)
         )
         return res.as_dict()
 

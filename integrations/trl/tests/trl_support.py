@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[3]
-TASKS = REPO / "envs" / "data" / "addition.jsonl"
+TASKS = REPO / "environments" / "math" / "math_env" / "data" / "addition.jsonl"
 MODEL_DIR = REPO / "models" / "tiny-policy"
 
 

@@ -8,12 +8,14 @@ import asyncio
 import dataclasses
 from importlib.metadata import EntryPoint
 
+import coding_env as coding
+import math_env as math
 import pytest
 from temporalio.testing import ActivityEnvironment
 
 from activities.sandbox import SandboxActivities
 from contracts.sandbox import SandboxPlaceInput
-from envs import coding, math, registry
+from envs import registry
 from errors import ConfigError
 from sandboxes.hosts import SandboxHosts, host_queue
 from sandboxes.pool import SandboxPoolConfig

@@ -9,14 +9,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import coding_env
+import math_env
 import pytest
 
 from activities.rollout import RolloutActivities
 from cli.reproduce import ReproduceError, Reproduction, reproduce
 from config.load import config_hash, load_config
 from contracts.types import FinalizeRolloutInput, Outcome, RolloutState, SamplingParams
-from envs import coding as coding_env
-from envs import math as math_env
 from records.export import rollout_record, versions_in_order
 from store.runstore import RunStore, Segment
 

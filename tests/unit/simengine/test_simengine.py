@@ -21,16 +21,16 @@ from config.paths import REPO_ROOT
 from contracts.types import SamplingParams
 from engines.client import EngineClient, Generation
 from engines.metrics import parse_metrics
-from envs.coding_tasks import load_coding_tasks
 from envs.tool_calls import ToolCall, ToolCallError, parse_tool_call
 from errors import ContextLengthExceeded, EngineBadRequest, EngineUnavailable
 from simengine import SCRIPTED_LOGPROB, Mode, ModeRule, PolicyName, SimEngine, SimSettings
 from simengine.scheduler import PrefixCache, Scheduler
+from simengine.scripts import load_scripted_tasks
 
 pytestmark = pytest.mark.timeout(60)
 
 MODEL_DIR = REPO_ROOT / "models" / "tiny-policy"
-TASKS = REPO_ROOT / "envs" / "data" / "coding.jsonl"
+TASKS = REPO_ROOT / "environments" / "coding" / "coding_env" / "data" / "coding.jsonl"
 SAMPLING = SamplingParams(
     temperature=1.0, top_p=1.0, top_k=-1, max_tokens=2048, seed=None, logprob_mode="processed_logprobs"
 )
@@ -137,7 +137,7 @@ async def test_scripted_reference_writes_the_solution_then_submits(
     serve: Callable[..., Awaitable[Served]],
 ) -> None:
     _, url, client = await serve()
-    task = load_coding_tasks(TASKS)[0]
+    task = load_scripted_tasks(TASKS)[0]
     first, second, third = await _episode(client, url, task.id, 3)
     assert _write(first) == task.reference["solution.py"]
     assert second == ToolCall(name="submit", arguments={}) == third
@@ -146,7 +146,7 @@ async def test_scripted_reference_writes_the_solution_then_submits(
 async def test_modes_by_rule_setting_and_endpoint(serve: Callable[..., Awaitable[Served]]) -> None:
     rules = [ModeRule.parse("request:bad/=malformed"), ModeRule.parse("task:code-roman=wrong")]
     engine, url, client = await serve(mode_rules=rules)
-    tasks = {t.id: t for t in load_coding_tasks(TASKS)}
+    tasks = {t.id: t for t in load_scripted_tasks(TASKS)}
     calls = await _episode(client, url, "code-fizzbuzz", 5, request_id="bad/g0/0")
     assert [isinstance(c, ToolCallError) for c in calls] == [True, True, True, False, False]
     assert "not valid JSON" in calls[0].message and "unknown tool 'rm'" in calls[1].message  # type: ignore[union-attr]

@@ -13,15 +13,14 @@ from pathlib import Path
 import pytest
 
 from config.paths import REPO_ROOT
-from envs.coding_tasks import load_coding_tasks
 from errors import TaskFileError
 from simengine import Mode, ModeRule, SimSettings
 from simengine.policies import PolicyError, PolicyRequest, ScriptedPolicy, load_transcripts, make_policy
-from simengine.scripts import script
+from simengine.scripts import load_scripted_tasks, script
 from simengine.tokenizer import SimTokenizer
 
 MODEL_DIR = REPO_ROOT / "models" / "tiny-policy"
-CODING = REPO_ROOT / "envs" / "data" / "coding.jsonl"
+CODING = REPO_ROOT / "environments" / "coding" / "coding_env" / "data" / "coding.jsonl"
 LINES = [
     {"task_id": "repo-a", "mode": "reference", "turns": ["first <tool_call>x</tool_call>", "submit"]},
     {"task_id": "repo-a", "mode": "wrong", "turns": ["oops"]},
@@ -66,12 +65,12 @@ def test_transcripts_play_in_order_the_last_turn_repeats_and_modes_follow_the_ru
     assert _play(policy, tok, "repo-b", 1) == ["b only"]
 
 
-def test_transcripts_take_precedence_and_coding_tasks_still_play_beside_them(
+def test_transcripts_take_precedence_and_scripted_tasks_still_play_beside_them(
     tmp_path: Path, tok: SimTokenizer
 ) -> None:
-    coding = load_coding_tasks(CODING)[0]
+    coding = load_scripted_tasks(CODING)[0]
     lines = [*LINES, {"task_id": coding.id, "mode": "reference", "turns": ["scripted elsewhere"]}]
-    other = load_coding_tasks(CODING)[1]
+    other = load_scripted_tasks(CODING)[1]
     policy = make_policy(SimSettings(tasks=CODING, transcripts=_write(tmp_path / "t.jsonl", lines)), tok)
     assert _play(policy, tok, coding.id, 1) == ["scripted elsewhere"]
     assert _play(policy, tok, other.id, 2) == script(other, Mode.REFERENCE)[:2]

@@ -1,4 +1,4 @@
-"""Coding task files: JSONL, one task per line (the bundled set is ``envs/data/coding.jsonl``).
+"""Coding task files: JSONL, one task per line (the bundled set is ``coding_env/data/coding.jsonl``).
 
 Invariant: a bad task file is reported in one line naming the file, the line number and the field; nothing
 downstream ever sees a half-valid task.
@@ -73,13 +73,13 @@ class CodingTask(Task):
         return value
 
 
-def load_coding_tasks(path: str | Path) -> list[CodingTask]:
+def load_task_file(path: str | Path) -> list[CodingTask]:
     """Read and validate a coding task file.
 
     Raises:
         TaskFileError: one line naming the file, line and field at fault.
     """
-    from envs.coding import CodingEnvironment
+    from coding_env import CodingEnvironment
 
     return [t for t in CodingEnvironment().load_tasks(path) if isinstance(t, CodingTask)]
 

@@ -18,8 +18,8 @@ import secrets
 import shlex
 import xml.etree.ElementTree as ET
 
+from coding_env.tasks import CodingTask
 from envs.base import Prompt, SandboxPlan, Task, TurnContext
-from envs.coding_tasks import CodingTask
 from envs.tool_calls import TOOLS
 from envs.tool_env import ToolCallEnvironment
 from sandboxes.base import SandboxSpec

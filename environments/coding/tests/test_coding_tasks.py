@@ -14,13 +14,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from coding_env.tasks import CodingTask, load_task_file
 
-from config.paths import REPO_ROOT
-from envs.coding_tasks import CodingTask, load_coding_tasks
 from envs.tool_calls import ToolCall, render_call
 from errors import TaskFileError
 
-BUNDLED = REPO_ROOT / "envs" / "data" / "coding.jsonl"
+BUNDLED = Path(__file__).resolve().parents[1] / "coding_env" / "data" / "coding.jsonl"
 
 # Runs pytest once per task directory inside one interpreter and prints {dir: [passed, collected]}.
 _DRIVER = r"""
@@ -85,8 +84,8 @@ def _lay_out(root: Path, variant: str, task: CodingTask, solution: dict[str, str
         (d / rel).write_text(content)
 
 
-def test_bundled_coding_tasks_load() -> None:
-    tasks = load_coding_tasks(BUNDLED)
+def test_bundled_tasks_load() -> None:
+    tasks = load_task_file(BUNDLED)
     assert len(tasks) >= 20
     for t in tasks:
         assert 4 <= _hidden_test_count(t) <= 8, t.id
@@ -98,7 +97,7 @@ def test_bundled_coding_tasks_load() -> None:
 
 @pytest.mark.timeout(180)
 def test_reference_passes_all_and_wrong_fails_some(tmp_path: Path) -> None:
-    tasks = load_coding_tasks(BUNDLED)
+    tasks = load_task_file(BUNDLED)
     for t in tasks:
         _lay_out(tmp_path, "reference", t, t.reference)
         _lay_out(tmp_path, "wrong", t, t.wrong)
@@ -145,15 +144,15 @@ def test_bad_line_names_file_line_and_field(
 ) -> None:
     p = _write(tmp_path, content)
     with pytest.raises(TaskFileError, match=match) as e:
-        load_coding_tasks(p)
+        load_task_file(p)
     assert str(p) in str(e.value)
     assert len(str(e.value).splitlines()) == 1
 
 
 def test_duplicate_ids_and_empty_files(tmp_path: Path) -> None:
     with pytest.raises(TaskFileError, match=r":2: field 'id': duplicate task id 'code-x'"):
-        load_coding_tasks(_write(tmp_path, _line(), _line()))
+        load_task_file(_write(tmp_path, _line(), _line()))
     with pytest.raises(TaskFileError, match=r"no tasks"):
-        load_coding_tasks(_write(tmp_path, ""))
+        load_task_file(_write(tmp_path, ""))
     with pytest.raises(TaskFileError, match=r"cannot read task file"):
-        load_coding_tasks(tmp_path / "missing.jsonl")
+        load_task_file(tmp_path / "missing.jsonl")

@@ -5,15 +5,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from math_env import verify
 
-from config.paths import REPO_ROOT
-from envs.math import verify
 from envs.tasks import load_tasks
 from errors import TaskFileError
 
+BUNDLED = Path(__file__).resolve().parents[1] / "math_env" / "data" / "addition.jsonl"
+
 
 def test_bundled_addition_tasks_load() -> None:
-    tasks = load_tasks(REPO_ROOT / "envs" / "data" / "addition.jsonl", "math")
+    tasks = load_tasks(BUNDLED, "math")
     assert len(tasks) >= 100
     for t in tasks:
         a, b = t["prompt"].rstrip("=").split("+")
