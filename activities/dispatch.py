@@ -26,17 +26,8 @@ from temporalio.common import RetryPolicy
 import metrics
 from activities.calls import Options, options
 from activities.closed_groups import closed_among, unended_members
-from contracts.types import (
-    ClosedGroupsInput,
-    FleetPoll,
-    GroupCounts,
-    GroupResult,
-    Outcome,
-    PollFleetInput,
-    RolloutResult,
-    TerminatedGroup,
-    TerminatedGroupInput,
-)
+from contracts.activity_io import ClosedGroupsInput, TerminatedGroup, TerminatedGroupInput
+from contracts.types import FleetPoll, GroupCounts, GroupResult, Outcome, PollFleetInput, RolloutResult
 from engines.metrics import fetch_reading
 from sandboxes.pool import SandboxPool
 from store.runstore import RunStore

@@ -17,7 +17,8 @@ from temporalio.common import RetryPolicy
 from activities.calls import Options, options
 from activities.heartbeat import heartbeating
 from activities.sandbox import SandboxActivities
-from contracts.types import EnvStepInput, EnvStepResult
+from contracts.activity_io import EnvStepInput
+from contracts.types import EnvStepResult
 from errors import RolloutError, SandboxGone, SandboxPathError, names
 from store import RunStore
 from turns.engine import Engine

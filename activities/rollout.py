@@ -29,20 +29,16 @@ import metrics
 from activities.calls import Options, options
 from activities.environment import EnvironmentActivities
 from activities.heartbeat import heartbeating
-from contracts.types import (
-    EnvTraits,
+from contracts.activity_io import (
     FinalizeGroupInput,
     FinalizeRolloutInput,
     GenerateInput,
     LoadRunInput,
     LoadRunResult,
-    Outcome,
     PrepareInput,
-    PrepareResult,
-    RetrySettings,
     StoredOutcome,
-    TurnResult,
 )
+from contracts.types import EnvTraits, Outcome, PrepareResult, RetrySettings, TurnResult
 from engines.client import EngineClient
 from engines.watchdog import watching
 from envs import registry

@@ -37,7 +37,7 @@ from urllib.parse import quote
 from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.service import RPCError, RPCStatusCode
 
-from contracts.types import TerminatedGroupInput
+from contracts.activity_io import TerminatedGroupInput
 from store.runstore import RunStore
 from workflows import search_attributes as sa
 from workflows.group import RETRY_REASON, RUN_CANCEL_REASON, GroupWorkflow, slot_of

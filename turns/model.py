@@ -22,13 +22,8 @@ import asyncio
 import logging
 import time
 
-from contracts.types import (
-    GenerateInput,
-    PrepareInput,
-    SamplingParams,
-    TruncationReason,
-    TurnResult,
-)
+from contracts.activity_io import GenerateInput, PrepareInput
+from contracts.types import SamplingParams, TruncationReason, TurnResult
 from envs import registry
 from envs.base import calling
 from errors import ContextLengthExceeded, EngineUnavailable, RolloutError

@@ -29,7 +29,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from contracts.types import EnvStepInput, EnvStepResult
+from contracts.activity_io import EnvStepInput
+from contracts.types import EnvStepResult
 from envs import registry
 from envs.base import Environment, Score, Step, TurnContext, calling
 from errors import StoreError

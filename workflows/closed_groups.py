@@ -40,7 +40,8 @@ from temporalio.exceptions import TimeoutError as WorkflowTimeoutError
 with workflow.unsafe.imports_passed_through():
     from activities.dispatch import DispatchActivities
     from config.models import Config
-    from contracts.types import ClosedGroupsInput, FailureKind, GroupSlot, Outcome, TerminatedGroupInput
+    from contracts.activity_io import ClosedGroupsInput, TerminatedGroupInput
+    from contracts.types import FailureKind, GroupSlot, Outcome
     from workflows.calls import call
     from workflows.patches import NOTICE_CLOSED_GROUPS
     from workflows.run_end import Account

@@ -39,11 +39,11 @@ with workflow.unsafe.imports_passed_through():
     from activities.rollout import RolloutActivities
     from admission.controller import CANCEL_REASON
     from config.models import Config
+    from contracts.activity_io import FinalizeGroupInput
     from contracts.types import (
         EngineTarget,
         EnvTraits,
         FailureKind,
-        FinalizeGroupInput,
         GroupInput,
         GroupResult,
         Outcome,

@@ -30,21 +30,23 @@ with workflow.unsafe.imports_passed_through():
     from activities.rollout import RolloutActivities, engine_retry
     from admission.controller import CANCEL_REASON
     from admission.replicas import replica_order
-    from contracts.types import (
-        RAN_TO_END,
+    from contracts.activity_io import (
         EnvStepInput,
-        EnvStepResult,
         FinalizeRolloutInput,
         GenerateInput,
+        PrepareInput,
+        StoredOutcome,
+    )
+    from contracts.types import (
+        RAN_TO_END,
+        EnvStepResult,
         Outcome,
         Phase,
-        PrepareInput,
         PrepareResult,
         RolloutInput,
         RolloutRef,
         RolloutResult,
         RolloutState,
-        StoredOutcome,
         TruncationReason,
         TurnResult,
     )

@@ -68,6 +68,7 @@ with workflow.unsafe.imports_passed_through():
         newly_complete,
         spend_bucket,
     )
+    from contracts.activity_io import LoadRunInput, TerminatedGroupInput
     from contracts.types import (
         DispatchLog,
         FailureKind,
@@ -76,14 +77,12 @@ with workflow.unsafe.imports_passed_through():
         GroupInput,
         GroupResult,
         GroupSlot,
-        LoadRunInput,
         Outcome,
         PollFleetInput,
         RolloutInput,
         RunInput,
         RunProgress,
         RunState,
-        TerminatedGroupInput,
         group_id,
     )
     from workflows import patches

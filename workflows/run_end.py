@@ -15,7 +15,8 @@ from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
     from activities.rollout import RolloutActivities
-    from contracts.types import GroupSlot, Outcome, TerminatedGroupInput
+    from contracts.activity_io import TerminatedGroupInput
+    from contracts.types import GroupSlot, Outcome
     from workflows.calls import call
     from workflows.group import GroupWorkflow
 

@@ -18,17 +18,8 @@ from temporalio import workflow
 with workflow.unsafe.imports_passed_through():
     from activities.dispatch import DispatchActivities
     from activities.rollout import RolloutActivities
-    from contracts.types import (
-        GroupInput,
-        GroupResult,
-        GroupSlot,
-        Outcome,
-        RolloutInput,
-        RolloutResult,
-        StoredOutcome,
-        TerminatedGroup,
-        TerminatedGroupInput,
-    )
+    from contracts.activity_io import StoredOutcome, TerminatedGroup, TerminatedGroupInput
+    from contracts.types import GroupInput, GroupResult, GroupSlot, Outcome, RolloutInput, RolloutResult
     from workflows.calls import call
     from workflows.group import close_group, finalize_input, member_input, slot_of
     from workflows.rollout import finalize_rollout_input

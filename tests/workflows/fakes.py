@@ -24,33 +24,35 @@ from temporalio.client import Client
 from temporalio.worker import Worker
 
 from activities.closed_groups import closed_among, unended_members
+from contracts.activity_io import (
+    ClosedGroupsInput,
+    EnvStepInput,
+    FinalizeGroupInput,
+    FinalizeRolloutInput,
+    GenerateInput,
+    LoadRunInput,
+    LoadRunResult,
+    PrepareInput,
+    StoredOutcome,
+    TerminatedGroup,
+    TerminatedGroupInput,
+)
 from contracts.sandbox import SandboxCreated
 from contracts.types import (
     RAN_TO_END,
-    ClosedGroupsInput,
     EngineReading,
     EngineTarget,
-    EnvStepInput,
     EnvStepResult,
     EnvTraits,
-    FinalizeGroupInput,
-    FinalizeRolloutInput,
     FleetPoll,
-    GenerateInput,
     GroupCounts,
-    LoadRunInput,
-    LoadRunResult,
     PollFleetInput,
-    PrepareInput,
     PrepareResult,
     RetrySettings,
     RolloutInput,
     RolloutResult,
     SamplingParams,
     SandboxStepInput,
-    StoredOutcome,
-    TerminatedGroup,
-    TerminatedGroupInput,
     TurnResult,
 )
 from workflows.group import GroupWorkflow

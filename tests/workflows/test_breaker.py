@@ -8,7 +8,8 @@ from temporalio.client import Client
 from temporalio.exceptions import ApplicationError
 
 from config.models import Config, RolloutConfig, RunConfig
-from contracts.types import GenerateInput, RunInput, RunProgress
+from contracts.activity_io import GenerateInput
+from contracts.types import RunInput, RunProgress
 from workflows.run import RunWorkflow
 
 from .fakes import Fakes, fake_worker

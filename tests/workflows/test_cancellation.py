@@ -10,18 +10,9 @@ from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.exceptions import ApplicationError
 
 from admission.controller import CANCEL_REASON
+from contracts.activity_io import FinalizeRolloutInput, GenerateInput, StoredOutcome
 from contracts.sandbox import SandboxCreated, SandboxStepInput
-from contracts.types import (
-    EnvTraits,
-    FinalizeRolloutInput,
-    GenerateInput,
-    GroupInput,
-    GroupResult,
-    Outcome,
-    RolloutResult,
-    StoredOutcome,
-    TurnResult,
-)
+from contracts.types import EnvTraits, GroupInput, GroupResult, Outcome, RolloutResult, TurnResult
 from sandboxes.base import SandboxSpec
 from workflows.group import GroupWorkflow
 from workflows.rollout import RolloutWorkflow

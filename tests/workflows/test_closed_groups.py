@@ -28,18 +28,14 @@ from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Replayer
 
 from config.models import AdmissionSection, Config, RolloutConfig, RunConfig
-from contracts.types import (
+from contracts.activity_io import (
     FinalizeRolloutInput,
     GenerateInput,
-    Outcome,
-    RunInput,
-    RunProgress,
     StoredOutcome,
     TerminatedGroup,
     TerminatedGroupInput,
-    group_id,
-    rollout_id,
 )
+from contracts.types import Outcome, RunInput, RunProgress, group_id, rollout_id
 from workflows.run import RunWorkflow
 
 from .fakes import WORKFLOWS, Fakes, fake_worker, wait_for

@@ -14,7 +14,8 @@ from temporalio.exceptions import ApplicationError
 from temporalio.worker import Replayer
 
 from config.models import Config, RolloutConfig, RunConfig
-from contracts.types import EnvStepInput, GenerateInput, Outcome, RunInput, RunProgress, group_id
+from contracts.activity_io import EnvStepInput, GenerateInput
+from contracts.types import Outcome, RunInput, RunProgress, group_id
 from workflows.group import RUN_STOP_REASON
 from workflows.run import RunWorkflow
 

@@ -13,15 +13,8 @@ from temporalio.exceptions import ApplicationError
 from temporalio.worker import Replayer
 
 from config.models import Config, GroupConfig, RolloutConfig, RunConfig
-from contracts.types import (
-    EnvStepResult,
-    GenerateInput,
-    GroupInput,
-    GroupResult,
-    Outcome,
-    RunInput,
-    RunProgress,
-)
+from contracts.activity_io import GenerateInput
+from contracts.types import EnvStepResult, GroupInput, GroupResult, Outcome, RunInput, RunProgress
 from workflows.group import GroupWorkflow
 from workflows.run import RunWorkflow
 

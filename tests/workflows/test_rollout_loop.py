@@ -8,16 +8,8 @@ from typing import Any
 from temporalio.client import Client
 from temporalio.exceptions import ApplicationError
 
-from contracts.types import (
-    EngineTarget,
-    EnvStepInput,
-    EnvTraits,
-    GenerateInput,
-    Outcome,
-    RolloutInput,
-    RolloutResult,
-    SandboxStepInput,
-)
+from contracts.activity_io import EnvStepInput, GenerateInput
+from contracts.types import EngineTarget, EnvTraits, Outcome, RolloutInput, RolloutResult, SandboxStepInput
 from sandboxes.base import SandboxSpec
 from workflows.rollout import RolloutWorkflow, rollout_replicas
 

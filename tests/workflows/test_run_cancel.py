@@ -13,7 +13,8 @@ from temporalio.client import Client, WorkflowFailureError
 from temporalio.exceptions import CancelledError
 
 from config.models import Config, RolloutConfig, RunConfig
-from contracts.types import GenerateInput, Outcome, RunInput, group_id, rollout_id
+from contracts.activity_io import GenerateInput
+from contracts.types import Outcome, RunInput, group_id, rollout_id
 from workflows.group import RUN_CANCEL_REASON
 from workflows.run import RunWorkflow
 

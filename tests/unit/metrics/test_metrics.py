@@ -10,15 +10,8 @@ from prometheus_client import REGISTRY
 
 import metrics
 from activities.rollout import RolloutActivities
-from contracts.types import (
-    DispatchLog,
-    EngineReading,
-    FinalizeRolloutInput,
-    FleetPoll,
-    Outcome,
-    RolloutState,
-    SamplingParams,
-)
+from contracts.activity_io import FinalizeRolloutInput
+from contracts.types import DispatchLog, EngineReading, FleetPoll, Outcome, RolloutState, SamplingParams
 from engines.client import EngineClient
 from metrics.serve import serve_metrics
 from sandboxes.pool import PoolStatus

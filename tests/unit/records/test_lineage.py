@@ -16,7 +16,8 @@ import pytest
 from activities.rollout import RolloutActivities
 from cli.reproduce import ReproduceError, Reproduction, reproduce
 from config.load import config_hash, load_config
-from contracts.types import FinalizeRolloutInput, Outcome, RolloutState, SamplingParams
+from contracts.activity_io import FinalizeRolloutInput
+from contracts.types import Outcome, RolloutState, SamplingParams
 from records.export import rollout_record, versions_in_order
 from store.runstore import RunStore, Segment
 

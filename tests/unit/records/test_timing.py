@@ -175,7 +175,7 @@ async def test_the_env_step_records_disjoint_env_reward_and_transfer_times(tmp_p
     from temporalio.testing import ActivityEnvironment
 
     from activities.environment import EnvironmentActivities
-    from contracts.types import EnvStepInput
+    from contracts.activity_io import EnvStepInput
 
     store = RunStore(tmp_path)
     store.put_tasks(RUN, [{"id": "t1", "prompt": "1+1", "answer": "2"}])

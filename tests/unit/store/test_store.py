@@ -227,7 +227,7 @@ def test_tasks_uploaded_at_submit_are_what_a_worker_on_another_host_loads(
 
     import cli.rollouts as cli
     from activities.rollout import RolloutActivities
-    from contracts.types import LoadRunInput
+    from contracts.activity_io import LoadRunInput
 
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text(

@@ -10,14 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from contracts.types import (
-    EnvStepInput,
-    GenerateInput,
-    PrepareInput,
-    RolloutRef,
-    SamplingParams,
-    TruncationReason,
-)
+from contracts.activity_io import EnvStepInput, GenerateInput, PrepareInput
+from contracts.types import RolloutRef, SamplingParams, TruncationReason
 from errors import ContextLengthExceeded, EngineUnavailable
 from store import RunStore, model_segment, obs_segment
 from turns.model import ModelTurns, call_model

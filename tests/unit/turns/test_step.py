@@ -6,7 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from contracts.types import EnvStepInput, RolloutRef
+from contracts.activity_io import EnvStepInput
+from contracts.types import RolloutRef
 from envs.base import Environment, Prompt, Step, Task, TurnContext
 from store import RunStore, Segment, model_segment, obs_segment
 from turns.step import EnvSteps
