@@ -1,4 +1,5 @@
-"""The ``rollouts`` command: run, status, export, worker, stack.
+"""The ``rollouts`` command: run, status, export, worker, stack (the operating commands are in
+``cli.operate``, the shared helpers in ``cli.common``, the other sub-commands in their own modules).
 
 Invariant: user mistakes (config, task file, run id) print one line starting with ``error:`` and exit 2;
 an unreachable service prints one line and exits 1; ``run --wait`` on a run whose environment failures
@@ -20,35 +21,17 @@ if __name__ == "__main__" or os.path.basename(sys.argv[0]) == "rollouts":  # the
 
 import asyncio
 import re
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated
 
 import typer
 
-if TYPE_CHECKING:
-    from store import RunStore
+from cli.common import fail, run_store, temporal_client
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Durable rollout generation for agent RL.")
 
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-
-
-def _fail(msg: str, code: int = 2) -> typer.Exit:
-    typer.echo(f"error: {msg}", err=True)
-    return typer.Exit(code)
-
-
-def _store(url: str | None = None) -> RunStore:
-    """The run store ``url`` names, else the configured one ($ROLLOUTS_STORE, else $ROLLOUTS_HOME; imported
-    lazily, so the CLI starts fast); a bad URL or a server that does not answer is one line and exit 2."""
-    from errors import ConfigError
-    from store import open_store
-
-    try:
-        return open_store(url)
-    except ConfigError as e:
-        raise _fail(str(e)) from None
 
 
 def _new_run_id() -> str:
@@ -56,16 +39,6 @@ def _new_run_id() -> str:
     import time
 
     return time.strftime("run-%Y%m%d-%H%M%S-") + secrets.token_hex(2)
-
-
-async def _client(address: str, namespace: str = "default"):
-    from contracts.client import connect
-
-    try:
-        return await connect(address, namespace)
-    except Exception as e:  # the SDK raises RuntimeError for connection problems
-        hint = "is the stack up? try `rollouts stack up -d`"
-        raise _fail(f"cannot reach Temporal at {address} ({e}); {hint}", 1) from None
 
 
 @app.command()
@@ -94,21 +67,21 @@ def run(
     try:
         cfg = load_config(config, overrides)
     except ConfigError as e:
-        raise _fail(str(e)) from None
+        raise fail(str(e)) from None
     tasks_path = resolve_repo_path(cfg.run.task_file)
     cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"task_file": str(tasks_path)})})
     try:
         tasks = load_tasks(tasks_path, cfg.run.env)
     except TaskFileError as e:
-        raise _fail(str(e)) from None
+        raise fail(str(e)) from None
     except EnvironmentCodeError as e:  # a bug in the environment's code: its failure, exit 3
-        raise _fail(f"run.env {cfg.run.env!r}: load_tasks raised {e}", 3) from None
+        raise fail(f"run.env {cfg.run.env!r}: load_tasks raised {e}", 3) from None
     rid = run_id or _new_run_id()
     if not RUN_ID_RE.match(rid):
-        raise _fail(f"--run-id {rid!r}: use letters, digits, '.', '_' and '-' (at most 128)")
+        raise fail(f"--run-id {rid!r}: use letters, digits, '.', '_' and '-' (at most 128)")
     # Uploaded before the run starts, once a worker can take it: its workers read the tasks from the store,
     # not from this host's file (an existing run keeps the tasks it has).
-    upload = lambda: _store(cfg.store.url).put_tasks(rid, tasks)  # noqa: E731
+    upload = lambda: run_store(cfg.store.url).put_tasks(rid, tasks)  # noqa: E731
     asyncio.run(_submit(cfg, config_hash(cfg), rid, wait, upload))
 
 
@@ -127,22 +100,22 @@ async def _submit(cfg, cfg_hash: str, rid: str, wait: bool, upload: Callable[[],
     from errors import ConfigError
     from workflows.run import RunWorkflow
 
-    client = await _client(cfg.temporal.address, cfg.temporal.namespace)
+    client = await temporal_client(cfg.temporal.address, cfg.temporal.namespace)
     handle = client.get_workflow_handle_for(RunWorkflow.run, rid)
     try:
         await handle.describe()
         attached = True
     except RPCError as e:
         if e.status != RPCStatusCode.NOT_FOUND:
-            raise _fail(f"run {rid}: {e}", 1) from None
+            raise fail(f"run {rid}: {e}", 1) from None
         attached = False
     if not attached:
         try:
             queue = await require_worker(client, cfg.temporal.task_queue, cfg.run.env)
         except ConfigError as e:
-            raise _fail(str(e)) from None
+            raise fail(str(e)) from None
         except RPCError as e:
-            raise _fail(f"run {rid}: cannot ask Temporal for workers ({e})", 1) from None
+            raise fail(f"run {rid}: cannot ask Temporal for workers ({e})", 1) from None
     upload()
     if not attached:
         # USE_EXISTING closes the race with a concurrent submit of the same id: still one run.
@@ -160,13 +133,13 @@ async def _submit(cfg, cfg_hash: str, rid: str, wait: bool, upload: Callable[[],
     if wait:  # exit 3 past run.max_environment_failure_share (cli.progress.wait_verdict)
         from cli.progress import ENVIRONMENT_FAILURE_EXIT, follow, wait_verdict
 
-        store = _store(cfg.store.url)
+        store = run_store(cfg.store.url)
         final = await follow(handle, store)
         if final.stopped is not None:  # a streak of environment failures stopped it: not a success
-            raise _fail(f"run {rid} stopped: {final.stopped}", ENVIRONMENT_FAILURE_EXIT)
+            raise fail(f"run {rid} stopped: {final.stopped}", ENVIRONMENT_FAILURE_EXIT)
         code, line = wait_verdict(store, rid, cfg.run.max_environment_failure_share)
         if code:
-            raise _fail(line, code)
+            raise fail(line, code)
 
 
 @app.command()
@@ -178,7 +151,7 @@ def status(
     from cli.progress import show_status
 
     async def go() -> None:
-        client = await _client(address)
+        client = await temporal_client(address)
         await show_status(client, run_id)
 
     asyncio.run(go())
@@ -192,9 +165,9 @@ def export(
     """Write a run's rollout and group records as JSONL (the trainer contract; see README)."""
     from records.export import export_run
 
-    store = _store()
+    store = run_store()
     if store.get_run(run_id) is None:
-        raise _fail(f"no run {run_id!r} in the store at {store.location}")
+        raise fail(f"no run {run_id!r} in the store at {store.location}")
     with output.open("w", encoding="utf-8") as fh:
         counts = export_run(store, run_id, fh)
     typer.echo(f"wrote {counts['rollout']} rollouts and {counts['group']} groups to {output}")
@@ -211,13 +184,13 @@ def report(
     from store import store_exists, store_url
 
     if not store_exists():
-        raise _fail(f"no run store at {store_url()} (set ROLLOUTS_STORE or ROLLOUTS_HOME?)")
+        raise fail(f"no run store at {store_url()} (set ROLLOUTS_STORE or ROLLOUTS_HOME?)")
     try:
-        data = write_report(_store(), run_id, output)
+        data = write_report(run_store(), run_id, output)
     except ReportError as e:
-        raise _fail(str(e)) from None
+        raise fail(str(e)) from None
     except OSError as e:
-        raise _fail(f"{output}: {e.strerror or e}") from None
+        raise fail(f"{output}: {e.strerror or e}") from None
     typer.echo(f"wrote the report of {len(data.rollouts)} rollouts of run {run_id} to {output}")
 
 
@@ -235,12 +208,12 @@ def ledger(
     from faults import LedgerReport, check_run
     from sandboxes.pool import SandboxPool
 
-    store = _store()
+    store = run_store()
     if store.get_run(run_id) is None:
-        raise _fail(f"run {run_id}: not in the store at {store.location}")
+        raise fail(f"run {run_id}: not in the store at {store.location}")
 
     async def go() -> LedgerReport:
-        client = await _client(address) if temporal else None
+        client = await temporal_client(address) if temporal else None
         backend = None
         if docker:
             from sandboxes import DockerBackend
@@ -248,7 +221,7 @@ def ledger(
             try:
                 backend = DockerBackend()
             except SandboxError as e:
-                raise _fail(f"cannot check containers ({e}); use --no-docker", 1) from None
+                raise fail(f"cannot check containers ({e}); use --no-docker", 1) from None
         return await check_run(store, run_id, client=client, backend=backend, pool=SandboxPool(store))
 
     report = asyncio.run(go())
@@ -270,107 +243,15 @@ def reap(
     from workers.worker import docker_sandboxes
 
     async def go() -> list[str]:
-        client = await _client(address)
-        pool = SandboxPool(_store())
+        client = await temporal_client(address)
+        pool = SandboxPool(run_store())
         return await reap_orphans(client, docker_sandboxes(), run_id, min_age_s=0, pool=pool)
 
     try:
         removed = asyncio.run(go())
     except SandboxError as e:
-        raise _fail(str(e), 1) from None
+        raise fail(str(e), 1) from None
     typer.echo(f"removed {len(removed)} sandboxes" + (f": {', '.join(removed)}" if removed else ""))
-
-
-Address = Annotated[str, typer.Option(help="Temporal frontend host:port.")]
-
-
-def _ops(work: Callable[[], Coroutine[Any, Any, None]]) -> None:
-    """Run an operating command (``cli.ops``): its OpsError is one line and exit 2."""
-    from cli.ops import OpsError
-
-    error = None
-    try:
-        asyncio.run(work())  # Ctrl-C (how `top` ends) propagates: exit 130 (stack.interrupt)
-    except OpsError as e:
-        error = str(e)  # raised below, so no traceback keeps the client alive into interpreter shutdown
-    if error is not None:  # one line, exit 2 (main() leaves without finalizing: stack.procs.exit_now)
-        typer.echo(f"error: {error}", err=True)
-        raise typer.Exit(2)
-
-
-@app.command()
-def stuck(
-    run_id: str,
-    for_: Annotated[str, typer.Option("--for", help="Without progress for this long (60s, 2m).")] = "60s",
-    url: Annotated[bool, typer.Option("--url", help="Print only the web UI URL of this filter.")] = False,
-    ui: Annotated[str, typer.Option(help="Web UI base URL.")] = "http://127.0.0.1:8233",
-    address: Address = "127.0.0.1:7233",
-) -> None:
-    """List the run's rollouts without progress for --for: phase, turn, elapsed, last progress, engine,
-    sandbox, and the pending call (attempt, heartbeat, last failure); one line each."""
-    import time
-
-    from cli import ops
-
-    async def go() -> None:
-        seconds = ops.parse_duration(for_)
-        now = time.time()
-        if url:
-            typer.echo(ops.ui_url(ops.stuck_filter(run_id, now - seconds), ui))
-            return
-        client = await _client(address)
-        rows = await ops.find_stuck(client, run_id, seconds, now)
-        for r in rows:
-            typer.echo(ops.format_stuck(r, now))
-        typer.echo(f"{len(rows)} rollouts of run {run_id} without progress for {for_}", err=True)
-
-    _ops(go)
-
-
-@app.command()
-def top(
-    run_id: str,
-    interval: Annotated[float, typer.Option(help="Seconds between refreshes.")] = 1.5,
-    address: Address = "127.0.0.1:7233",
-) -> None:
-    """Live view of the run's in-flight rollouts by phase and replica (Ctrl-C exits)."""
-    from cli import ops
-
-    async def go() -> None:
-        await ops.top(await _client(address), run_id, interval_s=max(0.5, interval))
-
-    _ops(go)
-
-
-def _act(action: str, target: str, address: str) -> None:
-    from cli import ops
-
-    async def go() -> None:
-        client = await _client(address)
-        typer.echo(await getattr(ops, action)(client, _store(), target))
-
-    _ops(go)
-
-
-@app.command()
-def cancel(target: str, address: Address = "127.0.0.1:7233") -> None:
-    """Cancel a running rollout (recorded cancelled, reason manual), or a whole run given its id (its
-    in-flight rollouts recorded cancelled, reason run-cancelled; its groups close); logged in the store."""
-    _act("cancel", target, address)
-
-
-@app.command()
-def retry(rollout_id: str, address: Address = "127.0.0.1:7233") -> None:
-    """Run a running rollout's group slot again: it is recorded cancelled (manual-retry) and the slot
-    restarts as <i>r<n+1>."""
-    _act("retry", rollout_id, address)
-
-
-@app.command()
-def terminate(target: str, address: Address = "127.0.0.1:7233") -> None:
-    """Terminate a rollout (its group records it failed, infra) or a group (the run records its members and
-    the group, and counts it done); also accounts for a group terminated from the web UI."""
-    _act("terminate", target, address)
 
 
 policy_app = typer.Typer(no_args_is_help=True, help="Publish policy versions to the engines.")
@@ -391,9 +272,9 @@ def policy_publish(
 
     urls = engine or ["http://127.0.0.1:8000"]
     try:
-        rec = publish(urls, version, weights.resolve(), _store())
+        rec = publish(urls, version, weights.resolve(), run_store())
     except PolicyError as e:
-        raise _fail(str(e)) from None
+        raise fail(str(e)) from None
     state = "already published" if rec.already_published else "published"
     typer.echo(f"{version} {state} on {len(rec.engines)} engine(s) (weights {rec.weights_hash[:12]})")
 
@@ -406,7 +287,7 @@ def envs() -> None:
 
     eps = registry.installed()
     if not eps:
-        raise _fail("no environments installed")
+        raise fail("no environments installed")
     for name in sorted(eps):
         try:
             e = registry.get(name)
@@ -465,6 +346,13 @@ def worker(
     worker_main(argv)
 
 
+def _mount_operate() -> None:
+    from cli.operate import COMMANDS
+
+    for command in COMMANDS:
+        app.command()(command)
+
+
 def _mount_stack() -> None:
     try:
         from cli.stack import stack_app
@@ -497,6 +385,7 @@ def _mount_train() -> None:
     app.command("train")(train)
 
 
+_mount_operate()
 _mount_stack()
 _mount_feed()
 _mount_train()

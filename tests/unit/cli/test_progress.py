@@ -183,7 +183,7 @@ def test_run_wait_exits_non_zero_for_a_stopped_run(monkeypatch: pytest.MonkeyPat
         async def connect(*_: object, final: RunProgress = final) -> _Client:
             return _Client(_Handle(final))
 
-        monkeypatch.setattr(cli, "_client", connect)
+        monkeypatch.setattr(cli, "temporal_client", connect)
         monkeypatch.setenv("ROLLOUTS_HOME", str(tmp_path))
         result = CliRunner().invoke(cli.app, ["run", "config/examples/math.toml", "--run-id", "r", "--wait"])
         assert result.exit_code == code, result.output
