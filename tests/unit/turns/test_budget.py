@@ -52,7 +52,7 @@ def _sources() -> list[Path]:
 LIMITS = {"max_total_tokens", "max_model_len"}
 NOT_A_TURN = {
     "simengine/engine.py": "the simulated engine's own window (the server's side, as vLLM's)",
-    "bench/stale_queue.py": "a synthetic workload's output lengths, drawn to fit the window",
+    "bench/stale_queue_workload.py": "a synthetic workload's output lengths, drawn to fit the window",
 }
 """Files that subtract a length from a limit for another purpose than a turn's budget."""
 
