@@ -18,7 +18,8 @@ Invariants:
   the feed's lag, never larger than ``max_staleness`` when the feed hands the sample out.
 - Off-policy evidence (offpolicy.py) is computed for every take, with the weights of the version the
   trainer holds (loaded from its published directory, a private copy: the training thread is never read
-  from), and goes to ``metrics_queue`` (TRL logs it) and :attr:`evidence`.
+  from), and goes to ``metrics_queue`` (TRL logs it), :attr:`evidence` and the run store under the take's
+  batch id (``rollouts report`` plots it; a repeated write of a batch changes nothing).
 """
 
 from __future__ import annotations
@@ -224,6 +225,7 @@ class DurableRolloutWorker:
             ev.update(evidence(self._scorer_for(current), recs, self.sampling.temperature, lags))
             self.metrics_queue.put(metrics(ev))
         self.evidence.append(ev)
+        bridge.call("put_evidence", run_id=self.run_id, batch_id=res["batch_id"], record=ev)
         now = time.time()
         for rec, f in samples:
             self.consumed.append({
