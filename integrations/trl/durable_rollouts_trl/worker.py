@@ -168,6 +168,7 @@ class DurableRolloutWorker:
             self._thread.join(timeout=120)
         if self._bridge is not None:
             self._bridge.close()
+            self._bridge = None
 
     def check_health(self, stale_after_s: float) -> None:
         if self._error:
@@ -262,8 +263,15 @@ class DurableRolloutWorker:
         return self._scorer[1]
 
     def ledger(self) -> dict[str, Any]:
-        """The run's books (generated = consumed + discarded + waiting), from the core."""
-        return self._ensure().call("ledger", run_id=self.run_id)
+        """The run's books (generated = consumed + discarded + waiting), from the core; also after
+        :meth:`stop` (TRL stops its rollout worker when training ends), through a sidecar of its own."""
+        if self._bridge is not None and self._bridge.alive():
+            return self._bridge.call("ledger", run_id=self.run_id)
+        bridge = Bridge(self.home, self.store_url)
+        try:
+            return bridge.call("ledger", run_id=self.run_id)
+        finally:
+            bridge.close()
 
 
 def _np(values: list[Any], dtype: str) -> Any:

@@ -141,10 +141,13 @@ async def test_async_grpo_trainer_with_the_durable_worker(
         assert [{k: e[k] for k in ev} for e, ev in zip(kept, w.evidence, strict=True)] == w.evidence
         consumed = {m["batch_id"] for m in store.feed_marks("trl-async").values() if m["state"] == "consumed"}
         assert {e["batch_id"] for e in kept} == consumed
-        from trainer.feed import TrainerFeed  # the worker's sidecar is closed: the books from the store
+        from trainer.feed import TrainerFeed
 
         books = TrainerFeed(store, "trl-async").ledger().check()
         assert books.generated.records == 24 and books.consumed.records >= 16
+        # the worker still reads the books after TRL stopped it (its own sidecar, closed again)
+        led = w.ledger()
+        assert led["balanced"] and led["consumed"]["records"] == books.consumed.records
 
 
 @pytest.mark.timeout(900)
