@@ -1,8 +1,8 @@
 """What a run report shows, read from the run store in a few whole-run queries.
 
-Invariants: read-only; no token blob is read (rows, turn meta, group records, feed marks and the dispatch
-log only), so a report of a large run costs a few queries; times are the export's (``records/timing.py``),
-so the report and the records never disagree.
+Invariants: read-only; no token blob is read (rows, turn meta, group records, feed marks, the dispatch
+log and a trainer's off-policy evidence only), so a report of a large run costs a few queries; times are
+the export's (``records/timing.py``), so the report and the records never disagree.
 """
 
 from __future__ import annotations
@@ -53,6 +53,9 @@ class RunData:
     """The trainer feed's marks (consumed or discarded groups: state, records, tokens, at)."""
     dispatch: list[dict[str, Any]] = field(default_factory=list)
     """The dispatcher's log: one decision per poll (at, cap, inflight, kv_usage, ...)."""
+    evidence: list[dict[str, Any]] = field(default_factory=list)
+    """A trainer's off-policy evidence, one entry per consumed batch (at, mean/max |Δ logprob|, ratios,
+    lag shares, flagged), as the TRL integration keeps it."""
 
     @property
     def envs(self) -> list[str]:
@@ -108,4 +111,5 @@ def load(store: RunStore, run_id: str) -> RunData:
         groups=store.groups(run_id),
         feed=feed,
         dispatch=store.dispatch_log(run_id),
+        evidence=store.offpolicy_evidence(run_id),
     )

@@ -27,6 +27,7 @@ PLOTS = {
     "group-variance": "Within-group reward spread",
     "zero-variance": "Zero-variance groups",
     "trainer-tokens": "Tokens that reached the trainer",
+    "offpolicy": "Behaviour logprobs against the trainer's",
     "admission": "Admission cap against KV usage",
     "timeline": "Rollouts across replicas",
 }
@@ -204,6 +205,35 @@ def _trainer_tokens(d: RunData) -> str:
     return _figure("trainer-tokens", chart, note)
 
 
+def _offpolicy(d: RunData) -> str:
+    """Per consumed batch: |Δ logprob| between the engine's behaviour logprobs and the trainer's
+    recomputation (all tokens, and those sampled by the version the trainer held: ~0 when they agree)."""
+    t0 = d.created_at
+    ev = [e for e in d.evidence if e.get("tokens")]
+    pts = {k: [(e["at"] - t0, float(e[k])) for e in ev if e.get(k) is not None]
+           for k in ("mean_abs_dlogp", "max_abs_dlogp", "lag0_mean_abs_dlogp", "ratio_p99")}  # fmt: skip
+    series = [
+        svg.Series("mean |Δ logprob|", pts["mean_abs_dlogp"], svg.PALETTE[0], step=False),
+        svg.Series("mean |Δ logprob|, lag 0", pts["lag0_mean_abs_dlogp"], svg.PALETTE[2], step=False),
+        svg.Series("max |Δ logprob|", pts["max_abs_dlogp"], svg.PALETTE[3], step=False),
+        svg.Series("importance ratio p99", pts["ratio_p99"], svg.PALETTE[4], right_axis=True, step=False),
+    ]
+    if not ev:
+        chart = svg.empty(PLOTS["offpolicy"], "no trainer reported evidence (the TRL integration does)")
+        return _figure("offpolicy", chart, "no off-policy evidence")
+    chart = svg.lines(series, PLOTS["offpolicy"], "seconds since the run started", "nats",
+                      y2_axis="importance ratio")  # fmt: skip
+    flagged = [e for e in ev if e.get("flagged")]
+    worst = max(float(e.get("ratio_max") or 0.0) for e in ev)
+    note = (
+        f"{len(ev)} batches, {sum(int(e['tokens']) for e in ev)} tokens recomputed by the trainer;"
+        f" {len(flagged)} flagged (lag-0 mean |Δ| over the tolerance); largest importance ratio {worst:.3g}"
+    )
+    if flagged and flagged[-1].get("flag"):
+        note += f"; last flag: {flagged[-1]['flag']}"
+    return _figure("offpolicy", chart, note)
+
+
 def _admission(d: RunData) -> str:
     t0 = d.created_at
     log = d.dispatch
@@ -284,6 +314,7 @@ def render(d: RunData) -> str:
         _group_variance(d),
         _zero_variance(d),
         _trainer_tokens(d),
+        _offpolicy(d),
         _admission(d),
         _timeline(d),
     ]

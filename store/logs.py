@@ -1,9 +1,10 @@
-"""The store's logs and marks: manual actions, the dispatcher's decisions, policy versions, the trainer
-feed's marks (methods of `store.RunStore`).
+"""The store's logs and marks: manual actions, the dispatcher's decisions, a trainer's off-policy evidence,
+policy versions, the trainer feed's marks (methods of `store.RunStore`).
 
-Invariants: the manual-actions log, the dispatch log and the policy table are append-only; a version id
-is never re-bound to other weights; a group is consumed or discarded at most once, and the consumed marks
-one call writes share one batch id (numbered under the run's feed lock, so two feeds never mint the same).
+Invariants: the manual-actions log, the dispatch log, the off-policy evidence and the policy table are
+append-only; a version id is never re-bound to other weights; a group is consumed or discarded at most
+once, and the consumed marks one call writes share one batch id (numbered under the run's feed lock, so
+two feeds never mint the same).
 """
 
 from __future__ import annotations
@@ -54,6 +55,27 @@ class LogStore:
             "SELECT record_json FROM dispatch_log WHERE run_id=? ORDER BY seq", (run_id,)
         ).fetchall()
         return [json.loads(r[0]) for r in rows]
+
+    # -- a trainer's off-policy evidence (one row per consumed batch, idempotent on (run, batch)) --------
+    def put_offpolicy_evidence(self, run_id: str, batch_id: str, record: dict[str, Any]) -> bool:
+        """Keep what a trainer measured on one consumed batch (the first write of a batch stands: a
+        retried report of the same batch changes nothing). Returns whether this call wrote it."""
+        with self.db.tx() as db:
+            cur = db.execute(
+                "INSERT INTO offpolicy_evidence (run_id, batch_id, at, record_json) VALUES (?,?,?,?)"
+                " ON CONFLICT DO NOTHING",
+                (run_id, batch_id, time.time(), json.dumps(record)),
+            )
+            return cur.rowcount == 1
+
+    def offpolicy_evidence(self, run_id: str) -> list[dict[str, Any]]:
+        """The run's off-policy evidence, one dict per batch in the order it was kept (``batch_id`` and
+        ``at`` added to what the trainer reported)."""
+        rows = self.db.execute(
+            "SELECT batch_id, at, record_json FROM offpolicy_evidence WHERE run_id=? ORDER BY at, batch_id",
+            (run_id,),
+        ).fetchall()
+        return [{**json.loads(r[2]), "batch_id": r[0], "at": r[1]} for r in rows]
 
     # -- policy versions (append-only; a version id is never re-bound to other weights) ---------------
     def put_policy(

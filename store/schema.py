@@ -106,6 +106,14 @@ CREATE TABLE IF NOT EXISTS harness_files (
     PRIMARY KEY (rollout_id, path));
 """,
     ),
+    (
+        8,
+        """
+CREATE TABLE IF NOT EXISTS offpolicy_evidence (
+    run_id TEXT NOT NULL, batch_id TEXT NOT NULL, at REAL NOT NULL, record_json TEXT NOT NULL,
+    PRIMARY KEY (run_id, batch_id));
+""",
+    ),
 ]
 """(version, DDL) in order. 1: the manual-actions log of ``rollouts cancel/retry/terminate``. 2: token
 arrays packed in the segment row (``tokens`` int32, ``logprobs`` float32, little-endian; ``versions`` the
@@ -117,6 +125,7 @@ hosts (sandboxes/hosts.py) and the host each pool slot is held on. 5: image buil
 model calls harnesses made through their rollouts' gateways (gateway/): each request, and its answer once
 the rollout's model-call activity wrote it. 7: the files a harness leaves in its sandbox that its environment
 keeps with the rollout (``HarnessCommand.keep``: e.g. the harness's own trajectory), or why one could not be
-read."""
+read. 8: a trainer's off-policy evidence per consumed batch (its recomputed logprobs against the behaviour
+logprobs: |Δ logprob|, KL, importance ratios, tokens by policy lag), shown in the run report."""
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]

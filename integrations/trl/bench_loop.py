@@ -47,6 +47,10 @@ def run_async(home: Path, over: list[str], steps: int, lr: float, out_dir: Path)
 
     cpu.enable()
     rid = time.strftime("trl-async-%Y%m%d-%H%M%S")
+    if not any(o.startswith("run.num_groups=") for o in over):
+        # 8 groups a step, plus the zero-variance ones the feed discards (about a third with this policy):
+        # a run that ends before the trainer does leaves it without samples
+        over = [*over, f"run.num_groups={12 * steps}"]
     args = AsyncGRPOConfig(
         output_dir=str(out_dir / rid), max_steps=steps, per_device_train_batch_size=64, token_budget=0,
         bf16=False, gradient_checkpointing=False, report_to=[], use_cpu=True, learning_rate=lr,
@@ -64,8 +68,8 @@ def run_async(home: Path, over: list[str], steps: int, lr: float, out_dir: Path)
         trainer.train()
     finally:
         w._stop.set()
+    w.stop()  # TRL stopped it already when training ended; the books come through a sidecar of their own
     books = w.ledger()
-    w.stop()
     lags = [c["current_int"] - c["model_version"] for c in w.consumed]
     return {"run_id": rid, "steps": steps, "wall_s": round(time.monotonic() - t0, 1),
             "versions": [p["version"] for p in w.published], "max_lag_consumed": max(lags, default=None),
@@ -113,17 +117,28 @@ def main() -> None:
     home = Path(a.home)
     out: dict[str, Any] = {"command": " ".join(sys.argv), "modes": {}}
     bridge = Bridge(home)
+
+    def save() -> None:  # after every stage: a failure later keeps what was measured
+        Path(a.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.output).write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")
+
     try:
         for mode in ["async", "sync"] if a.mode == "both" else [a.mode]:
             start = _eval(bridge, a.overrides, a.eval_samples)
+            out["modes"][mode] = {"accuracy_start": start}
+            print(f"{mode}: accuracy at start {start['accuracy']:.3f}", flush=True)
+            save()
             run = (run_async if mode == "async" else run_sync)(home, a.overrides, a.steps, a.lr, home / "trl")
+            out["modes"][mode].update(run)
+            save()
             end = _eval(bridge, a.overrides, a.eval_samples)
-            out["modes"][mode] = {"accuracy_start": start, "accuracy_end": end, **run}
+            out["modes"][mode]["accuracy_end"] = end
+            delta = 100 * (end["accuracy"] - start["accuracy"])
+            out["modes"][mode]["accuracy_delta_points"] = round(delta, 2)
             print(f"{mode}: accuracy {start['accuracy']:.3f} -> {end['accuracy']:.3f}", flush=True)
     finally:
         bridge.close()
-        Path(a.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.output).write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")
+        save()
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ Invariants:
   :func:`durable_reward` as a reward function). A member that failed (no reward) is fully masked and given
   its group's mean reward, so it neither trains nor shifts its group's mean.
 - Off-policy evidence (offpolicy.py) of each call's records against the trainer's model is logged in the
-  trainer's metrics (``offpolicy/*``) and kept in :attr:`DurableRolloutFunc.evidence`.
+  trainer's metrics (``offpolicy/*``), kept in :attr:`DurableRolloutFunc.evidence` and in the run store
+  with the call's run (``rollouts report`` plots it).
 """
 
 from __future__ import annotations
@@ -160,6 +161,8 @@ class DurableRolloutFunc:
         ev = {"run_id": run_id, "current": version, "step": int(trainer.state.global_step),
               **evidence(model, usable, temperature, lags)}  # fmt: skip
         self.evidence.append(ev)
+        # one run per call, its records consumed whole: the call's batch is the run's only one
+        self.bridge.call("put_evidence", run_id=run_id, batch_id="rollout_func", record=ev)
         sink = getattr(trainer, "_metrics", {}).get("train")
         if sink is not None:
             for k, v in metrics(ev).items():

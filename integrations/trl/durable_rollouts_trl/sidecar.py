@@ -158,6 +158,10 @@ class Sidecar:
             "discarded": [d.__dict__ for d in batch.discarded],
         }  # fmt: skip
 
+    def op_put_evidence(self, run_id: str, batch_id: str, record: dict[str, Any]) -> bool:
+        """Keep a consumed batch's off-policy evidence with the run (the run report shows it)."""
+        return self.store.put_offpolicy_evidence(run_id, batch_id, record)
+
     def op_ledger(self, run_id: str) -> dict[str, Any]:
         from trainer.feed import TrainerFeed
 

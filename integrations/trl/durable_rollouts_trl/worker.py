@@ -18,7 +18,8 @@ Invariants:
   the feed's lag, never larger than ``max_staleness`` when the feed hands the sample out.
 - Off-policy evidence (offpolicy.py) is computed for every take, with the weights of the version the
   trainer holds (loaded from its published directory, a private copy: the training thread is never read
-  from), and goes to ``metrics_queue`` (TRL logs it) and :attr:`evidence`.
+  from), and goes to ``metrics_queue`` (TRL logs it), :attr:`evidence` and the run store under the take's
+  batch id (``rollouts report`` plots it; a repeated write of a batch changes nothing).
 """
 
 from __future__ import annotations
@@ -167,6 +168,7 @@ class DurableRolloutWorker:
             self._thread.join(timeout=120)
         if self._bridge is not None:
             self._bridge.close()
+            self._bridge = None
 
     def check_health(self, stale_after_s: float) -> None:
         if self._error:
@@ -224,6 +226,7 @@ class DurableRolloutWorker:
             ev.update(evidence(self._scorer_for(current), recs, self.sampling.temperature, lags))
             self.metrics_queue.put(metrics(ev))
         self.evidence.append(ev)
+        bridge.call("put_evidence", run_id=self.run_id, batch_id=res["batch_id"], record=ev)
         now = time.time()
         for rec, f in samples:
             self.consumed.append({
@@ -260,8 +263,15 @@ class DurableRolloutWorker:
         return self._scorer[1]
 
     def ledger(self) -> dict[str, Any]:
-        """The run's books (generated = consumed + discarded + waiting), from the core."""
-        return self._ensure().call("ledger", run_id=self.run_id)
+        """The run's books (generated = consumed + discarded + waiting), from the core; also after
+        :meth:`stop` (TRL stops its rollout worker when training ends), through a sidecar of its own."""
+        if self._bridge is not None and self._bridge.alive():
+            return self._bridge.call("ledger", run_id=self.run_id)
+        bridge = Bridge(self.home, self.store_url)
+        try:
+            return bridge.call("ledger", run_id=self.run_id)
+        finally:
+            bridge.close()
 
 
 def _np(values: list[Any], dtype: str) -> Any:

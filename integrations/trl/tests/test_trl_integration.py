@@ -136,10 +136,18 @@ async def test_async_grpo_trainer_with_the_durable_worker(
         assert w.evidence and all(not e["flagged"] for e in w.evidence), w.evidence
         first = w.evidence[0]
         assert first["lag_share"] == {"0": 1.0} and first["lag0_mean_abs_dlogp"] < 0.01
-        from trainer.feed import TrainerFeed  # the worker's sidecar is closed: the books from the store
+        # ... and kept with the run, one row per consumed batch, for the run report
+        kept = store.offpolicy_evidence("trl-async")
+        assert [{k: e[k] for k in ev} for e, ev in zip(kept, w.evidence, strict=True)] == w.evidence
+        consumed = {m["batch_id"] for m in store.feed_marks("trl-async").values() if m["state"] == "consumed"}
+        assert {e["batch_id"] for e in kept} == consumed
+        from trainer.feed import TrainerFeed
 
         books = TrainerFeed(store, "trl-async").ledger().check()
         assert books.generated.records == 24 and books.consumed.records >= 16
+        # the worker still reads the books after TRL stopped it (its own sidecar, closed again)
+        led = w.ledger()
+        assert led["balanced"] and led["consumed"]["records"] == books.consumed.records
 
 
 @pytest.mark.timeout(900)
@@ -192,6 +200,9 @@ async def test_grpo_trainer_with_the_durable_rollout_func(
                 }  # the trainer's weights of that step
         # Δ≈0 at equal weights: every token was sampled by the weights the trainer held.
         assert [e["flagged"] for e in rf.evidence] == [False, False]
+        for run_id, ev in zip(rf.run_ids, rf.evidence, strict=True):  # kept with each call's run
+            (kept_ev,) = store.offpolicy_evidence(run_id)
+            assert kept_ev["batch_id"] == "rollout_func" and {k: kept_ev[k] for k in ev} == ev
         for e in rf.evidence:
             assert e["lag_share"] == {"0": 1.0}
             assert e["lag0_mean_abs_dlogp"] < 0.01 and e["lag0_max_abs_dlogp"] < 0.2

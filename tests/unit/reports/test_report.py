@@ -25,7 +25,7 @@ RUN = "rep"
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_tokens": 8, "seed": 1}
 REQUIRED = (
     "time-by-env", "length-by-outcome", "end-reasons", "reward-distribution", "group-variance",
-    "zero-variance", "trainer-tokens", "admission", "timeline",
+    "zero-variance", "trainer-tokens", "offpolicy", "admission", "timeline",
 )  # fmt: skip
 OUTCOMES = [
     ("completed", None, 1.0),
@@ -77,6 +77,12 @@ def fill(store: RunStore, run: str = RUN, groups: int = 3, feed: bool = True, di
                                     "lag": 0}])  # fmt: skip
         store.put_feed_marks(run, [{"group_id": "g000000", "state": "discarded", "reason": "zero_variance",
                                     "records": 5, "tokens": 40, "lag": 0}])  # fmt: skip
+        for b, (mean, flag) in enumerate([(1e-7, None), (0.05, "logprob mismatch at equal weights: x")]):
+            store.put_offpolicy_evidence(run, f"b{b + 1:06d}", {
+                "tokens": 20, "mean_abs_dlogp": mean, "max_abs_dlogp": 10 * mean, "lag0_mean_abs_dlogp": mean,
+                "ratio_p99": 1.01, "ratio_max": 1.3 + b, "flagged": flag is not None,
+                **({"flag": flag} if flag else {}),
+            })  # fmt: skip
     if dispatch:
         for seq in range(1, 6):
             store.put_dispatch_log(run, seq, t0 + seq, {
@@ -128,6 +134,8 @@ def test_plots_show_the_run(store: RunStore) -> None:
     assert "40 of " in page  # consumed tokens of the feed
     assert "failed: infra: EngineUnavailable" in page and "truncated: max_turns" in page
     assert "5 dispatcher polls" in page
+    assert "2 batches, 40 tokens recomputed by the trainer; 1 flagged" in page
+    assert "largest importance ratio 2.3" in page and "last flag: logprob mismatch at equal weights" in page
     assert page.count("<title>rep/g") == 15  # one timeline bar per rollout
     assert "http://e1:8000" in page and "http://e2:8000" in page  # one band per replica
 
@@ -139,6 +147,7 @@ def test_a_run_without_trainer_or_dispatcher_still_has_every_plot_and_says_why(t
     root = parse(page)
     assert {f.get("id") for f in root.iter("figure")} == set(REQUIRED)
     assert "no group has been taken by a trainer" in page
+    assert "no trainer reported evidence" in page
     assert "fixed in-flight cap" in page
     assert_self_contained(page)
 
