@@ -53,8 +53,8 @@ from contracts.types import (
     TerminatedGroupInput,
     TurnResult,
 )
-from workflows.patches import REVISION
 from workflows.group import GroupWorkflow
+from workflows.patches import REVISION
 from workflows.rollout import RolloutWorkflow
 from workflows.run import RunWorkflow
 
@@ -333,8 +333,7 @@ def rollout_input(uid: str, **update: Any) -> RolloutInput:
         max_total_tokens=1000,
         timeout_s=600.0,
         score_truncated=False,
-        revision=REVISION,
-        local_model_calls=True,  # as rollout_template sets it for an environment without a sandbox
+        revision=REVISION,  # as rollout_template sets it
     )
     return inp.model_copy(update=update)
 

@@ -100,9 +100,6 @@ async def test_rollout_continues_as_new_with_its_state_whole(
         max_turns=20,
         engine=EngineTarget(urls=["http://engine-a", "http://engine-b"], model="tiny", request_timeout_s=30),
         state=start,
-        # regular activities: a turn's dozen events count toward the limit between workflow tasks (local
-        # model calls keep a rollout of quick turns in one workflow task, whose history length is fixed)
-        local_model_calls=False,
     )
     fakes = Fakes()
     fakes.done_on_turn = 10
