@@ -40,7 +40,7 @@ class Options:
             kw["retry_policy"] = retry or self.retry
         if self.heartbeat is not None and not self.local:
             kw["heartbeat_timeout"] = self.heartbeat
-        if self.wait_cancellation and not self.local:
+        if self.wait_cancellation:
             kw["cancellation_type"] = ActivityCancellationType.WAIT_CANCELLATION_COMPLETED
         return kw
 

@@ -79,6 +79,8 @@ class Code:
     label: str
     commit: str
     root: Path
+    sets: tuple[tuple[str, Any], ...] = ()
+    """Run-config overrides of this sitting's runs (a ``--variant`` of the current code)."""
 
     @property
     def cli(self) -> str:
@@ -227,6 +229,7 @@ class Sitting:
             "run.num_groups": rollouts // a.group_size, "run.group_size": a.group_size,
             "run.max_inflight_groups": a.inflight_groups,
             "sampling.max_tokens": 16, "rollout.max_turns": turns, "admission.enabled": False,
+            **dict(self.code.sets),
         }  # fmt: skip
         overrides = [x for k, v in sets.items() for x in ("--set", f"{k}={json.dumps(v)}")]
         assert self.client is not None
@@ -319,6 +322,15 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
+def _variant(text: str) -> tuple[str, tuple[tuple[str, Any], ...]]:
+    """``local:rollout.local_model_calls=true`` -> ("local", (("rollout.local_model_calls", True),))."""
+    label, sep, rest = text.partition(":")
+    pairs = [kv.partition("=") for kv in rest.split(",")] if sep else []
+    if not label or not pairs or any(not k or not eq for k, eq, _ in pairs):
+        raise argparse.ArgumentTypeError(f"--variant {text!r}: expected LABEL:KEY=VALUE[,KEY=VALUE]")
+    return label, tuple((k, json.loads(v)) for k, _, v in pairs)
+
+
 async def main(args: argparse.Namespace) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="orchestration-cost-"))
     head = git("rev-parse", "HEAD")
@@ -327,6 +339,8 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     if args.old:
         old = git("rev-parse", args.old)
         codes.insert(0, Code("old", old, checkout(old, tmp / f"code-{old[:8]}")))
+    for label, sets in args.variant:
+        codes.append(Code(label, codes[-1].commit, REPO_ROOT, sets))
     tasks, transcripts = write_workload(tmp)
     port = procs.free_port()
     url = f"http://127.0.0.1:{port}"
@@ -367,6 +381,9 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     }
     if "old" in sittings:
         out["before_after"] = compare(sittings["old"]["summary"], sittings["new"]["summary"])
+    for label, _ in args.variant:  # a variant against the old code, and against the current default
+        base = "old" if "old" in sittings else "new"
+        out[f"{base}_vs_{label}"] = compare(sittings[base]["summary"], sittings[label]["summary"])
     shutil.rmtree(tmp, ignore_errors=True)
     return out
 
@@ -382,6 +399,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--turn-ms", type=float, default=0.0, help="engine latency per model call (default 0)")
     p.add_argument("--unsandboxed", action="store_true", help="workers without the SDK's workflow sandbox")
     p.add_argument("--run-timeout-s", type=float, default=1200.0)
+    p.add_argument(
+        "--variant",
+        type=_variant,
+        action="append",
+        default=[],
+        metavar="LABEL:KEY=VALUE[,KEY=VALUE]",
+        help="also measure the current code with these run-config overrides (JSON values), as sitting LABEL",
+    )
     p.add_argument("--out", type=Path, help="results JSON")
     return p
 

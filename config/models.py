@@ -100,6 +100,16 @@ class RolloutConfig(_Strict):
     under the new weights; its record keeps every token's version. None = never pause."""
     partial_poll_s: float = Field(5.0, gt=0.0, le=3600.0)
     """How often a paused rollout checks the store for a newer published version."""
+    local_model_calls: bool = False
+    """Model calls of rollouts without a sandbox run as local activities: one marker event per turn
+    instead of an activity's three and a workflow task's three, and a rollout whose turns are short
+    (together under the workflow task timeout, 10 s) runs start to record in one workflow task, for about
+    half the Temporal server's CPU per turn (docs/measurements/cost.md). What it costs: the worker holds the
+    rollout's workflow task while a call runs, so a signal (an admission cancel, ``rollouts cancel``)
+    lands only when the call ends; the call is not a pending activity, so ``rollouts stuck`` and the web
+    UI's pending activities do not show it (its live details still say what it waits on); a call longer
+    than the workflow task timeout keeps the task open by heartbeating it (three events every ~8 s). For
+    short calls at high rates; off by default. Sandboxed rollouts always use regular activities."""
     infra_retries: int = Field(1, ge=0, le=10)
     """Times a group slot whose rollout failed for infrastructure (reason ``infra: ...``: an engine or
     sandbox lost past its own retries, a worker's workflow timed out) runs again as a fresh rollout (next

@@ -169,6 +169,12 @@ class RolloutInput(_Data):
     """Replica the dispatcher chose for the rollout's group (bounded-load affinity); None = hash order."""
     state: RolloutState | None = None
     """The rollout's state when it continued as new; None at its start."""
+    revision: int = 0
+    """The command revision its parent asked for (``workflows.patches.REVISION``); 0 in inputs written
+    before revisions existed. A behaviour change for workflows started after an upgrade rides on it
+    instead of a patch marker, which would cost every rollout two history events and a visibility write."""
+    local_model_calls: bool = False
+    """Model calls run as local activities (``rollout.local_model_calls``; never with a sandbox)."""
 
     def ref(self) -> RolloutRef:
         """The member's reference, carried by every activity input of the rollout (built once per member:
@@ -295,6 +301,8 @@ class GroupInput(_Data):
     on_infra_failure: Literal["exclude", "fail-group"] = "exclude"
     """``group.on_infra_failure``: what a member still failed for infrastructure after its retries does to
     its group (left out of the statistics, or the whole group unscorable)."""
+    revision: int = 0
+    """The command revision its parent asked for (``workflows.patches.REVISION``); 0 before revisions."""
 
 
 class GroupResult(_Data):

@@ -6,6 +6,7 @@ type error, never a workflow stuck on an activity no worker has.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -25,14 +26,19 @@ async def call(
     summary: str | None = None,
     task_queue: str | None = None,
     schedule_to_start: timedelta | None = None,
+    local: bool | None = None,
 ) -> Any:
     """Run the activity method ``fn`` (``Class.method``) with its declared options; returns its result.
 
     ``task_queue`` sends it to a queue other than the workflow's (a sandbox host's), where
     ``schedule_to_start`` bounds the wait for a worker to pick it up (a host that is gone answers with a
     non-retried ScheduleToStart timeout instead of a wait without end). Regular activities only.
+    ``local`` overrides the declared kind (an activity declared regular may run as a local activity for
+    callers that choose so, as rollouts with ``local_model_calls`` do).
     """
     opts = options_of(fn)
+    if local is not None and local != opts.local:
+        opts = dataclasses.replace(opts, local=local)
     kw = opts.kwargs(retry=retry, start_to_close=start_to_close)
     if summary is not None:
         kw["summary"] = summary

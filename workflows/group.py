@@ -56,7 +56,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows import search_attributes as sa
     from workflows.calls import call
     from workflows.grpo import group_stats
-    from workflows.patches import INFRA_RETRIES, OPS
+    from workflows.patches import INFRA_RETRIES, OPS, REVISION
     from workflows.rollout import RolloutWorkflow, finalize_rollout_input
 
 
@@ -91,6 +91,8 @@ def rollout_template(cfg: Config, run_id: str, env: EnvTraits) -> RolloutInput:
         partial_poll_s=cfg.rollout.partial_poll_s,
         sandbox=cfg.sandbox if env.uses_sandbox else None,
         pool=cfg.sandbox_pool if env.uses_sandbox else None,
+        revision=REVISION,
+        local_model_calls=cfg.rollout.local_model_calls and not env.uses_sandbox,
     )
 
 
@@ -324,7 +326,8 @@ class GroupWorkflow:
                 SearchAttributePair(sa.ENV, m.env.name),
                 SearchAttributePair(sa.PHASE, "queued"),
             ]
-            workflow.deprecate_patch(OPS.id)  # retired (workflows/patches.py)
+            if inp.revision < 1:  # retired (workflows/patches.py); revision 1 skips its marker
+                workflow.deprecate_patch(OPS.id)
             attrs.append(
                 SearchAttributePair(sa.PROGRESS_AT, workflow.now())
             )  # a queued rollout shows as stuck

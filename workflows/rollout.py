@@ -202,7 +202,8 @@ class RolloutWorkflow:
             s.started_at = workflow.now().timestamp()
         started = s.started_at
         self._ref = inp.ref()
-        workflow.deprecate_patch(OPS.id)  # retired: 0.2.0 and later always index them (workflows/patches.py)
+        if inp.revision < 1:  # retired: 0.2.0 and later always index them; revision 1 skips its marker
+            workflow.deprecate_patch(OPS.id)
         self._progress_at = workflow.now().timestamp()
         self._sandbox_host = s.sandbox_host
         self._order = rollout_replicas(inp)
@@ -390,6 +391,7 @@ class RolloutWorkflow:
             ),
             retry=engine_retry(inp.retry),
             start_to_close=timedelta(seconds=inp.engine.request_timeout_s + 30),
+            local=inp.local_model_calls and not inp.env.uses_sandbox,
         )
         self._progress_at = workflow.now().timestamp()  # a finished model call is progress
         self._attempt, self._failed_attempts = self._failed_attempts + turn.attempt, 0

@@ -476,6 +476,7 @@ class RunWorkflow:
                 redispatch_cancelled=cfg.admission.redispatch_cancelled,
                 infra_retries=cfg.rollout.infra_retries,
                 on_infra_failure=cfg.group.on_infra_failure,
+                revision=patches.REVISION,
             ),
             id=f"{inp.run_id}/{gid}",
             parent_close_policy=ParentClosePolicy.ABANDON,

@@ -56,6 +56,7 @@ from contracts.types import (
     TurnResult,
 )
 from workflows.group import GroupWorkflow
+from workflows.patches import REVISION
 from workflows.rollout import RolloutWorkflow
 from workflows.run import RunWorkflow
 
@@ -334,6 +335,7 @@ def rollout_input(uid: str, **update: Any) -> RolloutInput:
         max_total_tokens=1000,
         timeout_s=600.0,
         score_truncated=False,
+        revision=REVISION,  # as rollout_template sets it
     )
     return inp.model_copy(update=update)
 
