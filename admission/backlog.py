@@ -2,23 +2,25 @@
 
 The engine rules (admission/controller.py) see only the engines' KV cache, so they keep admitting when the
 bottleneck is the workers' workflow-task slots: every rollout then waits longer between its steps (more
-policy lag for an async trainer) and nothing ends sooner. Rule O reads the run's task queue backlog (its
-workflow tasks' schedule-to-start wait, `QueueBacklog.age_s`) and the accepted rate (rollouts that completed
-or were truncated, per second, measured per cap), and vetoes what the engine rules decided:
+policy lag for an async trainer) and nothing ends sooner. Rule O reads how long workflow tasks wait for a
+slot (`QueueBacklog.wait_s`: the run's task queue backlog age and the run's own latest workflow tasks'
+schedule-to-start, whichever is longer) and the accepted rate (rollouts that completed or were truncated,
+per second, measured per cap), and vetoes what the engine rules decided:
 
-- The backlog is high when its age exceeds ``backlog_age_fraction`` of a rollout's mean lifetime (Little's
+- The backlog is high when the wait exceeds ``backlog_wait_fraction`` of a rollout's mean lifetime (Little's
   law: mean rollouts in flight / accepted rollouts per second, at the current cap once measured) and
-  ``backlog_min_age_s``.
+  ``backlog_min_wait_s``.
 - A cap's accepted rate counts once it was held ``backlog_rate_polls`` polls. The last increase gained if
   the current cap's rate beats the previous measured (smaller) cap's by more than ``backlog_min_gain``; with
   no smaller cap measured there is nothing against growth.
 - High backlog and the current cap not yet measured: hold (no growth until the rate is known).
 - High backlog and no gain: hold, and the cap becomes a ceiling, lifted after ``reprobe_polls`` polls;
   past a ceiling nothing grows, whatever the backlog.
-- High backlog, no gain, and its age rose on ``backlog_trim_polls`` consecutive high polls: trim to
+- High backlog, no gain, and the wait rose on ``backlog_trim_polls`` consecutive high polls: trim to
   max(``backlog_cut`` x cap, the smaller cap that accepted as many); nothing is cancelled.
 - High backlog and a gain: the engine rules decide (more rollouts do end sooner).
-- A poll without stats (``QueueBacklog.reported`` False) leaves the rule inactive, said once.
+- A poll that read neither (no stats from the server, no history: ``QueueBacklog.seen`` False) leaves the
+  rule inactive, said once.
 
 Every reason it logs starts with ``orchestration-backlog``. Deterministic: state and arguments in, state
 and result out; the workflow replays them.
@@ -66,13 +68,13 @@ def restart(st: AdmissionState, cfg: AdmissionConfig, now: float) -> None:
 
 
 def threshold(st: AdmissionState, cfg: AdmissionConfig, now: float) -> float:
-    """The backlog age above which the backlog is high: ``backlog_age_fraction`` of a rollout's mean lifetime
-    (Little's law over the running segment), at least ``backlog_min_age_s``."""
+    """The wait above which the backlog is high: ``backlog_wait_fraction`` of a rollout's mean lifetime
+    (Little's law over the running segment), at least ``backlog_min_wait_s``."""
     r = rate(st, cfg, now)
     if not r or st.accepted_polls <= 0:
-        return cfg.backlog_min_age_s
+        return cfg.backlog_min_wait_s
     lifetime = (st.accepted_inflight / st.accepted_polls) / r
-    return max(cfg.backlog_min_age_s, cfg.backlog_age_fraction * lifetime)
+    return max(cfg.backlog_min_wait_s, cfg.backlog_wait_fraction * lifetime)
 
 
 def apply(
@@ -93,23 +95,24 @@ def apply(
     if st.backlog_ceiling is not None and lifted:
         reasons.append(f"{CAUSE}: ceiling {st.backlog_ceiling} lifted")
         st.backlog_ceiling = st.backlog_ceiling_at_poll = None
-    if backlog is not None and not backlog.reported:
+    if backlog is not None and not backlog.seen:
         if not st.backlog_unread_said:
-            reasons.append(f"{CAUSE}: task queue {backlog.task_queue} reports no stats; rule inactive")
+            reasons.append(f"{CAUSE}: task queue {backlog.task_queue} reports no backlog; rule inactive")
             st.backlog_unread_said = True
         backlog = None
     high = False
     limit = threshold(st, cfg, now)
     if backlog is not None:
-        high = backlog.age_s > limit
-        last = st.backlog_age_s
+        wait = backlog.wait_s
+        high = wait > limit
+        last = st.backlog_wait_s
         if not high:
             st.backlog_rising = 0
-        elif last is not None and backlog.age_s > last:
+        elif last is not None and wait > last:
             st.backlog_rising += 1
-        elif last is not None and backlog.age_s < last:
+        elif last is not None and wait < last:
             st.backlog_rising = 0
-        st.backlog_age_s = backlog.age_s
+        st.backlog_wait_s = wait
     if high and backlog is not None:
         _judge(st, cfg, now, cap_before, kv_cap, backlog, limit, reasons)
     if st.backlog_ceiling is not None and st.cap > max(cap_before, st.backlog_ceiling):
@@ -132,7 +135,11 @@ def _judge(
 ) -> None:
     """A high backlog: hold, trim or let the engine rules decide, as the accepted rate says."""
     assert st.cap is not None
-    seen = f"backlog {backlog.count} workflow tasks, age {backlog.age_s:.1f} s > {limit:.1f} s"
+    own = "" if backlog.latency_s is None else f", the run's own waited {backlog.latency_s:.1f} s"
+    seen = (
+        f"workflow tasks wait {backlog.wait_s:.1f} s > {limit:.1f} s (queue backlog {backlog.count},"
+        f" age {backlog.age_s:.1f} s{own})"
+    )
     r = rate(st, cfg, now)
     prev, prev_cap = st.accepted_prev_rate, st.accepted_prev_cap
     if r is None:
@@ -151,7 +158,7 @@ def _judge(
         target = min(cfg.max_inflight, target)
         if target < cap_before:
             reasons.append(
-                f"{CAUSE}: trim cap {cap_before} -> {target} (engine rules: {kv_cap}); backlog age rose"
+                f"{CAUSE}: trim cap {cap_before} -> {target} (engine rules: {kv_cap}); wait rose"
                 f" {st.backlog_rising} polls; {rates}; {seen}"
             )
             st.cap, st.backlog_rising = min(st.cap, target), 0

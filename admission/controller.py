@@ -95,17 +95,17 @@ P5. Footprint (admission/footprint.py): blind growth (the ramp, P0, and ``fast_f
 O. Orchestration backlog (admission/backlog.py; both presets, off with ``orchestration_backlog = false``):
     the rules above see only the engines, so they keep admitting when the bottleneck is the workers'
     workflow-task slots; every rollout then waits longer between steps and none ends sooner. Each step is
-    passed the run's task queue backlog (``backlog``: its workflow tasks' count and age, from Temporal) and
-    counts the rollouts that ended per cap (accepted rollouts/s, measured once a cap was held
-    ``backlog_rate_polls`` polls). With the backlog's age above ``backlog_age_fraction`` of a rollout's
-    mean lifetime (Little's law: mean in flight / accepted rate) and above ``backlog_min_age_s``, growth
-    that the rules above decided is held while the current cap's rate is unmeasured, or when it is not
-    ``backlog_min_gain`` above the previous (smaller) cap's; the held cap becomes a ceiling, lifted after
-    ``reprobe_polls`` polls. A backlog whose age still rises for ``backlog_trim_polls`` high polls without
-    a gain trims the cap to max(``backlog_cut`` × cap, the smaller cap that accepted as many); nothing is
-    cancelled. Its reasons start with ``orchestration-backlog``; `Decision.kv_cap` keeps the cap the rules
-    above chose. Without stats from the server (``QueueBacklog.reported`` False) it is inactive and says
-    so once; without ``backlog`` it has no say.
+    passed the orchestration's backlog (``backlog``, from Temporal: the run's task queue backlog and how
+    long the run's own latest workflow tasks waited for a slot) and counts the rollouts that ended per cap
+    (accepted rollouts/s, measured once a cap was held ``backlog_rate_polls`` polls). With that wait above
+    ``backlog_wait_fraction`` of a rollout's mean lifetime (Little's law: mean in flight / accepted rate)
+    and above ``backlog_min_wait_s``, growth that the rules above decided is held while the current cap's
+    rate is unmeasured, or when it is not ``backlog_min_gain`` above the previous (smaller) cap's; the held
+    cap becomes a ceiling, lifted after ``reprobe_polls`` polls. A wait that still rises for
+    ``backlog_trim_polls`` high polls without a gain trims the cap to max(``backlog_cut`` × cap, the
+    smaller cap that accepted as many); nothing is cancelled. Its reasons start with
+    ``orchestration-backlog``; `Decision.kv_cap` keeps the cap the rules above chose. With neither read
+    (``QueueBacklog.seen`` False) it is inactive and says so once; without ``backlog`` it has no say.
 
 Cuts and trims never raise the cap and growth never lowers it; every cap is clamped to [min, max]. Fixed mode
 (``min_inflight == max_inflight``) skips rules 3-8 and P0-P5: the cap is constant and nothing is cancelled,

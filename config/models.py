@@ -264,20 +264,21 @@ class AdmissionConfig(BaseModel):
     """Probe, rule P5: weight of each ended rollout in the footprint estimate, an exponential moving average
     (a plain mean over the first 1 / this rollouts), so it follows lengths that drift during the run."""
     orchestration_backlog: bool = True
-    """Rule O: also watch the run's task queue backlog (its workflow tasks' wait for a worker slot) and hold
-    or trim the cap when admitting more only lengthens rollouts without raising accepted rollouts/s."""
-    backlog_age_fraction: float = Field(0.05, gt=0.0, le=1.0)
-    """Rule O: the backlog is high when its age exceeds this fraction of a rollout's mean lifetime (Little's
-    law: mean rollouts in flight / accepted rollouts per second), and at least ``backlog_min_age_s``."""
-    backlog_min_age_s: float = Field(1.0, gt=0.0, le=3600.0)
-    """Rule O: backlog ages at or below this are never high (before any rate is measured, the threshold)."""
+    """Rule O: also watch the orchestration's backlog (how long workflow tasks wait for a worker slot: the
+    run's task queue backlog age and its own workflow tasks' schedule-to-start) and hold or trim the cap
+    when admitting more only lengthens rollouts without raising accepted rollouts/s."""
+    backlog_wait_fraction: float = Field(0.05, gt=0.0, le=1.0)
+    """Rule O: the backlog is high when the wait exceeds this fraction of a rollout's mean lifetime (Little's
+    law: mean rollouts in flight / accepted rollouts per second), and at least ``backlog_min_wait_s``."""
+    backlog_min_wait_s: float = Field(1.0, gt=0.0, le=3600.0)
+    """Rule O: waits at or below this (seconds) are never high (the threshold before a rate is measured)."""
     backlog_rate_polls: int = Field(4, ge=1, le=10_000)
     """Rule O: polls a cap is held before its accepted rollouts/s counts as measured."""
     backlog_min_gain: float = Field(0.1, ge=0.0, le=10.0)
     """Rule O: under a high backlog, the last cap increase must have raised the accepted rollouts/s by more
     than this fraction, or the cap is held (a ceiling, lifted after ``reprobe_polls`` polls)."""
     backlog_trim_polls: int = Field(3, ge=1, le=10_000)
-    """Rule O: consecutive high polls with a rising backlog age (and no gain) that trim the cap."""
+    """Rule O: consecutive high polls with a rising wait (and no gain) that trim the cap."""
     backlog_cut: float = Field(0.8, gt=0.0, lt=1.0)
     """Rule O: a trim sets cap := max(this × cap, the smaller cap that accepted as many); nothing is
     cancelled."""

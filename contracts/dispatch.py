@@ -39,8 +39,10 @@ class EngineReading(BaseModel):
 
 
 class QueueBacklog(BaseModel):
-    """The orchestration's own backlog at one poll: the run's task queue as Temporal describes it (workflow
-    tasks of its normal queue; the workers' sticky queues are not described)."""
+    """The orchestration's own backlog at one poll, from Temporal: the run's task queue as the server
+    describes it (the workflow tasks of its normal queue: new workflows' first tasks, and any whose worker
+    let them go), and how long the run's own latest workflow tasks waited for a worker slot (its history;
+    sticky queues included, where a worker's cached workflows' tasks wait and no description shows them)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -48,7 +50,7 @@ class QueueBacklog(BaseModel):
     at: float
     """When it was read (same clock as `EngineReading.at`); the server refreshes its stats every few s."""
     reported: bool = True
-    """Whether the server reported stats; False (the counts below 0) leaves rule O inactive."""
+    """Whether the server reported stats (False: the counts below are 0)."""
     count: int = Field(0, ge=0)
     """Workflow tasks waiting for a worker slot (``approximate_backlog_count``)."""
     age_s: float = Field(0.0, ge=0.0)
@@ -57,6 +59,19 @@ class QueueBacklog(BaseModel):
     """Workflow tasks added per second."""
     dispatch_rate: float = Field(0.0, ge=0.0)
     """Workflow tasks handed to workers per second."""
+    latency_s: float | None = Field(None, ge=0.0)
+    """Longest schedule-to-start wait of the run's own workflow tasks among its latest history events (the
+    task running the poll included); None when the history could not be read."""
+
+    @property
+    def wait_s(self) -> float:
+        """How long a workflow task waits for a slot: the longer of the backlog's age and ``latency_s``."""
+        return max(self.age_s, self.latency_s or 0.0)
+
+    @property
+    def seen(self) -> bool:
+        """Whether it says anything: stats reported or the run's own latency read."""
+        return self.reported or self.latency_s is not None
 
 
 class AdmissionState(BaseModel):
@@ -112,10 +127,10 @@ class AdmissionState(BaseModel):
     accepted_prev_rate: float | None = None
     """Accepted rollouts/s of the last measured segment at another cap, ``accepted_prev_cap``."""
     accepted_prev_cap: int | None = None
-    backlog_age_s: float | None = None
-    """The task queue's backlog age at the previous poll that read it."""
+    backlog_wait_s: float | None = None
+    """The workflow-task wait (`QueueBacklog.wait_s`) at the previous poll that read one."""
     backlog_rising: int = 0
-    """Consecutive polls over the threshold whose backlog age rose (an unchanged reading keeps the count)."""
+    """Consecutive polls over the threshold whose wait rose (an unchanged reading keeps the count)."""
     backlog_ceiling: int | None = None
     """Cap rule O does not let the other rules grow past, set at ``backlog_ceiling_at_poll``."""
     backlog_ceiling_at_poll: int | None = None

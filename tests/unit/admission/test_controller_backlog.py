@@ -65,7 +65,7 @@ def test_a_high_backlog_holds_the_cap_while_a_larger_cap_accepts_no_more_rollout
     assert judged and judged[0].startswith(
         f"{CAUSE}: hold cap 20 (engine rules: 40); accepted 0.40/s at cap 20"
     )
-    assert "vs 0.40/s at cap 10" in judged[0] and "age 5.0 s > 2.5 s" in judged[0]
+    assert "vs 0.40/s at cap 10" in judged[0] and "wait 5.0 s > 2.5 s" in judged[0]
     assert tr.ctl.state.backlog_ceiling == 20
 
 
@@ -85,7 +85,7 @@ def test_without_stats_from_the_server_the_rule_is_inactive_and_says_so_once() -
     tr = Trace()
     caps = [tr.poll(ended=2, age_s=0.0, reported=False).cap for _ in range(4)]
     assert caps == [20, 40, 80, 160]  # as without a backlog
-    assert tr.reasons() == [f"{CAUSE}: task queue q reports no stats; rule inactive"]
+    assert tr.reasons() == [f"{CAUSE}: task queue q reports no backlog; rule inactive"]
 
 
 def test_a_backlog_that_keeps_growing_without_a_rate_gain_trims_the_cap() -> None:
