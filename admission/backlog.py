@@ -10,7 +10,10 @@ per second, measured per cap), and vetoes what the engine rules decided:
 - The backlog is high when the wait exceeds ``backlog_wait_fraction`` of a rollout's mean lifetime (Little's
   law: mean rollouts in flight / accepted rollouts per second, at the current cap once measured) and
   ``backlog_min_wait_s``.
-- A cap's accepted rate counts once it was held ``backlog_rate_polls`` polls. The last increase gained if
+- A cap's accepted rate counts once it was held ``backlog_rate_polls`` polls and the rollouts in flight
+  turned over once (as many ended as were in flight on average): before that, the rollouts that end are
+  mostly ones a smaller cap admitted, and a growing cap would always look like a gain. The last increase
+  gained if
   the current cap's rate beats the previous measured (smaller) cap's by more than ``backlog_min_gain``; with
   no smaller cap measured there is nothing against growth.
 - High backlog and the current cap not yet measured: hold (no growth until the rate is known).
@@ -51,8 +54,12 @@ def measure(st: AdmissionState, now: float, n: int, ended: int) -> None:
 
 
 def rate(st: AdmissionState, cfg: AdmissionConfig, now: float) -> float | None:
-    """The running segment's accepted rollouts/s, once it was measured ``backlog_rate_polls`` polls."""
+    """The running segment's accepted rollouts/s, once measured: after ``backlog_rate_polls`` polls and one
+    turnover (as many rollouts ended as were in flight on average), so that the rollouts that end are
+    mostly ones this cap admitted (the rate lags the cap by about a rollout's lifetime)."""
     if st.accepted_since is None or st.accepted_polls < cfg.backlog_rate_polls or now <= st.accepted_since:
+        return None
+    if st.accepted_ended < st.accepted_inflight / st.accepted_polls:
         return None
     return st.accepted_ended / (now - st.accepted_since)
 

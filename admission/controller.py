@@ -97,7 +97,8 @@ O. Orchestration backlog (admission/backlog.py; both presets, off with ``orchest
     workflow-task slots; every rollout then waits longer between steps and none ends sooner. Each step is
     passed the orchestration's backlog (``backlog``, from Temporal: the run's task queue backlog and how
     long the run's own latest workflow tasks waited for a slot) and counts the rollouts that ended per cap
-    (accepted rollouts/s, measured once a cap was held ``backlog_rate_polls`` polls). With that wait above
+    (accepted rollouts/s, measured once a cap was held ``backlog_rate_polls`` polls and its rollouts in
+    flight turned over once). With that wait above
     ``backlog_wait_fraction`` of a rollout's mean lifetime (Little's law: mean in flight / accepted rate)
     and above ``backlog_min_wait_s``, growth that the rules above decided is held while the current cap's
     rate is unmeasured, or when it is not ``backlog_min_gain`` above the previous (smaller) cap's; the held

@@ -403,7 +403,7 @@ class RunWorkflow:
                     pool=template.pool,
                     log=st.dispatch.last_log,
                     count_unconsumed=cfg.admission.max_queued_groups is not None,
-                    task_queue=workflow.info().task_queue if cfg.admission.orchestration_backlog else None,
+                    task_queue=workflow.info().task_queue,
                 ),
             )
         except (ActivityError, ApplicationError) as e:
