@@ -8,6 +8,10 @@ Invariants:
   returned as one line); the workflow keeps its older reading, which ages out and makes it unhealthy.
 - Every engine is asked at once with a short timeout, so one hung engine delays a poll by at most that.
 - What a poll read and the decision it carries set this worker's dispatcher gauges (``metrics.record_poll``).
+- Given the run's task queue, a poll also reads the orchestration's backlog from Temporal (rule O of
+  admission/controller.py), two calls at once: the queue's workflow-task stats (``DescribeTaskQueue``) and
+  the run's own latest history events (the schedule-to-start of its workflow tasks, sticky ones included).
+  A failed call is one line of the poll's errors; with both failed the poll gives no backlog.
 - ``closed_groups`` and ``terminated_group`` ask Temporal (describe only, activities/closed_groups.py) through
   the worker's client (``activity.client()``), which every async activity has.
 """
@@ -21,18 +25,109 @@ from datetime import timedelta
 
 import httpx
 from temporalio import activity
+from temporalio.api.common.v1 import WorkflowExecution
+from temporalio.api.enums.v1 import EventType, TaskQueueType
+from temporalio.api.taskqueue.v1 import TaskQueue
+from temporalio.api.workflowservice.v1 import (
+    DescribeTaskQueueRequest,
+    GetWorkflowExecutionHistoryReverseRequest,
+)
+from temporalio.client import Client
 from temporalio.common import RetryPolicy
 
 import metrics
 from activities.calls import Options, options
 from activities.closed_groups import closed_among, unended_members
 from contracts.activity_io import ClosedGroupsInput, TerminatedGroup, TerminatedGroupInput
-from contracts.types import FleetPoll, GroupCounts, GroupResult, Outcome, PollFleetInput, RolloutResult
+from contracts.types import (
+    FleetPoll,
+    GroupCounts,
+    GroupResult,
+    Outcome,
+    PollFleetInput,
+    QueueBacklog,
+    RolloutResult,
+)
 from engines.metrics import fetch_reading
 from sandboxes.pool import SandboxPool
 from store.runstore import RunStore
 
 METRICS_TIMEOUT_S = 3.0
+OWN_EVENTS = 30
+"""History events of the run read back per poll: its last few workflow tasks (one poll's worth or more)."""
+
+
+async def read_backlog(
+    client: Client, queue: str, workflow_id: str, run_id: str | None, now: float
+) -> tuple[QueueBacklog | None, list[str]]:
+    """The orchestration's backlog (`queue_backlog` with `own_wait`'s latency) and the errors of its calls,
+    one line each; None when both failed."""
+    stats, own = await asyncio.gather(
+        queue_backlog(client, queue, now), own_wait(client, workflow_id, run_id), return_exceptions=True
+    )
+    errors = [
+        f"{what}: {type(e).__name__}: {e}"[:300]
+        for what, e in ((f"task queue {queue}", stats), (f"history of {workflow_id}", own))
+        if isinstance(e, BaseException)
+    ]
+    if isinstance(stats, BaseException) and isinstance(own, BaseException):
+        return None, errors
+    backlog = (
+        stats if isinstance(stats, QueueBacklog) else QueueBacklog(task_queue=queue, at=now, reported=False)
+    )
+    if not isinstance(own, BaseException):
+        backlog = backlog.model_copy(update={"latency_s": own})
+    return backlog, errors
+
+
+async def own_wait(client: Client, workflow_id: str, run_id: str | None) -> float | None:
+    """The longest schedule-to-start wait of the workflow's workflow tasks among its last ``OWN_EVENTS``
+    history events (a task counts once its started event is there); None when they hold no started task."""
+    resp = await client.workflow_service.get_workflow_execution_history_reverse(
+        GetWorkflowExecutionHistoryReverseRequest(
+            namespace=client.namespace,
+            execution=WorkflowExecution(workflow_id=workflow_id, run_id=run_id or ""),
+            maximum_page_size=OWN_EVENTS,
+        ),
+        timeout=timedelta(seconds=METRICS_TIMEOUT_S),
+    )
+    scheduled = {
+        e.event_id: e.event_time.ToMicroseconds()
+        for e in resp.history.events
+        if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_SCHEDULED
+    }
+    waits = [
+        (e.event_time.ToMicroseconds() - scheduled[sid]) / 1e6
+        for e in resp.history.events
+        if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_STARTED
+        and (sid := e.workflow_task_started_event_attributes.scheduled_event_id) in scheduled
+    ]
+    return max(0.0, *waits) if waits else None
+
+
+async def queue_backlog(client: Client, queue: str, now: float) -> QueueBacklog:
+    """The workflow-task backlog of ``queue`` as the server reports it (its stats are refreshed every few
+    seconds); ``reported`` is False when the server gives no stats."""
+    resp = await client.workflow_service.describe_task_queue(
+        DescribeTaskQueueRequest(
+            namespace=client.namespace,
+            task_queue=TaskQueue(name=queue),
+            task_queue_type=TaskQueueType.TASK_QUEUE_TYPE_WORKFLOW,
+            report_stats=True,
+        ),
+        timeout=timedelta(seconds=METRICS_TIMEOUT_S),
+    )
+    if not resp.HasField("stats"):
+        return QueueBacklog(task_queue=queue, at=now, reported=False)
+    s = resp.stats
+    return QueueBacklog(
+        task_queue=queue,
+        at=now,
+        count=max(0, s.approximate_backlog_count),
+        age_s=max(0.0, s.approximate_backlog_age.ToTimedelta().total_seconds()),
+        add_rate=max(0.0, s.tasks_add_rate),
+        dispatch_rate=max(0.0, s.tasks_dispatch_rate),
+    )
 
 
 class DispatchActivities:
@@ -69,10 +164,26 @@ class DispatchActivities:
                 self.store.put_dispatch_log, inp.run_id, inp.log.seq, inp.log.at, inp.log.model_dump()
             )
         now = time.time()
+        backlog_read = None
+        if inp.task_queue is not None:
+            info = activity.info()
+            backlog_read = asyncio.ensure_future(
+                read_backlog(
+                    activity.client(),
+                    inp.task_queue,
+                    info.workflow_id or inp.run_id,
+                    info.workflow_run_id,
+                    now,
+                )
+            )
         results = await asyncio.gather(
             *(fetch_reading(self.http, url, url, now) for url in inp.engine_urls), return_exceptions=True
         )
         readings, errors = [], []
+        backlog = None
+        if backlog_read is not None:
+            backlog, backlog_errors = await backlog_read
+            errors += backlog_errors
         for url, r in zip(inp.engine_urls, results, strict=True):
             if isinstance(r, BaseException):
                 errors.append(f"{url}: {type(r).__name__}: {r}"[:300])
@@ -95,6 +206,7 @@ class DispatchActivities:
                 for g, (f, c, k, t) in counts.items()
             },
             pool=pool,
+            backlog=backlog,
         )
         metrics.record_poll(inp.run_id, inp.log, poll, inp.engine_urls, inp.count_unconsumed)
         return poll

@@ -92,6 +92,22 @@ P5. Footprint (admission/footprint.py): blind growth (the ramp, P0, and ``fast_f
     ``predicted_fill`` of the healthy engines' summed KV cache; past it the cap grows by ``probe_factor``
     per epoch, judged by P3.
 
+O. Orchestration backlog (admission/backlog.py; both presets, off with ``orchestration_backlog = false``):
+    the rules above see only the engines, so they keep admitting when the bottleneck is the workers'
+    workflow-task slots; every rollout then waits longer between steps and none ends sooner. Each step is
+    passed the orchestration's backlog (``backlog``, from Temporal: the run's task queue backlog and how
+    long the run's own latest workflow tasks waited for a slot) and counts the rollouts that ended per cap
+    (accepted rollouts/s, measured once a cap was held ``backlog_rate_polls`` polls and its rollouts in
+    flight turned over once). With that wait above
+    ``backlog_wait_fraction`` of a rollout's mean lifetime (Little's law: mean in flight / accepted rate)
+    and above ``backlog_min_wait_s``, growth that the rules above decided is held while the current cap's
+    rate is unmeasured, or when it is not ``backlog_min_gain`` above the previous (smaller) cap's; the held
+    cap becomes a ceiling, lifted after ``reprobe_polls`` polls. A wait that still rises for
+    ``backlog_trim_polls`` high polls without a gain trims the cap to max(``backlog_cut`` × cap, the
+    smaller cap that accepted as many); nothing is cancelled. Its reasons start with
+    ``orchestration-backlog``; `Decision.kv_cap` keeps the cap the rules above chose. With neither read
+    (``QueueBacklog.seen`` False) it is inactive and says so once; without ``backlog`` it has no say.
+
 Cuts and trims never raise the cap and growth never lowers it; every cap is clamped to [min, max]. Fixed mode
 (``min_inflight == max_inflight``) skips rules 3-8 and P0-P5: the cap is constant and nothing is cancelled,
 while health and the admission window still apply.
@@ -104,9 +120,10 @@ from collections.abc import Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from admission import backlog as orchestration
 from admission import footprint
 from config.models import AdmissionConfig
-from contracts.types import AdmissionState, EngineReading
+from contracts.types import AdmissionState, EngineReading, QueueBacklog
 
 CANCEL_REASON = "admission"
 """Reason recorded on rollouts the controller cancels."""
@@ -119,6 +136,7 @@ __all__ = [
     "Decision",
     "EngineReading",
     "Inflight",
+    "QueueBacklog",
     "youngest",
 ]
 
@@ -155,6 +173,8 @@ class Decision(BaseModel):
     """Worst healthy engine's KV usage; None without a healthy engine."""
     storm: bool = False
     """Whether this poll saw a preemption storm (rule P1; nothing is admitted then)."""
+    kv_cap: int | None = None
+    """The cap the engine rules alone set this poll (``cap`` differs when rule O held or trimmed it)."""
 
 
 class AdmissionController:
@@ -177,9 +197,11 @@ class AdmissionController:
         inflight: Sequence[Inflight],
         ended: int = 0,
         ended_tokens: float = 0.0,
+        backlog: QueueBacklog | None = None,
     ) -> Decision:
         """Observe one poll and decide the cap, admissions and cancels; ``ended`` rollouts completed or were
-        truncated since the previous step, with ``ended_tokens`` summed final contexts (rule P5)."""
+        truncated since the previous step, with ``ended_tokens`` summed final contexts (rule P5);
+        ``backlog`` is the run's task queue backlog (rule O; None: not read, the rule has no say)."""
         cfg, st = self.config, self.state
         newest: dict[str, EngineReading] = {}
         for r in readings:
@@ -192,12 +214,17 @@ class AdmissionController:
         cap_before = st.cap
         st.storm = self._ramping = False
         cancel: list[Inflight] = []
+        kv_cap: int | None = None
         usage = max((r.kv_usage for r in healthy.values()), default=None)
         if healthy:
             if st.cap is None:
                 st.cap = self._initial_cap(healthy)
                 reasons.append(f"initial cap {st.cap}")
             fresh = len(healthy) == len(newest)
+            watch = cfg.orchestration_backlog and not cfg.fixed
+            if watch:
+                orchestration.measure(st, now, n, ended)
+            start = st.cap
             if cfg.fixed:
                 pass
             elif cfg.preset == "probe":
@@ -206,6 +233,12 @@ class AdmissionController:
                 self._probe(now, healthy, n, reasons, all_fresh=fresh)
             else:
                 cancel = self._adapt(healthy, n, inflight, reasons, all_fresh=fresh)
+            kv_cap = st.cap
+            if watch:
+                assert start is not None
+                orchestration.apply(st, cfg, now, start, backlog, reasons)
+                if st.cap != start:
+                    orchestration.restart(st, cfg, now)
         else:
             reasons.append("no healthy engine")
         cap = st.cap if st.cap is not None else self._clamp(cfg.initial_cap or cfg.min_inflight)
@@ -222,6 +255,7 @@ class AdmissionController:
             healthy=sorted(healthy),
             kv_usage=usage,
             storm=st.storm,
+            kv_cap=kv_cap,
         )
 
     def _adapt(

@@ -273,6 +273,27 @@ class AdmissionConfig(BaseModel):
     footprint_weight: float = Field(0.05, gt=0.0, le=1.0)
     """Probe, rule P5: weight of each ended rollout in the footprint estimate, an exponential moving average
     (a plain mean over the first 1 / this rollouts), so it follows lengths that drift during the run."""
+    orchestration_backlog: bool = True
+    """Rule O: also watch the orchestration's backlog (how long workflow tasks wait for a worker slot: the
+    run's task queue backlog age and its own workflow tasks' schedule-to-start) and hold or trim the cap
+    when admitting more only lengthens rollouts without raising accepted rollouts/s. Off, the backlog is
+    still read and logged with each decision."""
+    backlog_wait_fraction: float = Field(0.05, gt=0.0, le=1.0)
+    """Rule O: the backlog is high when the wait exceeds this fraction of a rollout's mean lifetime (Little's
+    law: mean rollouts in flight / accepted rollouts per second), and at least ``backlog_min_wait_s``."""
+    backlog_min_wait_s: float = Field(1.0, gt=0.0, le=3600.0)
+    """Rule O: waits at or below this (seconds) are never high (the threshold before a rate is measured)."""
+    backlog_rate_polls: int = Field(2, ge=1, le=10_000)
+    """Rule O: a cap's accepted rollouts/s counts as measured once it was held this many polls and the
+    rollouts in flight turned over once (as many ended as were in flight on average)."""
+    backlog_min_gain: float = Field(0.1, ge=0.0, le=10.0)
+    """Rule O: under a high backlog, the last cap increase must have raised the accepted rollouts/s by more
+    than this fraction, or the cap is held (a ceiling, lifted after ``reprobe_polls`` polls)."""
+    backlog_trim_polls: int = Field(3, ge=1, le=10_000)
+    """Rule O: consecutive high polls with a rising wait (and no gain) that trim the cap."""
+    backlog_cut: float = Field(0.8, gt=0.0, lt=1.0)
+    """Rule O: a trim sets cap := max(this × cap, the smaller cap that accepted as many); nothing is
+    cancelled."""
 
     @model_validator(mode="after")
     def _check(self) -> AdmissionConfig:

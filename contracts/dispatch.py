@@ -38,6 +38,42 @@ class EngineReading(BaseModel):
     """Cumulative output tokens (``vllm:generation_tokens_total``; 0 when the engine does not export it)."""
 
 
+class QueueBacklog(BaseModel):
+    """The orchestration's own backlog at one poll, from Temporal: the run's task queue as the server
+    describes it (the workflow tasks of its normal queue: new workflows' first tasks, and any whose worker
+    let them go), and how long the run's own latest workflow tasks waited for a worker slot (its history;
+    sticky queues included, where a worker's cached workflows' tasks wait and no description shows them)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    task_queue: str = Field(min_length=1)
+    at: float
+    """When it was read (same clock as `EngineReading.at`); the server refreshes its stats every few s."""
+    reported: bool = True
+    """Whether the server reported stats (False: the counts below are 0)."""
+    count: int = Field(0, ge=0)
+    """Workflow tasks waiting for a worker slot (``approximate_backlog_count``)."""
+    age_s: float = Field(0.0, ge=0.0)
+    """How long the oldest of them has waited (``approximate_backlog_age``): schedule-to-start latency."""
+    add_rate: float = Field(0.0, ge=0.0)
+    """Workflow tasks added per second."""
+    dispatch_rate: float = Field(0.0, ge=0.0)
+    """Workflow tasks handed to workers per second."""
+    latency_s: float | None = Field(None, ge=0.0)
+    """Longest schedule-to-start wait of the run's own workflow tasks among its latest history events (the
+    task running the poll included); None when the history could not be read."""
+
+    @property
+    def wait_s(self) -> float:
+        """How long a workflow task waits for a slot: the longer of the backlog's age and ``latency_s``."""
+        return max(self.age_s, self.latency_s or 0.0)
+
+    @property
+    def seen(self) -> bool:
+        """Whether it says anything: stats reported or the run's own latency read."""
+        return self.reported or self.latency_s is not None
+
+
 class AdmissionState(BaseModel):
     """Everything the controller remembers; small, so a workflow carries it across continue-as-new."""
 
@@ -79,6 +115,27 @@ class AdmissionState(BaseModel):
     engaged_share: float | None = None
     """Mean share of the rollouts in flight that are in an engine (rule P5), over ``engaged_polls`` polls."""
     engaged_polls: int = 0
+    # rule O, the orchestration backlog (admission/controller.py): accepted rollouts/s per cap
+    accepted_cap: int | None = None
+    """The cap whose accepted rate the running segment measures (set when the cap last changed)."""
+    accepted_since: float | None = None
+    accepted_ended: int = 0
+    """Rollouts that ended (completed or truncated) since ``accepted_since``."""
+    accepted_polls: int = 0
+    accepted_inflight: float = 0.0
+    """Summed rollouts in flight over the segment's polls (its mean gives Little's law lifetime)."""
+    accepted_prev_rate: float | None = None
+    """Accepted rollouts/s of the last measured segment at another cap, ``accepted_prev_cap``."""
+    accepted_prev_cap: int | None = None
+    backlog_wait_s: float | None = None
+    """The workflow-task wait (`QueueBacklog.wait_s`) at the previous poll that read one."""
+    backlog_rising: int = 0
+    """Consecutive polls over the threshold whose wait rose (an unchanged reading keeps the count)."""
+    backlog_ceiling: int | None = None
+    """Cap rule O does not let the other rules grow past, set at ``backlog_ceiling_at_poll``."""
+    backlog_ceiling_at_poll: int | None = None
+    backlog_unread_said: bool = False
+    """Whether the dispatch log was told that the task queue reports no stats (said once)."""
 
 
 class DispatchState(_Data):
@@ -143,6 +200,11 @@ class DispatchLog(_Data):
     footprint: float | None = None
     """The controller's predicted final footprint of a rollout after this decision (rule P5), in tokens;
     None before a rollout ended, or outside the probe preset."""
+    kv_cap: int | None = None
+    """The cap the engine rules alone set at this decision (differs from ``cap`` when rule O held or trimmed
+    it); None in logs written before rule O."""
+    backlog: QueueBacklog | None = None
+    """The run's task queue backlog this decision saw (rule O); None when none was read."""
 
 
 class PollFleetInput(_Data):
@@ -155,6 +217,8 @@ class PollFleetInput(_Data):
     """The previous decision, to be written to the store (idempotent on its seq)."""
     count_unconsumed: bool = False
     """Also count the run's complete groups the trainer feed has not taken (admission.max_queued_groups)."""
+    task_queue: str | None = None
+    """The run's task queue, whose workflow-task backlog the poll reads (rule O); None reads none."""
 
 
 class FleetPoll(_Data):
@@ -166,10 +230,13 @@ class FleetPoll(_Data):
     counts: dict[str, GroupCounts] = Field(default_factory=dict)
     pool: PoolStatus | None = None
     unconsumed_groups: int = 0
+    backlog: QueueBacklog | None = None
+    """The run's task queue backlog; None when not asked (``PollFleetInput.task_queue``)."""
 
 
 # forward references (a state names classes defined after it)
 EngineReading.model_rebuild()
+QueueBacklog.model_rebuild()
 AdmissionState.model_rebuild()
 DispatchState.model_rebuild()
 GroupSlot.model_rebuild()

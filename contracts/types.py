@@ -23,6 +23,7 @@ from contracts.dispatch import (
     GroupCounts,
     GroupSlot,
     PollFleetInput,
+    QueueBacklog,
     TokenBucket,
 )
 from contracts.ref import RolloutRef
@@ -45,6 +46,7 @@ __all__ = [  # re-exported: defined by concern in contracts/dispatch.py and cont
     "GroupSlot",
     "PollFleetInput",
     "PoolStatus",
+    "QueueBacklog",
     "RolloutRef",
     "SandboxCreated",
     "SandboxPlaceInput",

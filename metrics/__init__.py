@@ -111,6 +111,16 @@ ADMISSION_INFLIGHT = Gauge(
 ADMISSION_CANCELS = Gauge(
     "rollouts_admission_cancelled", "Rollouts the last decision cancelled for admission.", ["run"]
 )
+ADMISSION_KV_CAP = Gauge(
+    "rollouts_admission_kv_cap",
+    "The cap the engine rules alone chose at the last decision (above the cap when rule O held it).",
+    ["run"],
+)
+WORKFLOW_TASK_WAIT = Gauge(
+    "rollouts_workflow_task_wait_seconds",
+    "How long the run's workflow tasks wait for a worker slot (rule O's signal, as last polled).",
+    ["run", "source"],
+)
 ENGINE_KV = Gauge("rollouts_engine_kv_usage", "KV-cache usage (0-1) an engine reported.", ["engine"])
 ENGINE_RUNNING = Gauge("rollouts_engine_running", "Requests running on an engine.", ["engine"])
 ENGINE_WAITING = Gauge("rollouts_engine_waiting", "Requests waiting for capacity on an engine.", ["engine"])
@@ -212,6 +222,14 @@ def record_poll(
         ADMISSION_CAP.labels(run_id).set(log.cap)
         ADMISSION_INFLIGHT.labels(run_id).set(log.inflight)
         ADMISSION_CANCELS.labels(run_id).set(log.cancelled)
+        if log.kv_cap is not None:
+            ADMISSION_KV_CAP.labels(run_id).set(log.kv_cap)
+    b = poll.backlog
+    if b is not None:
+        if b.reported:
+            WORKFLOW_TASK_WAIT.labels(run_id, "queue").set(b.age_s)
+        if b.latency_s is not None:
+            WORKFLOW_TASK_WAIT.labels(run_id, "own").set(b.latency_s)
     read: set[str] = set()
     for r in poll.readings:
         read.add(r.engine_id)

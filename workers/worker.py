@@ -17,12 +17,12 @@ import asyncio
 import contextlib
 import os
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from temporalio.client import Client
-from temporalio.worker import UnsandboxedWorkflowRunner, Worker
+from temporalio.worker import Interceptor, UnsandboxedWorkflowRunner, Worker
 
 from activities.dispatch import DispatchActivities
 from activities.environment import EnvironmentActivities
@@ -104,11 +104,15 @@ def build_workers(
     sandboxes: Callable[[], AsyncSandboxBackend] = docker_sandboxes,
     sandboxed: bool = True,
     envs: dict[str, str] | None = None,
+    max_workflow_tasks: int = 64,
+    interceptors: Sequence[Interceptor] = (),
 ) -> list[Worker]:
     """The worker of ``task_queue``, then one per environment in ``envs`` (name -> ``env_version``; default:
     every environment this process loads) on that environment's queue (``registry.env_queue``), each with
     every workflow and activity: runs are started on their environment's queue (envs/fleet.py), so this
-    process only gets work of environments it loaded. The activities' objects are shared."""
+    process only gets work of environments it loaded. The activities' objects are shared. Each worker runs
+    at most ``max_workflow_tasks`` workflow tasks at once (its workflow-task slots); ``interceptors`` are
+    added to every worker's own."""
     pool = SandboxHosts(store)  # the pool's state lives in the store, shared by its workers on any host
     sandbox_acts = SandboxActivities(store, sandboxes, pool)
     env_acts = EnvironmentActivities(store, engine, sandbox_acts)
@@ -135,8 +139,8 @@ def build_workers(
             workflows=WORKFLOWS,
             activities=activities,
             max_concurrent_activities=256,
-            max_concurrent_workflow_tasks=64,
-            interceptors=[ActivitiesInFlight()],
+            max_concurrent_workflow_tasks=max_workflow_tasks,
+            interceptors=[ActivitiesInFlight(), *interceptors],
             **runner,
         )
         for q in queues

@@ -5,8 +5,10 @@ Two modes (``admission.enabled``):
 - adaptive: every ``admission.poll_interval_s`` (and whenever a group ends) a local activity polls every
   engine's /metrics, the run store's record counts of the groups in flight and the sandbox pool; the
   `AdmissionController` (a pure state machine, state carried across continue-as-new) turns that into a cap
-  in rollouts, admissions and cancels. Cancels go to the youngest groups as ``shed`` signals; sandboxed
-  runs also stay within the pool's limit and, while the pool scales up, a tasks-per-minute token bucket.
+  in rollouts, admissions and cancels; the poll also reads the run's own task queue backlog (rule O: the
+  cap stops growing when the workers, not the engines, are the bottleneck). Cancels go to the youngest
+  groups as ``shed`` signals; sandboxed runs also stay within the pool's limit and, while the pool scales
+  up, a tasks-per-minute token bucket.
   Each decision is written to the store's dispatch log by the next poll (idempotent on its sequence number).
 
 In both modes ``run.overprovision`` is added to the group bounds (``run.max_inflight_groups``, and
@@ -307,7 +309,7 @@ class RunWorkflow:
             self._counts = {g: poll.counts.get(g, GroupCounts()) for g in st.slots}
             inflight = inflight_view(st.slots, self._counts, adm.redispatch_cancelled)
             ended, ended_tokens = newly_complete(ds, st.slots, self._counts)
-            d = ctl.step(now, list(ds.readings.values()), inflight, ended, ended_tokens)
+            d = ctl.step(now, list(ds.readings.values()), inflight, ended, ended_tokens, poll.backlog)
             ds.admission, self._cap = ctl.state, d.cap
             for gid, k in cancels_by_group(d.cancel, st.slots, self._counts).items():
                 st.slots[gid].told += k
@@ -355,6 +357,8 @@ class RunWorkflow:
                 pool=poll.pool,
                 reasons=list(d.reasons) + room.reasons,
                 footprint=ctl.state.footprint,
+                kv_cap=d.kv_cap,
+                backlog=poll.backlog,
             )
             await self._maybe_continue_as_new(inp, started >= cfg.run.groups_per_run_segment)
             if st.next_group >= cfg.run.num_groups and not st.slots:
@@ -398,6 +402,7 @@ class RunWorkflow:
                     pool=template.pool,
                     log=st.dispatch.last_log,
                     count_unconsumed=cfg.admission.max_queued_groups is not None,
+                    task_queue=workflow.info().task_queue,
                 ),
             )
         except (ActivityError, ApplicationError) as e:

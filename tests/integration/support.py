@@ -7,13 +7,14 @@ import contextlib
 import io
 import json
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 from jsonschema import Draft202012Validator  # type: ignore[import-untyped]
 from temporalio.client import Client
+from temporalio.worker import Interceptor
 
 from config.load import config_hash, load_config
 from config.models import Config
@@ -55,17 +56,29 @@ async def worker(
     sandboxed: bool = True,
     store: str | None = None,
     env_queues: bool = False,
+    max_workflow_tasks: int = 64,
+    interceptors: Sequence[Interceptor] = (),
 ) -> AsyncIterator[RunStore]:
     """An in-process worker with its own store (``store``: a store URL, e.g. the ``store_url`` fixture's;
     default: the embedded store in ``home``); yields the store. With ``env_queues`` it also polls the
     queue of every environment it loads, as `rollouts worker` does (for runs started as `rollouts run`
-    starts them, envs/fleet.py)."""
+    starts them, envs/fleet.py). ``max_workflow_tasks``: its workflow-task slots; ``interceptors``: added
+    to its own."""
     opened = open_store(store or home)
     engine = EngineClient()
     envs = None if env_queues else {}
     try:
         async with contextlib.AsyncExitStack() as stack:
-            for w in build_workers(client, task_queue, opened, engine, sandboxed=sandboxed, envs=envs):
+            for w in build_workers(
+                client,
+                task_queue,
+                opened,
+                engine,
+                sandboxed=sandboxed,
+                envs=envs,
+                max_workflow_tasks=max_workflow_tasks,
+                interceptors=interceptors,
+            ):
                 await stack.enter_async_context(w)
                 if env_queues:  # `rollouts run` submits only once Temporal lists a poller of the run's queue
                     await until_polled(client, w.config()["task_queue"])

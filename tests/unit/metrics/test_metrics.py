@@ -11,7 +11,15 @@ from prometheus_client import REGISTRY
 import metrics
 from activities.rollout import RolloutActivities
 from contracts.activity_io import FinalizeRolloutInput
-from contracts.types import DispatchLog, EngineReading, FleetPoll, Outcome, RolloutState, SamplingParams
+from contracts.types import (
+    DispatchLog,
+    EngineReading,
+    FleetPoll,
+    Outcome,
+    QueueBacklog,
+    RolloutState,
+    SamplingParams,
+)
 from engines.client import EngineClient
 from metrics.serve import serve_metrics
 from sandboxes.pool import PoolStatus
@@ -105,13 +113,18 @@ def test_a_poll_sets_the_cap_engines_pool_and_counts_an_engine_without_a_reading
     )  # fmt: skip
     pool = PoolStatus(ready=2, starting=1, in_use=1, max_size=8, waiting=4)
     log = DispatchLog(
-        run_id="run-p", seq=1, at=1.0, cap=24, inflight=20, admitted=4, cancelled=0, kv_usage=0.4, healthy=[]
-    )
-    poll = FleetPoll(at=123.0, readings=[reading], pool=pool, unconsumed_groups=5)
+        run_id="run-p", seq=1, at=1.0, cap=24, inflight=20, admitted=4, cancelled=0, kv_usage=0.4, healthy=[],
+        kv_cap=48,
+    )  # fmt: skip
+    backlog = QueueBacklog(task_queue="q", at=123.0, count=9, age_s=2.5, latency_s=0.75)
+    poll = FleetPoll(at=123.0, readings=[reading], pool=pool, unconsumed_groups=5, backlog=backlog)
     errors_before = value("rollouts_engine_poll_errors_total", engine="http://e2")
     metrics.record_poll("run-p", log, poll, ["http://e1", "http://e2"], feed_counted=True)
     assert value("rollouts_admission_cap", run="run-p") == 24
     assert value("rollouts_admission_inflight", run="run-p") == 20
+    assert value("rollouts_admission_kv_cap", run="run-p") == 48
+    assert value("rollouts_workflow_task_wait_seconds", run="run-p", source="queue") == 2.5
+    assert value("rollouts_workflow_task_wait_seconds", run="run-p", source="own") == 0.75
     assert value("rollouts_poll_timestamp_seconds", run="run-p") == 123.0
     assert value("rollouts_engine_kv_usage", engine="http://e1") == 0.42
     assert value("rollouts_engine_running", engine="http://e1") == 3
