@@ -93,7 +93,8 @@ def apply(
     reasons: list[str],
 ) -> None:
     """Veto or trim the cap the engine rules left in ``st.cap`` (``cap_before`` was this poll's starting
-    cap); appends the reasons. Lower only: it never raises the cap above the engine rules' verdict."""
+    cap); appends the reasons, and starts a new rate segment when the cap changed. Lower only: it never
+    raises the cap above the engine rules' verdict."""
     assert st.cap is not None
     kv_cap = st.cap
     lifted = (
@@ -128,6 +129,8 @@ def apply(
             f" (engine rules: {kv_cap})"
         )
         st.cap = max(cap_before, st.backlog_ceiling)
+    if st.cap != cap_before:
+        restart(st, cfg, now)
 
 
 def _judge(

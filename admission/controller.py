@@ -92,21 +92,11 @@ P5. Footprint (admission/footprint.py): blind growth (the ramp, P0, and ``fast_f
     ``predicted_fill`` of the healthy engines' summed KV cache; past it the cap grows by ``probe_factor``
     per epoch, judged by P3.
 
-O. Orchestration backlog (admission/backlog.py; both presets, off with ``orchestration_backlog = false``):
-    the rules above see only the engines, so they keep admitting when the bottleneck is the workers'
-    workflow-task slots; every rollout then waits longer between steps and none ends sooner. Each step is
-    passed the orchestration's backlog (``backlog``, from Temporal: the run's task queue backlog and how
-    long the run's own latest workflow tasks waited for a slot) and counts the rollouts that ended per cap
-    (accepted rollouts/s, measured once a cap was held ``backlog_rate_polls`` polls and its rollouts in
-    flight turned over once). With that wait above
-    ``backlog_wait_fraction`` of a rollout's mean lifetime (Little's law: mean in flight / accepted rate)
-    and above ``backlog_min_wait_s``, growth that the rules above decided is held while the current cap's
-    rate is unmeasured, or when it is not ``backlog_min_gain`` above the previous (smaller) cap's; the held
-    cap becomes a ceiling, lifted after ``reprobe_polls`` polls. A wait that still rises for
-    ``backlog_trim_polls`` high polls without a gain trims the cap to max(``backlog_cut`` × cap, the
-    smaller cap that accepted as many); nothing is cancelled. Its reasons start with
-    ``orchestration-backlog``; `Decision.kv_cap` keeps the cap the rules above chose. With neither read
-    (``QueueBacklog.seen`` False) it is inactive and says so once; without ``backlog`` it has no say.
+O. Orchestration backlog (admission/backlog.py, where the rule is spelled out; both presets, off with
+    ``orchestration_backlog = false``): when workflow tasks wait longer than ``backlog_wait_fraction`` of a
+    rollout's mean lifetime (``backlog``, read from Temporal each poll), growth the rules above decided is
+    held, or the cap trimmed, unless the last increase raised the accepted rollouts/s; reasons start with
+    ``orchestration-backlog`` and `Decision.kv_cap` keeps the cap the rules above chose.
 
 Cuts and trims never raise the cap and growth never lowers it; every cap is clamped to [min, max]. Fixed mode
 (``min_inflight == max_inflight``) skips rules 3-8 and P0-P5: the cap is constant and nothing is cancelled,
@@ -237,8 +227,6 @@ class AdmissionController:
             if watch:
                 assert start is not None
                 orchestration.apply(st, cfg, now, start, backlog, reasons)
-                if st.cap != start:
-                    orchestration.restart(st, cfg, now)
         else:
             reasons.append("no healthy engine")
         cap = st.cap if st.cap is not None else self._clamp(cfg.initial_cap or cfg.min_inflight)

@@ -57,7 +57,8 @@ with workflow.unsafe.imports_passed_through():
     from workflows.calls import call
     from workflows.grpo import group_stats
     from workflows.patches import INFRA_RETRIES, OPS, REVISION
-    from workflows.rollout import RolloutWorkflow, finalize_rollout_input
+    from workflows.rollout import RolloutWorkflow
+    from workflows.rollout_record import finalize_rollout_input
 
 
 def rollout_template(cfg: Config, run_id: str, env: EnvTraits) -> RolloutInput:

@@ -28,17 +28,14 @@ from temporalio.exceptions import ActivityError, ApplicationError
 with workflow.unsafe.imports_passed_through():
     from activities.environment import EnvironmentActivities
     from activities.rollout import RolloutActivities, engine_retry
-    from admission.controller import CANCEL_REASON
     from admission.replicas import replica_order
     from contracts.activity_io import (
         EnvStepInput,
-        FinalizeRolloutInput,
         GenerateInput,
         PrepareInput,
         StoredOutcome,
     )
     from contracts.types import (
-        RAN_TO_END,
         EnvStepResult,
         Outcome,
         Phase,
@@ -56,6 +53,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows.calls import call
     from workflows.harness_steps import HarnessSteps
     from workflows.patches import OPS, TASK_TIMEOUT
+    from workflows.rollout_record import finalize_rollout_input
     from workflows.sandbox_steps import SandboxSteps
     from workflows.search_attributes import utc_text, waiting_on
 
@@ -391,7 +389,7 @@ class RolloutWorkflow:
             ),
             retry=engine_retry(inp.retry),
             start_to_close=timedelta(seconds=inp.engine.request_timeout_s + 30),
-            local=inp.local_model_calls and not inp.env.uses_sandbox,
+            local=inp.local_model_calls,  # never set with a sandbox (rollout_template)
         )
         self._progress_at = workflow.now().timestamp()  # a finished model call is progress
         self._attempt, self._failed_attempts = self._failed_attempts + turn.attempt, 0
@@ -461,39 +459,6 @@ class RolloutWorkflow:
             turns=s.turn,
             wasted_tokens=stored.wasted_tokens,
         )
-
-
-def finalize_rollout_input(
-    inp: RolloutInput,
-    outcome: Outcome,
-    reason: str | None,
-    *,
-    ref: RolloutRef | None = None,
-    reward: float | None = None,
-    state: RolloutState | None = None,
-    ended_at: float | None = None,
-    failure: dict[str, Any] | None = None,
-) -> FinalizeRolloutInput:
-    """The input of the record of member ``inp`` (the one builder: the rollout's own end, and a member its
-    group records because its workflow died or never ran, which has no ``state``: no turns, no reward, no
-    sandbox counters). Only a rollout that ran to its end with a reward is scorable."""
-    scorable = reward is not None and outcome in RAN_TO_END and state is not None
-    s = state or RolloutState()
-    return FinalizeRolloutInput(
-        ref=ref or inp.ref(),
-        outcome=outcome,
-        reason=reason,
-        reward=reward if scorable else None,
-        scorable=scorable,
-        sampling=inp.sampling,
-        turns=s.turn,
-        state=s,
-        uses_sandbox=inp.env.uses_sandbox and state is not None,
-        score_truncated=inp.score_truncated if outcome == Outcome.TRUNCATED and state is not None else None,
-        wasted_tokens=s.sampled_tokens if reason == CANCEL_REASON and state is not None else None,
-        ended_at=ended_at,
-        failure=failure,
-    )
 
 
 def _failure(e: ActivityError | ApplicationError) -> _Ended:

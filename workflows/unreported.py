@@ -22,7 +22,7 @@ with workflow.unsafe.imports_passed_through():
     from contracts.types import GroupInput, GroupResult, GroupSlot, Outcome, RolloutInput, RolloutResult
     from workflows.calls import call
     from workflows.group import close_group, finalize_input, member_input, slot_of
-    from workflows.rollout import finalize_rollout_input
+    from workflows.rollout_record import finalize_rollout_input
 
 
 async def record_unreported(
