@@ -476,18 +476,29 @@ def render_top(run_id: str, rows: list[tuple[str, str]], progress: Any, stuck: i
 
 
 async def top(client: Client, run_id: str, interval_s: float = 1.5, stuck_s: float = 60.0) -> None:
-    """Refresh the ``top`` table every ``interval_s`` until cancelled (Ctrl-C)."""
+    """Refresh the ``top`` table every ``interval_s`` until cancelled (Ctrl-C). On a terminal the table
+    is redrawn in place; piped to a file or a log, every refresh is printed in turn (as ``top -b``)."""
+    from rich.console import Console
     from rich.live import Live
 
     await check_run(client, run_id)
     run = client.get_workflow_handle(run_id)
-    with Live(render_top(run_id, [], None, 0, stuck_s), auto_refresh=False) as live:
+    console = Console()
+
+    async def frame() -> Any:
+        rows = await inflight(client, run_id)
+        try:
+            progress = await run.query(RunWorkflow.progress, rpc_timeout=QUERY_TIMEOUT)
+        except Exception:  # the run closed, or no worker answers
+            progress = None
+        stuck = (await client.count_workflows(stuck_filter(run_id, time.time() - stuck_s))).count
+        return render_top(run_id, rows, progress, stuck, stuck_s)
+
+    if not console.is_terminal:
         while True:
-            rows = await inflight(client, run_id)
-            try:
-                progress = await run.query(RunWorkflow.progress, rpc_timeout=QUERY_TIMEOUT)
-            except Exception:  # the run closed, or no worker answers
-                progress = None
-            stuck = (await client.count_workflows(stuck_filter(run_id, time.time() - stuck_s))).count
-            live.update(render_top(run_id, rows, progress, stuck, stuck_s), refresh=True)
+            console.print(await frame())
+            await asyncio.sleep(interval_s)
+    with Live(render_top(run_id, [], None, 0, stuck_s), console=console, auto_refresh=False) as live:
+        while True:
+            live.update(await frame(), refresh=True)
             await asyncio.sleep(interval_s)

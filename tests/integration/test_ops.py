@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -66,6 +67,23 @@ def cli(client: Client, home: Path, *args: str, timeout: float = 120) -> subproc
         argv += ["--address", address]
     env = {**os.environ, "ROLLOUTS_HOME": str(home)}
     return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO_ROOT)
+
+
+def read_until(proc: subprocess.Popen[str], text: str, timeout: float) -> str:
+    """What ``proc`` printed until ``text`` appeared (fails after ``timeout`` seconds). Reads the pipe's
+    descriptor unbuffered, so a later ``communicate()`` gets exactly the rest."""
+    assert proc.stdout is not None
+    fd, out = proc.stdout.fileno(), b""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and text.encode() not in out:
+        if select.select([fd], [], [], 0.5)[0]:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            out += chunk
+    got = out.decode(errors="replace")
+    assert text in got, f"no {text!r} within {timeout} s: {got[-2000:]}"
+    return got
 
 
 async def wait_for(pred, timeout: float, what: str, every: float = 0.3):  # type: ignore[no-untyped-def]
@@ -215,9 +233,13 @@ async def test_cancel_retry_and_terminate_on_a_live_run_keep_the_books_whole(
                  "--address", client.service_client.config.target_host],
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT,
             )  # fmt: skip
-            await asyncio.sleep(4)
+            # piped, each refresh is printed: Ctrl-C once a few frames are out (a fixed sleep raced the
+            # process's start on a loaded CI host and interrupted it before its first frame)
+            first = await asyncio.to_thread(read_until, top, "replica", 60)
+            await asyncio.sleep(1.5)
             top.send_signal(signal.SIGINT)
-            shown, top_err = await asyncio.to_thread(top.communicate, timeout=30)
+            rest, top_err = await asyncio.to_thread(top.communicate, timeout=30)
+            shown = first + rest
             assert top.returncode == 130 and "Traceback" not in top_err, top_err  # Ctrl-C: 130 (interrupt.py)
             flat = " ".join(shown.split())  # rich wraps the title to the table's width
             assert f"run {run_id}:" in flat and "in flight" in flat and "replica" in flat, shown
