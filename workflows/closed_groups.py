@@ -42,6 +42,7 @@ with workflow.unsafe.imports_passed_through():
     from config.models import Config
     from contracts.activity_io import ClosedGroupsInput, TerminatedGroupInput
     from contracts.types import FailureKind, GroupSlot, Outcome
+    from workflows import patches
     from workflows.calls import call
     from workflows.patches import NOTICE_CLOSED_GROUPS
     from workflows.run_end import Account
@@ -136,7 +137,9 @@ class ClosedGroups:
                 return
             try:
                 closed: dict[str, str] = await call(
-                    DispatchActivities.closed_groups, ClosedGroupsInput(run_id=self.run_id, groups=ask)
+                    DispatchActivities.closed_groups,
+                    ClosedGroupsInput(run_id=self.run_id, groups=ask),
+                    local=patches.run_local(),
                 )
             except (ActivityError, ApplicationError) as e:  # asked again next interval
                 workflow.logger.warning("run %s: closed-group check failed: %s", self.run_id, e)

@@ -109,6 +109,14 @@ HARNESS = Patch(
     "A harness environment's rollout runs its harness with its calls served (workflows/harness_steps.py); "
     "a path rollouts of other environments never take.",
 )
+RUN_ACTIVITIES = Patch(
+    "run-regular-activities",
+    CURRENT,
+    "The run workflow calls its activities (fleet poll, task ids, closed-group checks, terminated groups) "
+    "as regular activities: a local activity's result may be delivered to a run in another activation on "
+    "replay than live, beside the group_done signals, and the run then replayed into a nondeterminism "
+    "error (temporalio 1.32-1.35; sdk-python issue 1881).",
+)
 
 PATCHES: tuple[Patch, ...] = (
     OPS,
@@ -123,7 +131,16 @@ PATCHES: tuple[Patch, ...] = (
     INFRA_RETRIES,
     ENV_STOP,
     HARNESS,
+    RUN_ACTIVITIES,
 )
+
+
+def run_local() -> bool | None:
+    """What the run workflow passes as ``call(..., local=...)``: False (a regular activity) under
+    RUN_ACTIVITIES, None (the activity's declared kind: local) on the old branch. Workflow code only."""
+    from temporalio import workflow
+
+    return False if workflow.patched(RUN_ACTIVITIES.id) else None
 
 
 def release(version: str) -> tuple[int, ...]:

@@ -404,6 +404,7 @@ class RunWorkflow:
                     count_unconsumed=cfg.admission.max_queued_groups is not None,
                     task_queue=workflow.info().task_queue,
                 ),
+                local=patches.run_local(),
             )
         except (ActivityError, ApplicationError) as e:
             # A failed poll admits nothing new this round; the readings age out if it persists.
@@ -426,6 +427,7 @@ class RunWorkflow:
                 RolloutActivities.task_ids_at,
                 inp.run_id,
                 [(idx + k) % st.num_tasks for k in range(TASK_ID_BATCH)],
+                local=patches.run_local(),
             )
             self._task_ids = {idx + k: t for k, t in enumerate(ids)}
         return self._task_ids.pop(idx)

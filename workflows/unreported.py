@@ -20,6 +20,7 @@ with workflow.unsafe.imports_passed_through():
     from activities.rollout import RolloutActivities
     from contracts.activity_io import StoredOutcome, TerminatedGroup, TerminatedGroupInput
     from contracts.types import GroupInput, GroupResult, GroupSlot, Outcome, RolloutInput, RolloutResult
+    from workflows import patches
     from workflows.calls import call
     from workflows.group import close_group, finalize_input, member_input, slot_of
     from workflows.rollout_record import finalize_rollout_input
@@ -40,7 +41,8 @@ async def record_unreported(
     ``slot.size`` without an attempt)."""
     run_id = template.run_id
     ask = inp.model_copy(update={"run_id": run_id, "task_index": task_index, "size": slot.size})
-    seen: TerminatedGroup = await call(DispatchActivities.terminated_group, ask)
+    local = patches.run_local()  # the run's activities: regular under RUN_ACTIVITIES (patches.py)
+    seen: TerminatedGroup = await call(DispatchActivities.terminated_group, ask, local=local)
     if seen.record is not None:
         return seen.record
     members = list(dict.fromkeys([*inp.members, *seen.unended]))
@@ -62,7 +64,7 @@ async def record_unreported(
         i, attempt = slot_of(rid)
         m = member_input(ginp, i, attempt)
         stored: StoredOutcome = await call(
-            RolloutActivities.finalize_rollout, finalize_rollout_input(m, outcome, reason)
+            RolloutActivities.finalize_rollout, finalize_rollout_input(m, outcome, reason), local=local
         )
         attempts.append(
             RolloutResult(
@@ -71,5 +73,5 @@ async def record_unreported(
             )
         )  # fmt: skip
     record, advantages = close_group(run_id, inp.group_id, seen.task_id, slot.size, attempts, advantage_eps)
-    await call(RolloutActivities.finalize_group, finalize_input(record, advantages, attempts))
+    await call(RolloutActivities.finalize_group, finalize_input(record, advantages, attempts), local=local)
     return record

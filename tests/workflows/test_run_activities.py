@@ -1,0 +1,50 @@
+"""The run workflow's activities are regular activities (patch ``run-regular-activities``): a local
+activity's result can reach a run in another activation on replay than it did live, beside the run's many
+``group_done`` signals, and such a run then failed to replay (a nondeterminism error, seen on a 40 x 4
+math run; temporalio 1.32-1.35). A run's history holds no local-activity marker and replays. On the real
+dev server (the ``client`` fixture): the run polls every second in real time."""
+
+from __future__ import annotations
+
+from temporalio.api.enums.v1 import EventType
+from temporalio.client import Client
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.worker import Replayer
+
+from config.models import AdmissionSection, Config, RolloutConfig, RunConfig
+from contracts.types import RunInput, RunProgress
+from workers.worker import WORKFLOWS
+from workflows.patches import RUN_ACTIVITIES
+from workflows.run import RunWorkflow
+
+from .fakes import Fakes, fake_worker
+
+
+async def test_an_adaptive_run_calls_regular_activities_and_replays(client: Client, uid: str) -> None:
+    fakes = Fakes()
+    fakes.done_on_turn = 1
+    cfg = Config(
+        run=RunConfig(num_groups=6, group_size=2, max_inflight_groups=2),
+        rollout=RolloutConfig(max_turns=1),
+        admission=AdmissionSection(enabled=True, poll_interval_s=1.0),
+    )
+    inp = RunInput(run_id=f"run-{uid}", config=cfg)
+    tq = f"tq-{uid}"
+    async with fake_worker(client, tq, fakes):
+        handle = await client.start_workflow(RunWorkflow.run, inp, id=inp.run_id, task_queue=tq)
+        result: RunProgress = await handle.result()
+        history = await handle.fetch_history()
+    assert result.done and result.groups_done == 6
+    events = list(history.events)
+    marker = EventType.EVENT_TYPE_MARKER_RECORDED
+    markers = [e.marker_recorded_event_attributes for e in events if e.event_type == marker]
+    scheduled = [
+        e.activity_task_scheduled_event_attributes.activity_type.name
+        for e in events
+        if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
+    ]
+    assert [m.marker_name for m in markers if m.marker_name != "core_patch"] == []  # no local activity
+    assert any(RUN_ACTIVITIES.id in str(m.details) for m in markers)  # the patch's marker
+    assert "poll_fleet" in scheduled and "task_ids_at" in scheduled
+    replayer = Replayer(workflows=WORKFLOWS, data_converter=pydantic_data_converter)
+    await replayer.replay_workflow(history)
