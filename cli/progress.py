@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
-from temporalio.client import Client, WorkflowHandle
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle, WorkflowQueryFailedError
 from temporalio.service import RPCError
 
 from contracts.types import RunProgress
@@ -94,9 +94,14 @@ def _outcomes_text(p: RunProgress) -> str:
 
 
 async def _progress(handle: WorkflowHandle) -> RunProgress | None:
+    """The run's progress from its query; None when no worker answers or the query fails (one line
+    on stderr for the latter: a query of a closed run replays its history on a worker)."""
     try:
         return await handle.query(RunWorkflow.progress)
     except RPCError:
+        return None
+    except WorkflowQueryFailedError as e:
+        Console(stderr=True).print(f"run {handle.id}: progress query failed: {e}")
         return None
 
 
@@ -202,13 +207,16 @@ def print_summary(p: RunProgress, store: RunStore | None = None) -> None:
 
 
 async def show_status(client: Client, run_id: str) -> None:
-    handle = client.get_workflow_handle(run_id)
+    handle = client.get_workflow_handle_for(RunWorkflow.run, run_id)
     try:
         desc = await handle.describe()
     except RPCError as e:
         console.print(f"error: run {run_id}: {e}")
         raise SystemExit(2) from None
-    p = await _progress(handle)
+    if desc.status == WorkflowExecutionStatus.COMPLETED:  # its result is its final progress: no replay
+        p = await handle.result()
+    else:
+        p = await _progress(handle)
     console.print(f"run {run_id}: workflow {desc.status.name if desc.status else '?'}")
     if p is not None and p.stopped is not None:
         console.print(f"run {run_id}: stopped: {p.stopped}")

@@ -21,7 +21,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
@@ -384,8 +384,9 @@ def temporal_healthy(address: str) -> bool:
     return res.returncode == 0 and "SERVING" in res.stdout
 
 
-def temporal_argv(home: Path, port: int, ui_port: int) -> list[str]:
-    """Command line of the Temporal dev server with SQLite persistence and our search attributes.
+def temporal_argv(home: Path, port: int, ui_port: int, pragmas: Sequence[str] = ()) -> list[str]:
+    """Command line of the Temporal dev server with SQLite persistence, our search attributes and the
+    database's ``pragmas`` (StackConfig.temporal_sqlite_pragmas).
 
     start-dev registers ``--search-attribute`` only when it creates the database; on an existing file it
     silently skips them, so the stack also reconciles them after start (see ``stack.stack``).
@@ -400,6 +401,8 @@ def temporal_argv(home: Path, port: int, ui_port: int) -> list[str]:
     ]  # fmt: skip
     for name, kind in DEFINITIONS.items():
         argv += ["--search-attribute", f"{name}={kind}"]
+    for pragma in pragmas:
+        argv += ["--sqlite-pragma", pragma]
     return argv
 
 

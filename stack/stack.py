@@ -218,7 +218,7 @@ def _start(cfg: StackConfig, home: Path, components: Collection[str], started: d
         ready[label or name] = round(time.monotonic() - spawned[name], 2)
 
     if "temporal" in components:
-        launch("temporal", temporal_argv(home, cfg.temporal_port, cfg.ui_port))
+        launch("temporal", temporal_argv(home, cfg.temporal_port, cfg.ui_port, cfg.temporal_sqlite_pragmas))
         await_healthy("temporal", lambda: temporal_healthy(address))
         await_healthy("temporal", lambda: http_ok(ui_url), label="ui")
         ensure_search_attributes(address)

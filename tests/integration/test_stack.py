@@ -5,11 +5,13 @@ Every test stops every process it started, by pid, even when it fails.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
 import secrets
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -183,6 +185,8 @@ def test_cli_up_status_down_up_keeps_the_database(home: Path, tmp_path: Path) ->
     status = _cli(home, "status", timeout=60)
     assert status.returncode == 0, status.stdout
     assert status.stdout.count("healthy") == 4 and "unhealthy" not in status.stdout
+    with contextlib.closing(sqlite3.connect(f"file:{home / 'temporal.sqlite'}?mode=ro", uri=True)) as db:
+        assert db.execute("pragma journal_mode").fetchone() == ("wal",)  # the default pragmas took
     address = f"127.0.0.1:{cfg.temporal_port}"
     _temporal(
         address, "workflow", "start", "--type", "Nothing", "--task-queue", "nobody", "--workflow-id", "kept-2"

@@ -113,7 +113,11 @@ def test_argv_builders() -> None:
     assert argv[1:3] == ["server", "start-dev"]
     assert argv[argv.index("--db-filename") + 1] == "/h/temporal.sqlite"
     assert argv.count("--search-attribute") == len(DEFINITIONS)
-    assert "RolloutTurn=Int" in argv
+    assert "RolloutTurn=Int" in argv and "--sqlite-pragma" not in argv
+    argv = procs.temporal_argv(Path("/h"), 1234, 5678, StackConfig().temporal_sqlite_pragmas)
+    assert [argv[i + 1] for i, a in enumerate(argv) if a == "--sqlite-pragma"] == [
+        "journal_mode=wal", "synchronous=normal",
+    ]  # fmt: skip
     cfg = StackConfig(engine_port=9999, kv_cache_gib=0.5, logprob_mode="raw_logprobs")
     eng = procs.engine_argv(cfg)
     assert Path(eng[eng.index("--model") + 1]).is_absolute()
