@@ -213,6 +213,7 @@ async def show_status(client: Client, run_id: str) -> None:
     except RPCError as e:
         console.print(f"error: run {run_id}: {e}")
         raise SystemExit(2) from None
+    p: RunProgress | None
     if desc.status == WorkflowExecutionStatus.COMPLETED:  # its result is its final progress: no replay
         p = await handle.result()
     else:

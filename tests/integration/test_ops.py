@@ -63,7 +63,7 @@ def cli(client: Client, home: Path, *args: str, timeout: float = 120) -> subproc
     """The real ``rollouts`` command against the test's server and store."""
     address = client.service_client.config.target_host
     argv = [sys.executable, "-m", "cli.rollouts", *args]
-    if args[0] in ("stuck", "cancel", "retry", "terminate", "top"):
+    if args[0] in ("stuck", "cancel", "retry", "terminate", "top", "status"):
         argv += ["--address", address]
     env = {**os.environ, "ROLLOUTS_HOME": str(home)}
     return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO_ROOT)
@@ -244,6 +244,10 @@ async def test_cancel_retry_and_terminate_on_a_live_run_keep_the_books_whole(
             flat = " ".join(shown.split())  # rich wraps the title to the table's width
             assert f"run {run_id}:" in flat and "in flight" in flat and "replica" in flat, shown
             result = await asyncio.wait_for(handle.result(), timeout=200)
+            status = await asyncio.to_thread(cli, client, tmp_path, "status", run_id)  # from its result
+            shown_status = status.stdout + status.stderr
+            assert status.returncode == 0 and f"run {run_id}: workflow COMPLETED" in shown_status, status
+            assert "cancelled" in status.stdout and "Traceback" not in shown_status, status  # the summary
             actions = store.manual_actions(run_id)
             # every documented filter is valid; the reason filter finds the rollouts acted on
             for q in (ops.stuck_filter(run_id, time.time()), ops.retrying_filter(run_id),
