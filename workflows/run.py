@@ -386,7 +386,7 @@ class RunWorkflow:
         ds.last_log = DispatchLog(
             run_id=inp.run_id, seq=ds.polls, at=now, cap=d.cap, inflight=0, admitted=0, cancelled=0,
             kv_usage=d.kv_usage, healthy=d.healthy, pool=last.pool, reasons=["final", *d.reasons],
-            footprint=ctl.state.footprint,
+            footprint=ctl.state.footprint, kv_cap=d.kv_cap, backlog=last.backlog,
         )  # fmt: skip
         await self._poll(inp, template)  # writes it
 
