@@ -43,18 +43,13 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from harness import cpu_s  # noqa: E402  (bench/ is on sys.path as a script)
+from orchestration_cost import checkout  # noqa: E402
+
 from config.models import StackConfig  # noqa: E402
 from stack import procs  # noqa: E402
 
 SHAPES = {"demo": [], "40x4": ["--groups", "40", "--set", "run.max_inflight_groups=40"]}
-
-
-def cpu_s(pid: int) -> float:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def tree(pid: int) -> list[int]:
@@ -189,12 +184,7 @@ def main() -> None:
                 procs.stop_pid(pid)
     tmp = Path(tempfile.mkdtemp(prefix="other-wait-"))
     try:
-        old = tmp / "old"
-        old.mkdir()
-        archive = subprocess.run(
-            ["git", "archive", args.old], cwd=ROOT, check=True, capture_output=True
-        ).stdout
-        subprocess.run(["tar", "-x", "-C", str(old)], input=archive, check=True)
+        old = checkout(args.old, tmp / "old")
         codes = {"old": (old, args.old_pragmas), "new": (ROOT, StackConfig().temporal_sqlite_pragmas)}
         runs = []
         for rep in range(args.reps):
