@@ -25,6 +25,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import time
 from collections import Counter
@@ -484,21 +485,18 @@ async def top(client: Client, run_id: str, interval_s: float = 1.5, stuck_s: flo
     await check_run(client, run_id)
     run = client.get_workflow_handle(run_id)
     console = Console()
-
-    async def frame() -> Any:
-        rows = await inflight(client, run_id)
-        try:
-            progress = await run.query(RunWorkflow.progress, rpc_timeout=QUERY_TIMEOUT)
-        except Exception:  # the run closed, or no worker answers
-            progress = None
-        stuck = (await client.count_workflows(stuck_filter(run_id, time.time() - stuck_s))).count
-        return render_top(run_id, rows, progress, stuck, stuck_s)
-
-    if not console.is_terminal:
+    live = Live(render_top(run_id, [], None, 0, stuck_s), console=console, auto_refresh=False)
+    with live if console.is_terminal else contextlib.nullcontext():
         while True:
-            console.print(await frame())
-            await asyncio.sleep(interval_s)
-    with Live(render_top(run_id, [], None, 0, stuck_s), console=console, auto_refresh=False) as live:
-        while True:
-            live.update(await frame(), refresh=True)
+            rows = await inflight(client, run_id)
+            try:
+                progress = await run.query(RunWorkflow.progress, rpc_timeout=QUERY_TIMEOUT)
+            except Exception:  # the run closed, or no worker answers
+                progress = None
+            stuck = (await client.count_workflows(stuck_filter(run_id, time.time() - stuck_s))).count
+            table = render_top(run_id, rows, progress, stuck, stuck_s)
+            if console.is_terminal:
+                live.update(table, refresh=True)
+            else:
+                console.print(table)
             await asyncio.sleep(interval_s)
