@@ -15,6 +15,9 @@ Invariants:
   marker (written by an older version) proves nothing once its leader is gone: nothing is signalled.
 - Each signal goes through a pidfd opened before the check, so the process checked is the process signalled
   even if its pid is reused in between.
+- A wait for the tree to be gone also waits for every process signalled before it (by pid and start time):
+  an exiting process loses its environment (and so its proof) before it is gone, and a wait on the proof
+  alone would return while it still runs.
 
 Standard library only, and in ``config`` (like the home layout of ``config.paths``): a leaf that both the
 stack (``stack.procs``) and the fault kit (``faults.process``) import.
@@ -128,8 +131,12 @@ def members(rec: Record) -> list[int]:
     return sorted(found, key=lambda p: p != rec.pid)
 
 
-def _send(pid: int, rec: Record, sig: int) -> bool:
-    """Signal ``pid`` if it is still ours, through a pidfd opened before the check."""
+Signalled = dict[int, str]
+"""Processes a signal reached: pid -> kernel start time (so a reused pid is not waited for)."""
+
+
+def _send(pid: int, rec: Record, sig: int, sent: Signalled | None) -> bool:
+    """Signal ``pid`` if it is still ours, through a pidfd opened before the check; note it in ``sent``."""
     try:
         fd: int | None = os.pidfd_open(pid)
     except ProcessLookupError:
@@ -139,6 +146,9 @@ def _send(pid: int, rec: Record, sig: int) -> bool:
     try:
         if not _ours(pid, rec, _leader_holds_ids(rec)):
             return False
+        f = stat(pid)
+        if sent is not None and f is not None:
+            sent[pid] = f[19]
         if fd is None:
             os.kill(pid, sig)
         else:
@@ -151,15 +161,25 @@ def _send(pid: int, rec: Record, sig: int) -> bool:
             os.close(fd)
 
 
-def signal_tree(rec: Record, sig: int) -> int:
-    """Send ``sig`` to every process of the recorded tree that is ours; returns how many were signalled."""
-    return sum(_send(pid, rec, sig) for pid in members(rec))
+def signal_tree(rec: Record, sig: int, sent: Signalled | None = None) -> int:
+    """Send ``sig`` to every process of the recorded tree that is ours; returns how many were signalled.
+    Each one signalled is added to ``sent`` (for :func:`wait_gone`)."""
+    return sum(_send(pid, rec, sig, sent) for pid in members(rec))
 
 
-def wait_gone(rec: Record, timeout_s: float) -> bool:
-    """Wait until no process of the tree is left; False if some still are after ``timeout_s``."""
+def _runs(pid: int, start: str) -> bool:
+    """Whether ``pid`` still runs (not a zombie) as the process that started at ``start``."""
+    reap(pid)
+    f = stat(pid)
+    return f is not None and f[0] not in ("Z", "X") and f[19] == start
+
+
+def wait_gone(rec: Record, timeout_s: float, sent: Signalled | None = None) -> bool:
+    """Wait until no process of the tree is left, nor any process in ``sent`` (what the signals reached:
+    a process that is exiting no longer proves ours, yet still runs); False if some still are after
+    ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
-    while members(rec):
+    while members(rec) or any(_runs(pid, start) for pid, start in (sent or {}).items()):
         if time.monotonic() > deadline:
             return False
         time.sleep(0.05)
@@ -173,10 +193,11 @@ def stop_tree(rec: Record, timeout_s: float = 15.0) -> bool | None:
     Returns:
         None if nothing of the tree was running, True once it is gone, False if some survive SIGKILL.
     """
-    if not signal_tree(rec, signal.SIGTERM):
+    sent: Signalled = {}
+    if not signal_tree(rec, signal.SIGTERM, sent):
         return None
     signal_tree(rec, signal.SIGCONT)
-    if wait_gone(rec, timeout_s):
+    if wait_gone(rec, timeout_s, sent):
         return True
-    signal_tree(rec, signal.SIGKILL)
-    return wait_gone(rec, 5.0)
+    signal_tree(rec, signal.SIGKILL, sent)
+    return wait_gone(rec, 5.0, sent)

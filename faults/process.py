@@ -97,14 +97,14 @@ def targets(home: Path, component: str) -> list[Target]:
     return found
 
 
-def _signal(t: Target, sig: signal.Signals) -> None:
+def _signal(t: Target, sig: signal.Signals, sent: proctree.Signalled | None = None) -> None:
     """Send ``sig`` to every process of the target's tree (its leader alive or not)."""
-    if not proctree.signal_tree(t.record, sig):
+    if not proctree.signal_tree(t.record, sig, sent):
         raise ProcessFaultError(f"{t}: no longer running (nothing of its process tree is left)")
 
 
-def _wait_gone(t: Target, timeout_s: float) -> bool:
-    gone = proctree.wait_gone(t.record, timeout_s)
+def _wait_gone(t: Target, timeout_s: float, sent: proctree.Signalled) -> bool:
+    gone = proctree.wait_gone(t.record, timeout_s, sent)
     proctree.reap(t.pid)
     return gone
 
@@ -120,18 +120,20 @@ def kill(t: Target, timeout_s: float = 10.0) -> None:
     Raises:
         ProcessFaultError: nothing of the target is running, or some of it outlives the wait.
     """
-    _signal(t, signal.SIGKILL)
-    if not _wait_gone(t, timeout_s):
+    sent: proctree.Signalled = {}
+    _signal(t, signal.SIGKILL, sent)
+    if not _wait_gone(t, timeout_s, sent):
         raise ProcessFaultError(f"{t}: process tree still alive {timeout_s:.0f} s after SIGKILL")
 
 
 def stop(t: Target, timeout_s: float = 30.0) -> None:
     """SIGTERM the tree (a graceful stop), SIGKILL what is left after ``timeout_s``."""
-    _signal(t, signal.SIGTERM)
+    sent: proctree.Signalled = {}
+    _signal(t, signal.SIGTERM, sent)
     proctree.signal_tree(t.record, signal.SIGCONT)  # a frozen tree sees the SIGTERM too
-    if not _wait_gone(t, timeout_s):
-        proctree.signal_tree(t.record, signal.SIGKILL)
-        _wait_gone(t, 10.0)
+    if not _wait_gone(t, timeout_s, sent):
+        proctree.signal_tree(t.record, signal.SIGKILL, sent)
+        _wait_gone(t, 10.0, sent)
 
 
 @contextlib.contextmanager
@@ -164,7 +166,8 @@ def start(t: Target) -> Target:
     Raises:
         ProcessFaultError: the process exits at once (its log says why), or the old tree outlives SIGKILL.
     """
-    if proctree.signal_tree(t.record, signal.SIGKILL) and not _wait_gone(t, 10.0):
+    sent: proctree.Signalled = {}
+    if proctree.signal_tree(t.record, signal.SIGKILL, sent) and not _wait_gone(t, 10.0, sent):
         raise ProcessFaultError(f"{t}: process tree still alive 10 s after SIGKILL")
     marker = proctree.new_marker()
     log = t.home / "logs" / f"{t.name}.log"

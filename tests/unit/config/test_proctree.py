@@ -147,6 +147,41 @@ def test_only_the_marked_members_of_a_dead_leaders_session_are_ours(
     assert not _alive(marked) and _alive(unmarked)
 
 
+SLOW_EXIT = (
+    "import ctypes, signal, time\n"
+    "def bye(*_):\n"
+    "    f = open('/proc/self/stat').read().rsplit(')', 1)[1].split()\n"
+    "    start, end = int(f[47]), int(f[48])\n"  # env_start, env_end (fields 50 and 51)
+    "    ctypes.memset(start, 0, end - start)\n"  # /proc/PID/environ no longer shows the marker
+    "    time.sleep(1.5)\n"
+    "    raise SystemExit(0)\n"
+    "signal.signal(signal.SIGTERM, bye)\n"
+    "time.sleep(120)\n"
+)
+"""A child that, on SIGTERM, loses its proof (its environment reads empty, as an exiting process's does once
+its memory is released) and only then exits, 1.5 s later."""
+
+
+@pytest.mark.timeout(60)
+def test_a_stop_waits_for_a_signalled_process_that_lost_its_proof_while_exiting(
+    tmp_path: Path, strays: list[int]
+) -> None:
+    code = (
+        f"import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', {SLOW_EXIT!r}]); "
+        "print(c.pid, flush=True); time.sleep(120)"
+    )
+    leader = procs.spawn("engine", [sys.executable, "-c", code], tmp_path)
+    strays.append(leader)
+    child = _child_of(procs.log_path(tmp_path, "engine"), leader)
+    strays.append(child)
+    _kill_leader_only(leader)
+    rec = procs.read_record(tmp_path, "engine")
+    assert rec is not None and proctree.members(rec) == [child]
+
+    assert procs.stop_record(rec, timeout=10)
+    assert not _alive(child)  # the stop returned only once the child was gone, not once it lost its marker
+
+
 @pytest.mark.timeout(60)
 def test_the_fault_kit_kills_the_orphans_and_restarts_with_a_fresh_marker(
     tmp_path: Path, strays: list[int]
