@@ -1,8 +1,10 @@
 """A family of seeded workloads on the simulated fleet, each with an oracle: the best fixed cap in hindsight.
 
 Every workload is `bench/admission_fleet.py`'s driver with some flags changed (`FAMILY`): heavier tails,
-more turns with longer contexts, long tool waits, a smaller fleet with less KV, and turn lengths that drift
-during the run as a training policy's would. For each, on a fresh fleet per policy and the same simulated
+more turns with longer contexts, long tool waits, a smaller fleet with less KV, turn lengths that drift
+during the run as a training policy's would; and three that differ on several axes at once: drift with long
+tails that follow the task (every rollout of a task is long, not a random request), many small replicas (8
+of a quarter the KV each), and large groups (32 rollouts) with short tool waits (0.3 s). For each, on a fresh fleet per policy and the same simulated
 budget: adaptive (the ``probe`` preset), adaptive with the ``prime-rl`` preset, the fixed cap at KV capacity /
 max length, synchronous batches of that size, and a sweep of fixed caps at ``--sweep`` multiples of it. The
 oracle is the sweep's (and the KV cap's) best accepted rollouts per simulated second: a coarse grid, so the
@@ -55,6 +57,16 @@ FAMILY: dict[str, dict[str, Any]] = {
     "tool-bound": {"tool_median_s": 8.0},
     "small-fleet": {"replicas": 2, "kv_blocks": 768},
     "drift": {"median_tokens": 400, "drift_from_tokens": 40, "drift_to_tokens": 700},
+    "drift-task-tails": {
+        "median_tokens": 400,
+        "drift_from_tokens": 40,
+        "drift_to_tokens": 700,
+        "tail_fraction": 0.08,
+        "tail_key": "task",
+        "task_sigma": 0.5,
+    },
+    "small-replicas": {"replicas": 8, "kv_blocks": 384},
+    "large-groups": {"group_size": 32, "tool_median_s": 0.3},
 }
 """Workload name -> the `bench/admission_fleet.py` flags (argparse destinations) unlike its defaults."""
 
