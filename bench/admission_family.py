@@ -4,7 +4,7 @@ Every workload is `bench/admission_fleet.py`'s driver with some flags changed (`
 more turns with longer contexts, long tool waits, a smaller fleet with less KV, turn lengths that drift
 during the run as a training policy's would; and three that differ on several axes at once: drift with long
 tails that follow the task (every rollout of a task is long, not a random request), many small replicas (8
-of a quarter the KV each), and large groups (32 rollouts) with short tool waits (0.3 s). For each, on a fresh fleet per policy and the same simulated
+of 640 KV blocks each, room for 1.25 sequences of the full context), and large groups (32 rollouts) with short tool waits (0.3 s). For each, on a fresh fleet per policy and the same simulated
 budget: adaptive (the ``probe`` preset), adaptive with the ``prime-rl`` preset, the fixed cap at KV capacity /
 max length, synchronous batches of that size, and a sweep of fixed caps at ``--sweep`` multiples of it. The
 oracle is the sweep's (and the KV cap's) best accepted rollouts per simulated second: a coarse grid, so the
@@ -65,7 +65,7 @@ FAMILY: dict[str, dict[str, Any]] = {
         "tail_key": "task",
         "task_sigma": 0.5,
     },
-    "small-replicas": {"replicas": 8, "kv_blocks": 384},
+    "small-replicas": {"replicas": 8, "kv_blocks": 640},
     "large-groups": {"group_size": 32, "tool_median_s": 0.3},
 }
 """Workload name -> the `bench/admission_fleet.py` flags (argparse destinations) unlike its defaults."""
