@@ -7,21 +7,27 @@ slot (`QueueBacklog.wait_s`: the run's task queue backlog age and the run's own 
 schedule-to-start, whichever is longer) and the accepted rate (rollouts that completed or were truncated,
 per second, measured per cap), and vetoes what the engine rules decided:
 
+- Start: when the run's first poll reads the backlog (and ``initial_cap`` is not set), the cap starts at
+  most at ``backlog_start_cap`` (at least one group): what the orchestration sustains is not known until a
+  rate is measured, and a cap taken from the KV cache alone (a small model's is huge) admits a burst that
+  only waits. The engine rules then grow it (the probe's ramp doubles a binding cap each poll) while the
+  backlog stays low; long rollouts, whose backlog stays far below their lifetime, ramp as before.
 - The backlog is high when the wait exceeds ``backlog_wait_fraction`` of a rollout's mean lifetime (Little's
   law: mean rollouts in flight / accepted rollouts per second, at the current cap once measured) and
   ``backlog_min_wait_s``.
 - A cap's accepted rate counts once it was held ``backlog_rate_polls`` polls and the rollouts in flight
   turned over once (as many ended as were in flight on average): before that, the rollouts that end are
-  mostly ones a smaller cap admitted, and a growing cap would always look like a gain. The last increase
-  gained if
-  the current cap's rate beats the previous measured (smaller) cap's by more than ``backlog_min_gain``; with
-  no smaller cap measured there is nothing against growth.
+  mostly ones a smaller cap admitted, and a growing cap would always look like a gain.
+- The last increase, from the previous measured (smaller) cap to this one, paid if the accepted rate rose
+  by more than max(``backlog_min_gain``, ``backlog_gain_share`` x the cap's relative growth): by Little's
+  law a cap x2 whose rate rises only x1.2 makes every rollout live x1.67 longer, waiting on the
+  orchestration (policy lag for an async trainer), for little more throughput. With no smaller cap
+  measured there is nothing against growth.
 - High backlog and the current cap not yet measured: hold (no growth until the rate is known).
-- High backlog and no gain: hold, and the cap becomes a ceiling, lifted after ``reprobe_polls`` polls;
-  past a ceiling nothing grows, whatever the backlog.
-- High backlog, no gain, and the wait rose on ``backlog_trim_polls`` consecutive high polls: trim to
-  max(``backlog_cut`` x cap, the smaller cap that accepted as many); nothing is cancelled.
-- High backlog and a gain: the engine rules decide (more rollouts do end sooner).
+- High backlog and the last increase did not pay: revert to the previous cap, which becomes a ceiling,
+  lifted after ``reprobe_polls`` polls (then the engine rules probe the larger cap again); past a ceiling
+  nothing grows, whatever the backlog. Nothing is cancelled: the excess finishes.
+- High backlog and the increase paid: the engine rules decide (more rollouts do end sooner).
 - A poll that read neither (no stats from the server, no history: ``QueueBacklog.seen`` False) leaves the
   rule inactive, said once.
 
@@ -31,13 +37,32 @@ and result out; the workflow replays them.
 
 from __future__ import annotations
 
-import math
-
 from config.models import AdmissionConfig
 from contracts.types import AdmissionState, QueueBacklog
 
 CAUSE = "orchestration-backlog"
 """How the dispatch log names this rule's decisions (every reason of it starts so)."""
+
+
+def start(
+    st: AdmissionState,
+    cfg: AdmissionConfig,
+    group_size: int,
+    backlog: QueueBacklog | None,
+    reasons: list[str],
+) -> None:
+    """The run's first cap (``st.cap``, from the engines) lowered to ``backlog_start_cap`` (at least one
+    group) when the backlog is read and no ``initial_cap`` was configured."""
+    assert st.cap is not None
+    if cfg.initial_cap is not None or cfg.backlog_start_cap is None or backlog is None or not backlog.seen:
+        return
+    cap = min(st.cap, max(cfg.backlog_start_cap, group_size, cfg.min_inflight))
+    if cap < st.cap:
+        reasons.append(
+            f"{CAUSE}: start at cap {cap} (engine rules: {st.cap}) until the orchestration's accepted rate"
+            " is measured"
+        )
+        st.cap = cap
 
 
 def measure(st: AdmissionState, now: float, n: int, ended: int) -> None:
@@ -92,7 +117,7 @@ def apply(
     backlog: QueueBacklog | None,
     reasons: list[str],
 ) -> None:
-    """Veto or trim the cap the engine rules left in ``st.cap`` (``cap_before`` was this poll's starting
+    """Veto or revert the cap the engine rules left in ``st.cap`` (``cap_before`` was this poll's starting
     cap); appends the reasons, and starts a new rate segment when the cap changed. Lower only: it never
     raises the cap above the engine rules' verdict."""
     assert st.cap is not None
@@ -111,16 +136,8 @@ def apply(
     high = False
     limit = threshold(st, cfg, now)
     if backlog is not None:
-        wait = backlog.wait_s
-        high = wait > limit
-        last = st.backlog_wait_s
-        if not high:
-            st.backlog_rising = 0
-        elif last is not None and wait > last:
-            st.backlog_rising += 1
-        elif last is not None and wait < last:
-            st.backlog_rising = 0
-        st.backlog_wait_s = wait
+        high = backlog.wait_s > limit
+        st.backlog_wait_s = backlog.wait_s
     if high and backlog is not None:
         _judge(st, cfg, now, cap_before, kv_cap, backlog, limit, reasons)
     if st.backlog_ceiling is not None and st.cap > max(cap_before, st.backlog_ceiling):
@@ -143,7 +160,7 @@ def _judge(
     limit: float,
     reasons: list[str],
 ) -> None:
-    """A high backlog: hold, trim or let the engine rules decide, as the accepted rate says."""
+    """A high backlog: hold, revert or let the engine rules decide, as the accepted rate says."""
     assert st.cap is not None
     own = "" if backlog.latency_s is None else f", the run's own waited {backlog.latency_s:.1f} s"
     seen = (
@@ -160,22 +177,20 @@ def _judge(
             )
             st.cap = cap_before
         return
-    if prev is None or prev_cap is None or prev_cap >= cap_before or r > prev * (1 + cfg.backlog_min_gain):
-        return  # nothing against growth, or the last increase did raise the accepted rate
-    rates = f"accepted {r:.2f}/s at cap {cap_before} vs {prev:.2f}/s at cap {prev_cap}"
-    if st.backlog_rising >= cfg.backlog_trim_polls:
-        target = min(cap_before, max(cfg.min_inflight, math.floor(cfg.backlog_cut * cap_before), prev_cap))
-        target = min(cfg.max_inflight, target)
-        if target < cap_before:
-            reasons.append(
-                f"{CAUSE}: trim cap {cap_before} -> {target} (engine rules: {kv_cap}); wait rose"
-                f" {st.backlog_rising} polls; {rates}; {seen}"
-            )
-            st.cap, st.backlog_rising = min(st.cap, target), 0
-            st.backlog_ceiling, st.backlog_ceiling_at_poll = target, st.polls
-            return
-    if st.backlog_ceiling is None or st.backlog_ceiling > cap_before:
-        st.backlog_ceiling, st.backlog_ceiling_at_poll = cap_before, st.polls
-    if kv_cap > cap_before:
+    cap = st.accepted_cap if st.accepted_cap is not None else cap_before
+    if prev is None or prev_cap is None or prev_cap >= cap:
+        return  # nothing against growth
+    need = max(cfg.backlog_min_gain, cfg.backlog_gain_share * (cap / prev_cap - 1))
+    if r > prev * (1 + need):
+        return  # the last increase raised the accepted rate enough
+    target = min(cap_before, max(cfg.min_inflight, prev_cap))
+    rates = f"accepted {r:.2f}/s at cap {cap} vs {prev:.2f}/s at cap {prev_cap}, needed +{need:.0%}"
+    if target < cap_before:
+        reasons.append(
+            f"{CAUSE}: revert cap {cap_before} -> {target} (engine rules: {kv_cap}); {rates}; {seen}"
+        )
+    elif kv_cap > cap_before:
         reasons.append(f"{CAUSE}: hold cap {cap_before} (engine rules: {kv_cap}); {rates}; {seen}")
-        st.cap = cap_before
+    st.cap = min(st.cap, target)
+    if st.backlog_ceiling is None or st.backlog_ceiling > target:
+        st.backlog_ceiling, st.backlog_ceiling_at_poll = target, st.polls

@@ -207,11 +207,13 @@ class AdmissionController:
         kv_cap: int | None = None
         usage = max((r.kv_usage for r in healthy.values()), default=None)
         if healthy:
+            watch = cfg.orchestration_backlog and not cfg.fixed
             if st.cap is None:
                 st.cap = self._initial_cap(healthy)
                 reasons.append(f"initial cap {st.cap}")
+                if watch:
+                    orchestration.start(st, cfg, self.group_size, backlog, reasons)
             fresh = len(healthy) == len(newest)
-            watch = cfg.orchestration_backlog and not cfg.fixed
             if watch:
                 orchestration.measure(st, now, n, ended)
             start = st.cap

@@ -1,14 +1,15 @@
 """A family of seeded workloads on the simulated fleet, each with an oracle: the best fixed cap in hindsight.
 
-Every workload is `bench/admission_fleet.py`'s driver with some flags changed (`FAMILY`): heavier tails,
-more turns with longer contexts, long tool waits, a smaller fleet with less KV, turn lengths that drift
-during the run as a training policy's would; and three that differ on several axes at once: drift with long
-tails that follow the task (every rollout of a task is long, not a random request), many small replicas (8
-of 640 KV blocks each, room for 1.25 sequences of the full context), and large groups (32 rollouts) with short tool waits (0.3 s). For each, on a fresh fleet per policy and the same simulated
-budget: adaptive (the ``probe`` preset), adaptive with the ``prime-rl`` preset, the fixed cap at KV capacity /
-max length, synchronous batches of that size, and a sweep of fixed caps at ``--sweep`` multiples of it. The
-oracle is the sweep's (and the KV cap's) best accepted rollouts per simulated second: a coarse grid, so the
-true best fixed cap may lie between two points and be a little better.
+Every workload is `bench/admission_fleet.py`'s driver with some flags changed (`FAMILY`): heavier tails, more
+turns with longer contexts, long tool waits, a smaller fleet with less KV, turn lengths that drift during the
+run as a training policy's would; and three that differ on several axes at once: drift with long tails that
+follow the task (every rollout of a task is long, not a random request), many small replicas (8 of 640 KV
+blocks each, room for 1.25 sequences of the full context), and large groups (32 rollouts) with short tool
+waits (0.3 s). For each, on a fresh fleet per policy and the same simulated budget: adaptive (the ``probe``
+preset), adaptive with the ``prime-rl`` preset, the fixed cap at KV capacity / max length, synchronous batches
+of that size, and a sweep of fixed caps at ``--sweep`` multiples of it. The oracle is the sweep's (and the KV
+cap's) best accepted rollouts per simulated second: a coarse grid, so the true best fixed cap may lie between
+two points and be a little better.
 
 Reported per workload: oracle (rate and cap), adaptive and its ratios to the oracle and to the KV cap,
 prime-rl, KV cap, sync; adaptive's preemptions, storm polls (rule P1's definition, from the engines' own

@@ -288,12 +288,15 @@ class AdmissionConfig(BaseModel):
     rollouts in flight turned over once (as many ended as were in flight on average)."""
     backlog_min_gain: float = Field(0.1, ge=0.0, le=10.0)
     """Rule O: under a high backlog, the last cap increase must have raised the accepted rollouts/s by more
-    than this fraction, or the cap is held (a ceiling, lifted after ``reprobe_polls`` polls)."""
-    backlog_trim_polls: int = Field(3, ge=1, le=10_000)
-    """Rule O: consecutive high polls with a rising wait (and no gain) that trim the cap."""
-    backlog_cut: float = Field(0.8, gt=0.0, lt=1.0)
-    """Rule O: a trim sets cap := max(this × cap, the smaller cap that accepted as many); nothing is
-    cancelled."""
+    than this fraction (and ``backlog_gain_share`` of the cap's growth), or the cap reverts to the smaller
+    one (a ceiling, lifted after ``reprobe_polls`` polls)."""
+    backlog_gain_share: float = Field(0.5, ge=0.0, le=10.0)
+    """Rule O: the rate gain a cap increase must bring, as a share of the cap's relative growth (0.5: a
+    doubled cap must raise the accepted rate by more than 50 %, else each rollout lives x1.33 longer or
+    more, waiting on the orchestration)."""
+    backlog_start_cap: int | None = Field(8, ge=1, le=100_000)
+    """Rule O: when the backlog is read and ``initial_cap`` is unset, the first cap is at most this (at
+    least one group); the engine rules grow it while the backlog stays low. None: the engines' cap."""
 
     @model_validator(mode="after")
     def _check(self) -> AdmissionConfig:

@@ -129,8 +129,6 @@ class AdmissionState(BaseModel):
     accepted_prev_cap: int | None = None
     backlog_wait_s: float | None = None
     """The workflow-task wait (`QueueBacklog.wait_s`) at the previous poll that read one."""
-    backlog_rising: int = 0
-    """Consecutive polls over the threshold whose wait rose (an unchanged reading keeps the count)."""
     backlog_ceiling: int | None = None
     """Cap rule O does not let the other rules grow past, set at ``backlog_ceiling_at_poll``."""
     backlog_ceiling_at_poll: int | None = None

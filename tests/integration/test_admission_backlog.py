@@ -125,7 +125,7 @@ async def test_a_worker_short_of_workflow_task_slots_holds_the_cap_the_kv_rules_
     _, log = await constrained_run(client, task_queue, tmp_path, "backlog", rule=True)
     ruled = [e for e in log if any(r.startswith("orchestration-backlog") for r in e["reasons"])]
     held = [e for e in ruled if e["kv_cap"] > e["cap"]]
-    # the backlog rule held (or trimmed) the cap where the engine rules alone would have grown it: the KV
+    # the backlog rule held (or reverted) the cap where the engine rules alone would have grown it: the KV
     # cache stayed near empty, so their verdict was always to grow a binding cap
     assert held, summary(log)
     # ... and only while workflow tasks waited longer than the threshold (1 s at least)
@@ -135,7 +135,7 @@ async def test_a_worker_short_of_workflow_task_slots_holds_the_cap_the_kv_rules_
     assert verdict.startswith(
         f"orchestration-backlog: hold cap {first['cap']} (engine rules: {first['kv_cap']})"
     ) or (
-        verdict.startswith("orchestration-backlog: trim cap")
+        verdict.startswith("orchestration-backlog: revert cap")
         and f"-> {first['cap']} (engine rules: {first['kv_cap']})" in verdict
     ), summary(log)
     # before the backlog built up, the engine rules decided alone

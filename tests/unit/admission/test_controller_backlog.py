@@ -49,7 +49,7 @@ def test_without_a_backlog_the_engine_rules_grow_the_cap_every_poll() -> None:
     assert all(d.kv_cap == d.cap for d in tr.log) and tr.reasons() == []
 
 
-def test_a_high_backlog_holds_the_cap_while_a_larger_cap_accepts_no_more_rollouts_per_second() -> None:
+def test_a_high_backlog_reverts_a_larger_cap_that_accepts_no_more_rollouts_per_second() -> None:
     tr = Trace()
     # a steady 5 s backlog; 2 rollouts end per poll whatever the cap: more admitted only wait longer
     first = [tr.poll(ended=2, age_s=5.0) for _ in range(6)]
@@ -60,17 +60,50 @@ def test_a_high_backlog_holds_the_cap_while_a_larger_cap_accepts_no_more_rollout
     assert "hold cap 10 (engine rules: 20) until its accepted rate is measured" in first[0].reasons[-1]
     assert "wait 5.0 s > 1.0 s" in first[0].reasons[-1]  # no rate yet: the threshold is the 1 s floor
     later = [tr.poll(ended=2, age_s=5.0) for _ in range(14)]
-    assert [d.cap for d in later] == [20] * 14  # the engine rules would have doubled it every poll
-    assert all(d.kv_cap == 40 for d in later)
+    # 20 is held until it turned over (10 polls: 20 in flight, 2 end per poll), then judged: 0.40/s, no
+    # gain over 10's, so back to 10, a ceiling the engine rules (who would double it every poll) stay under
+    assert [d.cap for d in later] == [20] * 9 + [10] * 5
+    assert all(d.kv_cap == 40 for d in later[:10]) and all(d.kv_cap == 20 for d in later[10:])
     judged = [r for r in tr.reasons() if "/s at cap" in r]
-    # judged once 20 turned over (10 polls): 0.40/s, no gain over 10's; the threshold is 5 % of the
-    # 50 s lifetime (20 in flight / 0.4 per s)
-    assert len(judged) == 5, tr.reasons()
+    # the threshold is 5 % of the 50 s lifetime (20 in flight / 0.4 per s)
     assert judged[0] == (
-        f"{CAUSE}: hold cap 20 (engine rules: 40); accepted 0.40/s at cap 20 vs 0.40/s at cap 10;"
-        " workflow tasks wait 5.0 s > 2.5 s (queue backlog 50, age 5.0 s)"
+        f"{CAUSE}: revert cap 20 -> 10 (engine rules: 40); accepted 0.40/s at cap 20 vs 0.40/s at cap 10,"
+        " needed +50%; workflow tasks wait 5.0 s > 2.5 s (queue backlog 50, age 5.0 s)"
     )
-    assert tr.ctl.state.backlog_ceiling == 20
+    assert all(d.cancel == [] for d in tr.log)  # nothing cancelled: the excess finishes
+    assert tr.ctl.state.backlog_ceiling == 10
+
+
+def test_a_larger_cap_must_raise_the_accepted_rate_in_proportion_to_its_growth() -> None:
+    # 10 -> 20 (x2) must raise the accepted rate by more than 50 % (backlog_gain_share 0.5)
+    def run(ended_at_larger: int) -> list[int]:
+        tr = Trace()
+        caps = []
+        for _ in range(24):
+            cap = tr.ctl.state.cap or 10
+            caps.append(tr.poll(ended=4 if cap == 10 else ended_at_larger, age_s=5.0).cap)
+        return caps
+
+    # +25 % (1.0/s at 20 vs 0.8/s at 10): each rollout would live 1.6 x as long for it; back to 10, and
+    # 20 is probed again once the ceiling lifts (reprobe_polls)
+    assert run(5) == [10] * 3 + [20] * 4 + [10] * 12 + [20] * 4 + [10]
+    # +75 %: the engine rules double it again; 40 gains nothing over 20 and goes back to 20
+    assert run(7) == [10] * 3 + [20] * 3 + [40] * 6 + [20] * 12
+
+
+def test_a_run_that_reads_its_backlog_starts_small_and_the_ramp_grows_it_while_the_backlog_is_low() -> None:
+    # no initial_cap: the engine's KV (409,600 tokens / 1000 per rollout) would start the run at 409
+    tr = Trace(initial_cap=None, max_model_len=1000)
+    caps = [tr.poll(ended=2, age_s=0.0).cap for _ in range(5)]
+    assert caps == [16, 32, 64, 128, 256]  # from the start cap, doubled by the ramp each poll
+    assert tr.reasons()[0] == (
+        f"{CAUSE}: start at cap 8 (engine rules: 409) until the orchestration's accepted rate is measured"
+    )
+    # unread (no stats from the server), an explicit initial_cap, or the start switched off: the engines' cap
+    for kw, reported in (({}, False), ({"initial_cap": 50}, True), ({"backlog_start_cap": None}, True)):
+        other = Trace(**({"initial_cap": None, "max_model_len": 1000} | kw))
+        first = other.poll(ended=0, age_s=0.0, reported=reported)  # 10 in flight: the cap does not bind
+        assert first.cap == (kw.get("initial_cap") or 409) and "start at cap" not in str(first.reasons)
 
 
 def test_a_high_backlog_lets_the_cap_grow_while_each_increase_raises_the_accepted_rate() -> None:
@@ -90,22 +123,6 @@ def test_without_stats_from_the_server_the_rule_is_inactive_and_says_so_once() -
     caps = [tr.poll(ended=2, age_s=0.0, reported=False).cap for _ in range(4)]
     assert caps == [20, 40, 80, 160]  # as without a backlog
     assert tr.reasons() == [f"{CAUSE}: task queue q reports no backlog; rule inactive"]
-
-
-def test_a_backlog_that_keeps_growing_without_a_rate_gain_trims_the_cap() -> None:
-    tr = Trace()
-    ages = iter(5.0 + k for k in range(100))  # the oldest workflow task waits longer every poll
-    for _ in range(6):
-        tr.poll(ended=2, age_s=next(ages))
-    assert tr.ctl.state.cap == 20
-    after = [tr.poll(ended=2, age_s=next(ages)) for _ in range(12)]
-    trims = [r for r in tr.reasons() if "trim" in r]
-    # measured at 20 after ten polls: no gain over 10, and the wait rose on three polls and more: trim
-    # to max(0.8 x 20, 10), a ceiling; nothing cancelled
-    assert [d.cap for d in after] == [20] * 9 + [16] * 3
-    assert len(trims) == 1 and trims[0].startswith(f"{CAUSE}: trim cap 20 -> 16 (engine rules: 40)")
-    assert all(d.cancel == [] for d in tr.log)
-    assert tr.ctl.state.backlog_ceiling == 16
 
 
 def test_a_backlog_below_the_rollouts_timescale_leaves_the_engine_rules_alone() -> None:
