@@ -66,10 +66,10 @@ def top(
     address: Address = "127.0.0.1:7233",
 ) -> None:
     """Live view of the run's in-flight rollouts by phase and replica (Ctrl-C exits)."""
-    from cli import ops
+    from cli import top as live
 
     async def go() -> None:
-        await ops.top(await temporal_client(address), run_id, interval_s=max(0.5, interval))
+        await live.top(await temporal_client(address), run_id, interval_s=max(0.5, interval))
 
     _ops(go)
 

@@ -1,9 +1,9 @@
-"""Operating a run: find stuck rollouts in seconds and act on them (``rollouts stuck/top/cancel/retry/
-terminate``). A process, not workflow code: it calls Temporal (visibility, describe, query, signal,
-terminate) and the run store.
+"""Operating a run: find stuck rollouts in seconds and act on them (``rollouts stuck/cancel/retry/
+terminate``; the live view, ``rollouts top``, is ``cli.top``). A process, not workflow code: it calls
+Temporal (visibility, describe, query, signal, terminate) and the run store.
 
 Invariants:
-- ``stuck`` and ``top`` change nothing. ``stuck`` finds candidates by the visibility filter on
+- ``stuck`` (and ``top``) change nothing. ``stuck`` finds candidates by the visibility filter on
   ``RolloutProgressAt`` (indexed at most ``PROGRESS_INDEX_INTERVAL_S`` late, so never missing a stalled
   rollout) and keeps those whose exact last progress (the ``state`` query; the indexed time when no worker
   answers) is older than the threshold: exactly the rollouts without progress for that long.
@@ -25,11 +25,8 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import re
 import time
-from collections import Counter
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -117,7 +114,7 @@ def ui_url(query: str, base: str = UI, namespace: str = "default") -> str:
     )
 
 
-def _ago(seconds: float | None) -> str:
+def ago(seconds: float | None) -> str:
     if seconds is None:
         return "-"
     s = int(max(0.0, seconds))
@@ -160,28 +157,20 @@ def format_stuck(r: StuckRollout, now: float) -> str:
         r.rollout_id,
         f"phase={r.phase}",
         f"turn={r.turn}",
-        f"elapsed={_ago(now - r.started)}",
-        f"last-progress={_ago(now - r.progress_at)} ago ({utc(r.progress_at)})",
+        f"elapsed={ago(now - r.started)}",
+        f"last-progress={ago(now - r.progress_at)} ago ({utc(r.progress_at)})",
         f"engine={r.engine or '-'}",
         f"sandbox={r.sandbox_host or '-'}",
     ]
     for p in r.pending:
         call = f"pending={p.activity} attempt={p.attempt}/{p.max_attempts or 'inf'}"
-        call += f" heartbeat={_ago(now - p.last_heartbeat) + ' ago' if p.last_heartbeat else '-'}"
+        call += f" heartbeat={ago(now - p.last_heartbeat) + ' ago' if p.last_heartbeat else '-'}"
         if p.last_failure:
             call += f" last-failure={p.last_failure[:120]!r}"
         parts.append(call)
     if not r.pending and r.waiting_on:
         parts.append(f"({r.waiting_on})")
     return "  ".join(parts)
-
-
-def tally(rows: Iterable[tuple[str, str]]) -> dict[str, Counter[str]]:
-    """(phase, engine) pairs -> per engine, a count by phase (what ``top`` shows)."""
-    out: dict[str, Counter[str]] = {}
-    for phase, engine in rows:
-        out.setdefault(engine, Counter())[phase] += 1
-    return out
 
 
 # -- Temporal --------------------------------------------------------------------------------------
@@ -273,15 +262,6 @@ async def _inspect(client: Client, wid: str, cutoff: float) -> StuckRollout | No
             )
         )
     return row
-
-
-async def inflight(client: Client, run_id: str) -> list[tuple[str, str]]:
-    """(phase, engine) of every running rollout of the run, from visibility."""
-    out = []
-    async for w in client.list_workflows(running(run_id)):
-        attrs = w.typed_search_attributes
-        out.append((attrs.get(sa.PHASE) or "?", attrs.get(sa.ENGINE) or "-"))
-    return out
 
 
 # -- actions ---------------------------------------------------------------------------------------
@@ -442,61 +422,3 @@ async def _group_members(client: Client, t: Target) -> list[str]:
     )
     members |= {w.id async for w in client.list_workflows(q)}
     return sorted(members)
-
-
-# -- top -------------------------------------------------------------------------------------------
-
-PHASES = ("queued", "prepare", "generate", "env", "paused", "finalize")
-
-
-def render_top(run_id: str, rows: list[tuple[str, str]], progress: Any, stuck: int, stuck_s: float) -> Any:
-    """The ``top`` table: in-flight rollouts by replica (rows) and phase (columns), with the run's
-    progress and how many are stuck in the title."""
-    from rich.table import Table
-
-    by_engine = tally(rows)
-    phases = [p for p in PHASES if any(c[p] for c in by_engine.values())] + sorted(
-        {p for c in by_engine.values() for p in c} - set(PHASES)
-    )
-    done = f"{sum(progress.outcomes.values())}/{progress.rollouts_total} done" if progress else "progress -"
-    table = Table(
-        title=f"run {run_id}: {len(rows)} in flight, {done}, {stuck} without progress for {_ago(stuck_s)}",
-        caption=f"{utc(time.time())}  (Ctrl-C exits)",
-    )
-    table.add_column("replica")
-    for p in phases:
-        table.add_column(p, justify="right")
-    table.add_column("total", justify="right")
-    for engine in sorted(by_engine):
-        c = by_engine[engine]
-        table.add_row(engine, *(str(c[p]) for p in phases), str(sum(c.values())))
-    if by_engine:
-        total = sum(by_engine.values(), Counter())
-        table.add_row("all", *(str(total[p]) for p in phases), str(len(rows)), style="bold")
-    return table
-
-
-async def top(client: Client, run_id: str, interval_s: float = 1.5, stuck_s: float = 60.0) -> None:
-    """Refresh the ``top`` table every ``interval_s`` until cancelled (Ctrl-C). On a terminal the table
-    is redrawn in place; piped to a file or a log, every refresh is printed in turn (as ``top -b``)."""
-    from rich.console import Console
-    from rich.live import Live
-
-    await check_run(client, run_id)
-    run = client.get_workflow_handle(run_id)
-    console = Console()
-    live = Live(render_top(run_id, [], None, 0, stuck_s), console=console, auto_refresh=False)
-    with live if console.is_terminal else contextlib.nullcontext():
-        while True:
-            rows = await inflight(client, run_id)
-            try:
-                progress = await run.query(RunWorkflow.progress, rpc_timeout=QUERY_TIMEOUT)
-            except Exception:  # the run closed, or no worker answers
-                progress = None
-            stuck = (await client.count_workflows(stuck_filter(run_id, time.time() - stuck_s))).count
-            table = render_top(run_id, rows, progress, stuck, stuck_s)
-            if console.is_terminal:
-                live.update(table, refresh=True)
-            else:
-                console.print(table)
-            await asyncio.sleep(interval_s)

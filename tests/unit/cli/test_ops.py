@@ -12,7 +12,7 @@ from urllib.parse import parse_qs, urlparse
 import pytest
 from rich.console import Console
 
-from cli import ops
+from cli import ops, top
 from contracts.types import Outcome, RolloutResult, RunProgress, SandboxCreated
 from store.runstore import SCHEMA_VERSION, RunStore
 from workflows import search_attributes as sa
@@ -74,13 +74,13 @@ def test_a_stuck_line_says_phase_turn_elapsed_progress_engine_sandbox_and_the_pe
 
 def test_top_counts_by_replica_and_phase() -> None:
     rows = [("generate", "a"), ("generate", "a"), ("env", "a"), ("queued", "b"), ("weird", "b")]
-    assert ops.tally(rows) == {"a": Counter(generate=2, env=1), "b": Counter(queued=1, weird=1)}
+    assert top.tally(rows) == {"a": Counter(generate=2, env=1), "b": Counter(queued=1, weird=1)}
     progress = RunProgress(
         run_id="exp1", total_groups=2, groups_done=0, groups_inflight=2, rollouts_total=8,
         outcomes={"completed": 3}, segment=0, done=False,
     )  # fmt: skip
     console = Console(record=True, width=120)
-    console.print(ops.render_top("exp1", rows, progress, stuck=1, stuck_s=60))
+    console.print(top.render_top("exp1", rows, progress, stuck=1, stuck_s=60))
     text = console.export_text()
     title = " ".join(text.split("┏")[0].split())  # the title wraps to the table's width
     assert title == "run exp1: 5 in flight, 3/8 done, 1 without progress for 1m00s"
