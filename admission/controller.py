@@ -111,7 +111,7 @@ from collections.abc import Sequence
 from pydantic import BaseModel, ConfigDict, Field
 
 from admission import backlog as orchestration
-from admission import footprint
+from admission import footprint, prime_rl
 from config.models import AdmissionConfig
 from contracts.types import AdmissionState, EngineReading, QueueBacklog
 
@@ -224,7 +224,8 @@ class AdmissionController:
                 footprint.learn_share(st, cfg, healthy, n)
                 self._probe(now, healthy, n, reasons, all_fresh=fresh)
             else:
-                cancel = self._adapt(healthy, n, inflight, reasons, all_fresh=fresh)
+                k = prime_rl.adapt(cfg, st, healthy, n, reasons, all_fresh=fresh)
+                cancel = youngest(inflight, k)
             kv_cap = st.cap
             if watch:
                 assert start is not None
@@ -247,83 +248,6 @@ class AdmissionController:
             storm=st.storm,
             kv_cap=kv_cap,
         )
-
-    def _adapt(
-        self,
-        healthy: dict[str, EngineReading],
-        n: int,
-        inflight: Sequence[Inflight],
-        reasons: list[str],
-        *,
-        all_fresh: bool,
-    ) -> list[Inflight]:
-        """Rules 3-8; returns the rollouts to cancel."""
-        cfg, st = self.config, self.state
-        assert st.cap is not None
-        if st.draining and n <= st.cap:
-            st.draining, st.drained_at_poll = False, st.polls
-            reasons.append("drained")
-        cut = self._cut(healthy, n, reasons)
-        usage = max(r.kv_usage for r in healthy.values())
-        trimmed = usage > cfg.soft_trim_usage
-        if trimmed:
-            target = self._clamp(math.floor(n * cfg.trim_target_usage / usage))
-            hard = usage > cfg.hard_trim_usage
-            reasons.append(
-                f"{'hard' if hard else 'soft'} trim at usage {usage:.3f}: cap {st.cap} -> {target}"
-            )
-            st.cap = min(st.cap, target)
-            if hard:
-                return youngest(inflight, n - st.cap)
-        elif not cut and all_fresh and not st.draining:
-            self._maybe_grow(healthy, n, reasons)
-        return []
-
-    def _cut(self, healthy: dict[str, EngineReading], n: int, reasons: list[str]) -> bool:
-        """Rules 3-5: update counters and apply an overload cut; True when one was applied."""
-        cfg, st = self.config, self.state
-        assert st.cap is not None
-        preempted = []
-        for e, r in sorted(healthy.items()):
-            last = st.preemptions.get(e)
-            if last is not None and r.preemptions_total > last:
-                preempted.append(e)
-            st.preemptions[e] = r.preemptions_total
-        queued = any(r.waiting_capacity > cfg.queue_ratio * r.running for r in healthy.values())
-        st.queue_streak = st.queue_streak + 1 if queued and not st.draining else 0
-        persistent = st.queue_streak >= cfg.queue_polls
-        if not (preempted or persistent):
-            return False
-        what = (
-            f"preemption on {','.join(preempted)}"
-            if preempted
-            else f"capacity queue for {cfg.queue_polls} polls"
-        )
-        if st.draining:
-            reasons.append(f"{what} during drain: ignored")
-            return False
-        factor = cfg.preemption_cut if preempted else cfg.queue_cut
-        if st.drained_at_poll is not None and st.polls - st.drained_at_poll <= cfg.repeat_window_polls:
-            factor, what = cfg.repeat_cut, f"repeat {what}"
-        target = min(st.cap, self._clamp(math.floor(factor * n)))
-        reasons.append(f"{what}: cap {st.cap} -> {target}")
-        st.cap, st.queue_streak = target, 0
-        st.draining = n > target
-        if not st.draining:
-            st.drained_at_poll = st.polls
-        return True
-
-    def _maybe_grow(self, healthy: dict[str, EngineReading], n: int, reasons: list[str]) -> None:
-        cfg, st = self.config, self.state
-        assert st.cap is not None
-        headroom = all(r.kv_usage < cfg.grow_below_usage for r in healthy.values())
-        nothing_waits = all(r.waiting_capacity == 0 for r in healthy.values())
-        binds = n >= cfg.grow_when_inflight_fraction * st.cap
-        turned_over = st.admitted_since_change >= cfg.grow_turnover * st.cap
-        if headroom and nothing_waits and binds and turned_over and st.cap < cfg.max_inflight:
-            target = self._clamp(max(st.cap + 1, math.floor(st.cap * cfg.grow_factor)))
-            reasons.append(f"grow: cap {st.cap} -> {target}")
-            st.cap = target
 
     def _probe(
         self, now: float, healthy: dict[str, EngineReading], n: int, reasons: list[str], *, all_fresh: bool
@@ -513,7 +437,7 @@ class AdmissionController:
         return self._clamp(sum(r.kv_capacity_tokens for r in healthy.values()) // cfg.max_model_len)
 
     def _clamp(self, cap: int) -> int:
-        return min(self.config.max_inflight, max(self.config.min_inflight, cap))
+        return prime_rl.clamp(self.config, cap)
 
 
 def youngest(inflight: Sequence[Inflight], k: int) -> list[Inflight]:
