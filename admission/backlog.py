@@ -7,11 +7,12 @@ slot (`QueueBacklog.wait_s`: the run's task queue backlog age and the run's own 
 schedule-to-start, whichever is longer) and the accepted rate (rollouts that completed or were truncated,
 per second, measured per cap), and vetoes what the engine rules decided:
 
-- Start: when the run's first poll reads the backlog (and ``initial_cap`` is not set), the cap starts at
-  most at ``backlog_start_cap`` (at least one group): what the orchestration sustains is not known until a
-  rate is measured, and a cap taken from the KV cache alone (a small model's is huge) admits a burst that
-  only waits. The engine rules then grow it (the probe's ramp doubles a binding cap each poll) while the
-  backlog stays low; long rollouts, whose backlog stays far below their lifetime, ramp as before.
+- Start (opt-in, ``backlog_start_cap``): when the run's first poll reads the backlog (and ``initial_cap``
+  is not set), the cap starts at most at ``backlog_start_cap`` (at least one group): what the
+  orchestration sustains is not known until a rate is measured, and a cap taken from the KV cache alone (a
+  small model's is huge) admits a burst that only waits. The engine rules then grow it while the backlog
+  stays low, but only once the cap binds. Rollouts that end within a poll never make it bind, so it is
+  off by default.
 - The backlog is high when the wait exceeds ``backlog_wait_fraction`` of a rollout's mean lifetime (Little's
   law: mean rollouts in flight / accepted rollouts per second, at the current cap once measured) and
   ``backlog_min_wait_s``.

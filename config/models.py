@@ -294,9 +294,11 @@ class AdmissionConfig(BaseModel):
     """Rule O: the rate gain a cap increase must bring, as a share of the cap's relative growth (0.5: a
     doubled cap must raise the accepted rate by more than 50 %, else each rollout lives x1.33 longer or
     more, waiting on the orchestration)."""
-    backlog_start_cap: int | None = Field(8, ge=1, le=100_000)
-    """Rule O: when the backlog is read and ``initial_cap`` is unset, the first cap is at most this (at
-    least one group); the engine rules grow it while the backlog stays low. None: the engines' cap."""
+    backlog_start_cap: int | None = Field(None, ge=1, le=100_000)
+    """Rule O, opt-in: when the backlog is read and ``initial_cap`` is unset, the first cap is at most this
+    (at least one group); the engine rules grow it while the backlog stays low. None (the default): the
+    engines' cap. Off by default: with rollouts that end within a poll the cap never binds, so it never
+    grows, and the main job's accepted rate fell to 0.77x (docs/measurements/cost.md)."""
 
     @model_validator(mode="after")
     def _check(self) -> AdmissionConfig:

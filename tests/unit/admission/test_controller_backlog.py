@@ -91,16 +91,23 @@ def test_a_larger_cap_must_raise_the_accepted_rate_in_proportion_to_its_growth()
     assert run(7) == [10] * 3 + [20] * 3 + [40] * 6 + [20] * 12
 
 
-def test_a_run_that_reads_its_backlog_starts_small_and_the_ramp_grows_it_while_the_backlog_is_low() -> None:
+def test_with_a_start_cap_a_run_that_reads_its_backlog_starts_small_and_the_ramp_grows_it() -> None:
     # no initial_cap: the engine's KV (409,600 tokens / 1000 per rollout) would start the run at 409
-    tr = Trace(initial_cap=None, max_model_len=1000)
+    tr = Trace(initial_cap=None, max_model_len=1000, backlog_start_cap=8)
     caps = [tr.poll(ended=2, age_s=0.0).cap for _ in range(5)]
     assert caps == [16, 32, 64, 128, 256]  # from the start cap, doubled by the ramp each poll
     assert tr.reasons()[0] == (
         f"{CAUSE}: start at cap 8 (engine rules: 409) until the orchestration's accepted rate is measured"
     )
-    # unread (no stats from the server), an explicit initial_cap, or the start switched off: the engines' cap
-    for kw, reported in (({}, False), ({"initial_cap": 50}, True), ({"backlog_start_cap": None}, True)):
+    # unread (no stats from the server), an explicit initial_cap, or the start off (the default): the
+    # engines' cap
+    start = {"backlog_start_cap": 8}
+    for kw, reported in (
+        (start, False),
+        (start | {"initial_cap": 50}, True),
+        ({"backlog_start_cap": None}, True),
+        ({}, True),
+    ):
         other = Trace(**({"initial_cap": None, "max_model_len": 1000} | kw))
         first = other.poll(ended=0, age_s=0.0, reported=reported)  # 10 in flight: the cap does not bind
         assert first.cap == (kw.get("initial_cap") or 409) and "start at cap" not in str(first.reasons)
