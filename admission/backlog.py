@@ -134,12 +134,8 @@ def apply(
             reasons.append(f"{CAUSE}: task queue {backlog.task_queue} reports no backlog; rule inactive")
             st.backlog_unread_said = True
         backlog = None
-    high = False
     limit = threshold(st, cfg, now)
-    if backlog is not None:
-        high = backlog.wait_s > limit
-        st.backlog_wait_s = backlog.wait_s
-    if high and backlog is not None:
+    if backlog is not None and backlog.wait_s > limit:
         _judge(st, cfg, now, cap_before, kv_cap, backlog, limit, reasons)
     if st.backlog_ceiling is not None and st.cap > max(cap_before, st.backlog_ceiling):
         reasons.append(
@@ -178,20 +174,16 @@ def _judge(
             )
             st.cap = cap_before
         return
-    cap = st.accepted_cap if st.accepted_cap is not None else cap_before
-    if prev is None or prev_cap is None or prev_cap >= cap:
+    if prev is None or prev_cap is None or prev_cap >= cap_before:
         return  # nothing against growth
-    need = max(cfg.backlog_min_gain, cfg.backlog_gain_share * (cap / prev_cap - 1))
+    need = max(cfg.backlog_min_gain, cfg.backlog_gain_share * (cap_before / prev_cap - 1))
     if r > prev * (1 + need):
         return  # the last increase raised the accepted rate enough
-    target = min(cap_before, max(cfg.min_inflight, prev_cap))
-    rates = f"accepted {r:.2f}/s at cap {cap} vs {prev:.2f}/s at cap {prev_cap}, needed +{need:.0%}"
-    if target < cap_before:
-        reasons.append(
-            f"{CAUSE}: revert cap {cap_before} -> {target} (engine rules: {kv_cap}); {rates}; {seen}"
-        )
-    elif kv_cap > cap_before:
-        reasons.append(f"{CAUSE}: hold cap {cap_before} (engine rules: {kv_cap}); {rates}; {seen}")
-    st.cap = min(st.cap, target)
-    if st.backlog_ceiling is None or st.backlog_ceiling > target:
-        st.backlog_ceiling, st.backlog_ceiling_at_poll = target, st.polls
+    # the rate segment restarts at every cap change, so the one just measured is cap_before's
+    rates = f"accepted {r:.2f}/s at cap {cap_before} vs {prev:.2f}/s at cap {prev_cap}, needed +{need:.0%}"
+    reasons.append(
+        f"{CAUSE}: revert cap {cap_before} -> {prev_cap} (engine rules: {kv_cap}); {rates}; {seen}"
+    )
+    st.cap = min(st.cap, prev_cap)
+    if st.backlog_ceiling is None or st.backlog_ceiling > prev_cap:
+        st.backlog_ceiling, st.backlog_ceiling_at_poll = prev_cap, st.polls

@@ -232,7 +232,7 @@ class AdmissionController:
                 orchestration.apply(st, cfg, now, start, backlog, reasons)
         else:
             reasons.append("no healthy engine")
-        cap = st.cap if st.cap is not None else self._clamp(cfg.initial_cap or cfg.min_inflight)
+        cap = st.cap if st.cap is not None else self.config.clamp(cfg.initial_cap or cfg.min_inflight)
         if st.cap != cap_before:
             st.admitted_since_change = 0
         admit = self._admit(now, cap, n) if healthy and not st.storm else 0
@@ -277,7 +277,7 @@ class AdmissionController:
                     and st.polls - st.drained_at_poll <= cfg.repeat_window_polls
                 ):
                     factor, what = cfg.repeat_cut, "repeat preemption storm"
-                target = min(st.cap, self._clamp(math.floor(factor * n)))
+                target = min(st.cap, self.config.clamp(math.floor(factor * n)))
                 reasons.append(f"{what}: cap {st.cap} -> {target}")
                 self._set_ceiling(target)
                 st.cap, st.draining = target, n > target
@@ -301,7 +301,7 @@ class AdmissionController:
             return
         fit = footprint.fit(st, cfg, healthy)
         if self._ramping and st.cap < cfg.max_inflight and (st.ceiling is None or st.cap < st.ceiling):
-            target = self._clamp(max(st.cap + 1, math.floor(st.cap * cfg.ramp_factor)))
+            target = self.config.clamp(max(st.cap + 1, math.floor(st.cap * cfg.ramp_factor)))
             if st.ceiling is not None:
                 target = min(target, st.ceiling)
             if fit is not None and target > fit[0]:
@@ -328,7 +328,7 @@ class AdmissionController:
         if prev_rate is not None and prev_cap is not None and prev_cap < cap:
             if rate < prev_rate * (1 - cfg.drop_revert):
                 reasons.append(f"probe lost ({rate:.0f} < {prev_rate:.0f} tok/s): cap {cap} -> {prev_cap}")
-                st.cap = self._clamp(prev_cap)
+                st.cap = self.config.clamp(prev_cap)
                 self._set_ceiling(st.cap)
                 self._end_epoch(forget=True)
                 return
@@ -343,10 +343,10 @@ class AdmissionController:
         if near_storm:
             reasons.append(f"near a preemption storm: cap {cap} held")
             return
-        target = self._clamp(max(cap + 1, math.floor(cap * cfg.probe_factor)))
+        target = self.config.clamp(max(cap + 1, math.floor(cap * cfg.probe_factor)))
         held = ""
         if mean_usage < cfg.fast_below_usage:
-            fast = self._clamp(max(cap + 1, math.floor(cap * cfg.fast_factor)))
+            fast = self.config.clamp(max(cap + 1, math.floor(cap * cfg.fast_factor)))
             if fit is not None and fast > fit[0]:
                 fast, held = max(fit[0], target), f" (fast growth held: {footprint.describe(fit)})"
             target = max(target, fast)
@@ -433,11 +433,8 @@ class AdmissionController:
     def _initial_cap(self, healthy: dict[str, EngineReading]) -> int:
         cfg = self.config
         if cfg.initial_cap is not None:
-            return self._clamp(cfg.initial_cap)
-        return self._clamp(sum(r.kv_capacity_tokens for r in healthy.values()) // cfg.max_model_len)
-
-    def _clamp(self, cap: int) -> int:
-        return prime_rl.clamp(self.config, cap)
+            return self.config.clamp(cfg.initial_cap)
+        return self.config.clamp(sum(r.kv_capacity_tokens for r in healthy.values()) // cfg.max_model_len)
 
 
 def youngest(inflight: Sequence[Inflight], k: int) -> list[Inflight]:

@@ -11,11 +11,6 @@ from config.models import AdmissionConfig
 from contracts.types import AdmissionState, EngineReading
 
 
-def clamp(cfg: AdmissionConfig, cap: int) -> int:
-    """``cap`` within [min_inflight, max_inflight]."""
-    return min(cfg.max_inflight, max(cfg.min_inflight, cap))
-
-
 def adapt(
     cfg: AdmissionConfig,
     st: AdmissionState,
@@ -35,7 +30,7 @@ def adapt(
     usage = max(r.kv_usage for r in healthy.values())
     trimmed = usage > cfg.soft_trim_usage
     if trimmed:
-        target = clamp(cfg, math.floor(n * cfg.trim_target_usage / usage))
+        target = cfg.clamp(math.floor(n * cfg.trim_target_usage / usage))
         hard = usage > cfg.hard_trim_usage
         reasons.append(f"{'hard' if hard else 'soft'} trim at usage {usage:.3f}: cap {st.cap} -> {target}")
         st.cap = min(st.cap, target)
@@ -71,7 +66,7 @@ def _cut(
     factor = cfg.preemption_cut if preempted else cfg.queue_cut
     if st.drained_at_poll is not None and st.polls - st.drained_at_poll <= cfg.repeat_window_polls:
         factor, what = cfg.repeat_cut, f"repeat {what}"
-    target = min(st.cap, clamp(cfg, math.floor(factor * n)))
+    target = min(st.cap, cfg.clamp(math.floor(factor * n)))
     reasons.append(f"{what}: cap {st.cap} -> {target}")
     st.cap, st.queue_streak = target, 0
     st.draining = n > target
@@ -90,6 +85,6 @@ def _maybe_grow(
     binds = n >= cfg.grow_when_inflight_fraction * st.cap
     turned_over = st.admitted_since_change >= cfg.grow_turnover * st.cap
     if headroom and nothing_waits and binds and turned_over and st.cap < cfg.max_inflight:
-        target = clamp(cfg, max(st.cap + 1, math.floor(st.cap * cfg.grow_factor)))
+        target = cfg.clamp(max(st.cap + 1, math.floor(st.cap * cfg.grow_factor)))
         reasons.append(f"grow: cap {st.cap} -> {target}")
         st.cap = target

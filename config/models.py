@@ -319,6 +319,10 @@ class AdmissionConfig(BaseModel):
         """Whether the cap is fixed (min_inflight == max_inflight)."""
         return self.min_inflight == self.max_inflight
 
+    def clamp(self, cap: int) -> int:
+        """``cap`` within [min_inflight, max_inflight]."""
+        return min(self.max_inflight, max(self.min_inflight, cap))
+
 
 class AdmissionSection(AdmissionConfig):
     """The dispatcher: adaptive admission against the engines' /metrics (rules in admission/controller.py).

@@ -186,9 +186,21 @@ def wait_gone(rec: Record, timeout_s: float, sent: Signalled | None = None) -> b
     return True
 
 
-def stop_tree(rec: Record, timeout_s: float = 15.0) -> bool | None:
+def kill_tree(rec: Record, timeout_s: float) -> bool | None:
+    """SIGKILL the whole recorded tree and wait up to ``timeout_s`` for it to be gone.
+
+    Returns:
+        None if nothing of the tree was running, True once it is gone, False if some survive the wait.
+    """
+    sent: Signalled = {}
+    if not signal_tree(rec, signal.SIGKILL, sent):
+        return None
+    return wait_gone(rec, timeout_s, sent)
+
+
+def stop_tree(rec: Record, timeout_s: float = 15.0, kill_wait_s: float = 5.0) -> bool | None:
     """Stop the whole recorded tree: SIGTERM (and SIGCONT, so a frozen one sees it), wait ``timeout_s``,
-    then SIGKILL what is left and wait 5 s.
+    then SIGKILL what is left and wait ``kill_wait_s``.
 
     Returns:
         None if nothing of the tree was running, True once it is gone, False if some survive SIGKILL.
@@ -200,4 +212,4 @@ def stop_tree(rec: Record, timeout_s: float = 15.0) -> bool | None:
     if wait_gone(rec, timeout_s, sent):
         return True
     signal_tree(rec, signal.SIGKILL, sent)
-    return wait_gone(rec, 5.0, sent)
+    return wait_gone(rec, kill_wait_s, sent)

@@ -127,8 +127,6 @@ class AdmissionState(BaseModel):
     accepted_prev_rate: float | None = None
     """Accepted rollouts/s of the last measured segment at another cap, ``accepted_prev_cap``."""
     accepted_prev_cap: int | None = None
-    backlog_wait_s: float | None = None
-    """The workflow-task wait (`QueueBacklog.wait_s`) at the previous poll that read one."""
     backlog_ceiling: int | None = None
     """Cap rule O does not let the other rules grow past, set at ``backlog_ceiling_at_poll``."""
     backlog_ceiling_at_poll: int | None = None

@@ -97,16 +97,22 @@ def targets(home: Path, component: str) -> list[Target]:
     return found
 
 
-def _signal(t: Target, sig: signal.Signals, sent: proctree.Signalled | None = None) -> None:
+def _not_running(t: Target) -> ProcessFaultError:
+    return ProcessFaultError(f"{t}: no longer running (nothing of its process tree is left)")
+
+
+def _signal(t: Target, sig: signal.Signals) -> None:
     """Send ``sig`` to every process of the target's tree (its leader alive or not)."""
-    if not proctree.signal_tree(t.record, sig, sent):
-        raise ProcessFaultError(f"{t}: no longer running (nothing of its process tree is left)")
+    if not proctree.signal_tree(t.record, sig):
+        raise _not_running(t)
 
 
-def _wait_gone(t: Target, timeout_s: float, sent: proctree.Signalled) -> bool:
-    gone = proctree.wait_gone(t.record, timeout_s, sent)
+def _gone(t: Target, stopped: bool | None) -> bool:
+    """What a stop or kill of the tree returned, once the leader is reaped; raises if nothing ran."""
     proctree.reap(t.pid)
-    return gone
+    if stopped is None:
+        raise _not_running(t)
+    return stopped
 
 
 def tree(t: Target) -> list[int]:
@@ -120,20 +126,13 @@ def kill(t: Target, timeout_s: float = 10.0) -> None:
     Raises:
         ProcessFaultError: nothing of the target is running, or some of it outlives the wait.
     """
-    sent: proctree.Signalled = {}
-    _signal(t, signal.SIGKILL, sent)
-    if not _wait_gone(t, timeout_s, sent):
+    if not _gone(t, proctree.kill_tree(t.record, timeout_s)):
         raise ProcessFaultError(f"{t}: process tree still alive {timeout_s:.0f} s after SIGKILL")
 
 
 def stop(t: Target, timeout_s: float = 30.0) -> None:
     """SIGTERM the tree (a graceful stop), SIGKILL what is left after ``timeout_s``."""
-    sent: proctree.Signalled = {}
-    _signal(t, signal.SIGTERM, sent)
-    proctree.signal_tree(t.record, signal.SIGCONT)  # a frozen tree sees the SIGTERM too
-    if not _wait_gone(t, timeout_s, sent):
-        proctree.signal_tree(t.record, signal.SIGKILL, sent)
-        _wait_gone(t, 10.0, sent)
+    _gone(t, proctree.stop_tree(t.record, timeout_s, kill_wait_s=10.0))
 
 
 @contextlib.contextmanager
@@ -166,9 +165,9 @@ def start(t: Target) -> Target:
     Raises:
         ProcessFaultError: the process exits at once (its log says why), or the old tree outlives SIGKILL.
     """
-    sent: proctree.Signalled = {}
-    if proctree.signal_tree(t.record, signal.SIGKILL, sent) and not _wait_gone(t, 10.0, sent):
+    if proctree.kill_tree(t.record, 10.0) is False:
         raise ProcessFaultError(f"{t}: process tree still alive 10 s after SIGKILL")
+    proctree.reap(t.pid)
     marker = proctree.new_marker()
     log = t.home / "logs" / f"{t.name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
