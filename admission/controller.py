@@ -58,8 +58,11 @@ P1. Storm: a poll in which some healthy engine's preemptions since the previous 
     preemptions cut nothing: recompute with a warm prefix cache is cheap (bench/calibrate_simengine.py).
 P2. Epoch: each poll adds the healthy engines' generated tokens since the previous poll (a counter that went
     backwards, a restart, adds nothing). An epoch is ``probe_polls`` consecutive polls in which the cap binds
-    (inflight + group size >= ``grow_when_inflight_fraction`` × cap: within one group of it, since finished
-    rollouts are replaced only at a poll), no drain runs and every reading is fresh; a poll that breaks
+    (inflight + the rollouts that ended since the previous poll + group size >=
+    ``grow_when_inflight_fraction`` × cap: all of those were in flight together after the previous poll,
+    since nothing is admitted between polls, so rollouts shorter than a poll bind a cap they fill though
+    few are in flight at any poll; and within one group of it, since finished rollouts are replaced only
+    at a poll), no drain runs and every reading is fresh; a poll that breaks
     this, or any cap change, ends it, and the next binding poll starts one (after a growth, one poll
     passes before the new cap is measured). Its rate is tokens / seconds since it began.
 P3. Judge: at an epoch's end, if the previous epoch ran at a smaller cap: a rate more than ``drop_revert``
@@ -222,7 +225,7 @@ class AdmissionController:
             elif cfg.preset == "probe":
                 footprint.learn_footprint(st, cfg, ended, ended_tokens)
                 footprint.learn_share(st, cfg, healthy, n)
-                self._probe(now, healthy, n, reasons, all_fresh=fresh)
+                self._probe(now, healthy, n, ended, reasons, all_fresh=fresh)
             else:
                 k = prime_rl.adapt(cfg, st, healthy, n, reasons, all_fresh=fresh)
                 cancel = youngest(inflight, k)
@@ -250,7 +253,14 @@ class AdmissionController:
         )
 
     def _probe(
-        self, now: float, healthy: dict[str, EngineReading], n: int, reasons: list[str], *, all_fresh: bool
+        self,
+        now: float,
+        healthy: dict[str, EngineReading],
+        n: int,
+        ended: int,
+        reasons: list[str],
+        *,
+        all_fresh: bool,
     ) -> None:
         """Rules P0-P5 (and the drain of rule 5)."""
         cfg, st = self.config, self.state
@@ -295,7 +305,8 @@ class AdmissionController:
             and nothing_waits
             and mean_usage < cfg.ramp_below_usage
         )
-        binds = n + self.group_size >= cfg.grow_when_inflight_fraction * st.cap
+        # all that are in flight now or ended since the previous poll were in flight together after it
+        binds = n + max(0, ended) + self.group_size >= cfg.grow_when_inflight_fraction * st.cap
         if not (binds and all_fresh and not st.draining):
             self._end_epoch(forget=False)
             return

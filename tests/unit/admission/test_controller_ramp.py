@@ -116,6 +116,18 @@ def test_the_ramp_needs_fresh_readings_and_a_binding_cap():
         assert tr.poll(n=20).cap == 40  # 20 + a group of 1 < 0.9 × 40: a bigger cap would change nothing
 
 
+def test_rollouts_that_ended_since_the_previous_poll_count_toward_a_binding_cap():
+    # rollouts shorter than a poll: of the 10 the cap let in, 8 ended before this poll. All 10 were in
+    # flight together after the previous poll, so the cap bound them, and a ramp poll grows it
+    def cap_after(n: int, ended: int) -> int:
+        ctl = AdmissionController(cfg())
+        return ctl.step(0.0, [reading(0.0)], flight(n), ended, ended * 20.0).cap
+
+    assert cap_after(2, 8) == 20
+    assert cap_after(2, 0) == 10  # 2 in flight, none ended: a larger cap would change nothing
+    assert cap_after(2, 5) == 10  # 2 + 5 + a group of 1 < 0.9 x 10: demand, not the cap, is the limit
+
+
 def test_the_ramp_never_grows_past_max_inflight_or_a_ceiling():
     tr = Trace(AdmissionController(cfg(max_inflight=30)))
     assert [tr.poll().cap for _ in range(4)] == [20, 30, 30, 30]
