@@ -11,6 +11,9 @@ code (``python -P -m workers.worker``, ``PYTHONPATH`` = the code's root; the old
 (port 8000), shared by both, left running; the stack's own worker and Temporal server must be stopped
 first (``--takeover`` stops them by their pid files).
 
+``--variant NAME=KEY=VALUE,...`` adds, for this checkout in each repetition, the 40 x 4 config with those
+settings (shape ``40x4+NAME``), e.g. an opt-in admission setting against the default in the same sitting.
+
 ``--sweep G ...`` then runs the 40 x 4 config with this checkout at each ``run.max_inflight_groups`` G
 (shape ``40x4@G``): the wait against the rollouts in flight.
 
@@ -103,7 +106,7 @@ def sitting(
         worker.stdout.readline()  # "worker polling ..."
         time.sleep(2)
         for shape, extra in shapes.items():
-            run_id = f"wait-{label}-{rep}-{shape.replace('@', '-g')}-{int(time.time())}"
+            run_id = f"wait-{label}-{rep}-{shape.replace('@', '-g').replace('+', '-')}-{int(time.time())}"
             parts = {"worker": worker.pid, "server": server.pid}
             before = {k: sum(cpu_s(p) for p in tree(pid)) for k, pid in parts.items()}
             before["engine"] = sum(cpu_s(p) for p in engine_pids())
@@ -175,8 +178,20 @@ def main() -> None:
         "--sweep", type=int, nargs="*", default=[],
         help="then, this checkout only: the 40 x 4 run at each of these run.max_inflight_groups",
     )  # fmt: skip
+    p.add_argument(
+        "--variant", action="append", default=[], metavar="NAME=KEY=VALUE[,KEY=VALUE...]",
+        help="this checkout only, in each repetition after its own runs: the 40 x 4 run with these settings"
+        " (shape 40x4+NAME)",
+    )  # fmt: skip
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
+    variants = {}
+    for v in args.variant:
+        name, _, settings = v.partition("=")
+        if not name or not settings:
+            raise SystemExit(f"--variant {v!r}: expected NAME=KEY=VALUE[,KEY=VALUE...]")
+        extra = [a for kv in settings.split(",") for a in ("--set", kv)]
+        variants[f"40x4+{name}"] = SHAPES["40x4"] + extra
     home = Path(os.environ.get("ROLLOUTS_HOME", ROOT / ".rollouts"))
     if args.takeover:
         for name in ("worker", "temporal"):
@@ -189,7 +204,8 @@ def main() -> None:
         runs = []
         for rep in range(args.reps):
             for label, (code, pragmas) in codes.items():
-                runs += sitting(label, code, pragmas, rep, tmp, home, SHAPES)
+                shapes = SHAPES | variants if label == "new" else SHAPES
+                runs += sitting(label, code, pragmas, rep, tmp, home, shapes)
         if args.sweep:
             groups = ["--groups", "40", "--set", "run.max_inflight_groups={}"]
             sweep = {f"40x4@{g}": [a.format(g) for a in groups] for g in args.sweep}
