@@ -87,6 +87,9 @@ def sitting(
     label: str, code: Path, pragmas: list[str], rep: int, tmp: Path, home: Path, shapes: dict[str, list[str]]
 ) -> list[dict]:
     env = {**os.environ, "PYTHONPATH": str(code), "ROLLOUTS_HOME": str(home)}
+    cli = (
+        "cli.rollouts" if (code / "cli" / "rollouts.py").is_file() else "workers.cli"
+    )  # before the cli package
     argv = procs.temporal_argv(tmp, 7233, 8233, pragmas)
     argv[argv.index("--db-filename") + 1] = str(tmp / f"{label}-{rep}.sqlite")
     server = subprocess.Popen(
@@ -115,7 +118,7 @@ def sitting(
                 sys.executable,
                 "-P",
                 "-m",
-                "cli.rollouts",
+                cli,
                 "run",
                 "config/examples/math.toml",
                 "--run-id",
@@ -129,7 +132,7 @@ def sitting(
                 raise SystemExit(f"{label} {shape}: run failed: {res.stderr.strip().splitlines()[-1:]}")
             out = tmp / f"{run_id}.jsonl"
             subprocess.run(
-                [sys.executable, "-P", "-m", "cli.rollouts", "export", run_id, "-o", str(out)],
+                [sys.executable, "-P", "-m", cli, "export", run_id, "-o", str(out)],
                 cwd=code, env=env, check=True, capture_output=True,
             )  # fmt: skip
             stats = record_stats(out)

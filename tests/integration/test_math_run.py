@@ -9,9 +9,12 @@ from pathlib import Path
 import httpx
 import pytest
 from math_env import verify
+from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client
 from transformers import AutoTokenizer
 
+from config.load import load_config
+from config.paths import REPO_ROOT
 from contracts.types import group_id, rollout_id
 from tests.conftest import MODEL_DIR, POLICY_VERSION, Engine, free_port
 from tests.integration.support import (
@@ -71,6 +74,44 @@ async def test_math_run_8x4_gives_complete_provenance_records(
         assert g["reward_mean"] == pytest.approx(sum(m["reward"] for m in members) / 4)
         assert g["zero_variance"] == (len({m["reward"] for m in members}) == 1)
         assert sum(m["advantage"] for m in members) == pytest.approx(0.0, abs=1e-6)
+
+
+@pytest.mark.timeout(600)
+async def test_the_main_job_as_shipped_runs_its_model_calls_as_local_activities_from_a_start_of_8(
+    client: Client, engine: Engine, task_queue: str, tmp_path: Path
+) -> None:
+    """config/examples/math.toml (`make demo`) as it is, but for the engine's URL and the task queue: its
+    model calls are local activities (a marker in the rollout's history, no activity task), its admission
+    starts at 8 rollouts, and every record still carries its exact tokens and the verifier's reward."""
+    cfg = load_config(
+        REPO_ROOT / "config" / "examples" / "math.toml",
+        [f"engine.urls={json.dumps([engine.url])}", f"temporal.task_queue={json.dumps(task_queue)}"],
+    )
+    assert cfg.rollout.local_model_calls and cfg.admission.backlog_start_cap == 8
+    async with worker(client, task_queue, tmp_path) as store:
+        result = await run_to_end(client, cfg, "main-job")
+        log = store.dispatch_log("main-job")
+    assert result.done and result.outcomes == {"completed": 32}, result.outcomes
+    rollouts, groups = export(store, "main-job")
+    assert len({r["rollout_id"] for r in rollouts}) == 32 and len(groups) == 8
+    tasks = {t["id"]: t for t in map(json.loads, Path(cfg.run.task_file).read_text().splitlines())}
+    tok = AutoTokenizer.from_pretrained(str(MODEL_DIR))
+    for rec in rollouts:
+        assert_consistent(rec)
+        sampled = [t for t, m in zip(rec["token_ids"], rec["loss_mask"], strict=True) if m]
+        text = tok.decode(sampled, skip_special_tokens=False).split("<|end|>")[0]
+        assert rec["reward"] == verify(text, tasks[rec["task_id"]]["answer"]), rec["rollout_id"]
+    for rec in rollouts[:4]:
+        types = [
+            e.event_type async for e in client.get_workflow_handle(rec["rollout_id"]).fetch_history_events()
+        ]
+        assert EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED not in types, rec["rollout_id"]
+        assert EventType.EVENT_TYPE_MARKER_RECORDED in types, rec["rollout_id"]
+    # the first decision starts at 8 (the orchestration-aware start), not at the engine's KV cap
+    first = log[0]
+    initial = next(int(r.split()[-1]) for r in first["reasons"] if r.startswith("initial cap "))
+    assert first["cap"] == 8 < initial, first
+    assert any(r.startswith("orchestration-backlog: start at cap 8") for r in first["reasons"]), first
 
 
 @pytest.mark.timeout(600)
