@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client
 from temporalio.testing import WorkflowEnvironment
 
@@ -26,6 +27,7 @@ def spawn_worker(env: WorkflowEnvironment, task_queue: str, home: Path, name: st
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("local", [False, True], ids=["activities", "local-model-calls"])
 async def test_sigkill_worker_mid_run_loses_and_duplicates_nothing(
     temporal_env: WorkflowEnvironment,
     client: Client,
@@ -33,22 +35,29 @@ async def test_sigkill_worker_mid_run_loses_and_duplicates_nothing(
     task_queue: str,
     tmp_path: Path,
     ledger: Any,
+    local: bool,
 ) -> None:
+    """Model calls as activities, and as local activities (the main job's config): a local call the
+    killed worker held runs again on the next worker once its workflow task times out."""
     groups, size = 24, 4
     cfg = make_config(
-        [engine.url], task_queue, run={"num_groups": groups, "group_size": size, "max_inflight_groups": 3}
+        [engine.url],
+        task_queue,
+        run={"num_groups": groups, "group_size": size, "max_inflight_groups": 3},
+        rollout={"local_model_calls": local},
     )
+    run_id = "sigkill-local" if local else "sigkill"
     store = RunStore(tmp_path)
     first = spawn_worker(temporal_env, task_queue, tmp_path, "worker-1")
     second = None
     try:
-        handle = await start_run(client, cfg, "sigkill")
+        handle = await start_run(client, cfg, run_id)
         for _ in range(1200):
-            if sum(store.count_rollouts("sigkill").values()) >= 8:
+            if sum(store.count_rollouts(run_id).values()) >= 8:
                 break
             await asyncio.sleep(0.05)
         os.killpg(first, signal.SIGKILL)
-        done_at_kill = sum(store.count_rollouts("sigkill").values())
+        done_at_kill = sum(store.count_rollouts(run_id).values())
         assert 8 <= done_at_kill < groups * size, "the kill must land while rollouts are in flight"
         second = spawn_worker(temporal_env, task_queue, tmp_path, "worker-2")
         result = await asyncio.wait_for(handle.result(), timeout=400)
@@ -57,12 +66,20 @@ async def test_sigkill_worker_mid_run_loses_and_duplicates_nothing(
         if second is not None:
             procs.stop_pid(second)
     assert result.done and sum(result.outcomes.values()) == groups * size
-    rollouts, group_records = export(store, "sigkill")
-    expected = {rollout_id("sigkill", group_id(g), i) for g in range(groups) for i in range(size)}
+    rollouts, group_records = export(store, run_id)
+    expected = {rollout_id(run_id, group_id(g), i) for g in range(groups) for i in range(size)}
     assert sorted(r["rollout_id"] for r in rollouts) == sorted(expected)  # each exactly once
     assert len(group_records) == groups
     assert all(r["outcome"] == "completed" for r in rollouts)
-    await ledger(store, "sigkill", client=client)
+    await ledger(store, run_id, client=client)
+    if local:  # the kill caught rollouts inside a workflow task (where a local call runs): it timed out
+        caught = [
+            rid
+            for rid in sorted(expected)
+            if EventType.EVENT_TYPE_WORKFLOW_TASK_TIMED_OUT
+            in [e.event_type async for e in client.get_workflow_handle(rid).fetch_history_events()]
+        ]
+        assert caught, "no rollout was inside a workflow task at the kill"
 
 
 def _history_bytes(events) -> int:
