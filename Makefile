@@ -9,6 +9,8 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 HOME_DIR := $(or $(ROLLOUTS_HOME),.rollouts)
 RUN_ID  ?= demo-$(shell date +%Y%m%d-%H%M%S)
+# Start the embedded stack unless this home's stack is already up and healthy (`make demo` twice reuses it).
+STACK_UP = $(BIN)/rollouts stack status >/dev/null 2>&1 || $(BIN)/rollouts stack up --detach
 
 .PHONY: setup demo test test-unit lint docs down bench grpo trl-grpo harbor-venv
 
@@ -48,20 +50,20 @@ $(HARBOR_STAMP):
 harbor-venv: $(HARBOR_STAMP)
 
 demo: setup
-	$(BIN)/rollouts stack up --detach
+	$(STACK_UP)
 	$(BIN)/rollouts run config/examples/math.toml --run-id $(RUN_ID) --wait
 	$(BIN)/rollouts export $(RUN_ID) -o $(HOME_DIR)/$(RUN_ID).jsonl
 	@echo "records: $(HOME_DIR)/$(RUN_ID).jsonl   web UI: http://127.0.0.1:8233   stop: make down"
 
 # The closed GRPO loop on the embedded stack (docs/trainer.md, "Closed loop: GRPO on the tiny policy").
 grpo: setup
-	$(BIN)/rollouts stack up --detach
+	$(STACK_UP)
 	$(BIN)/rollouts train config/examples/grpo_loop.toml -o $(HOME_DIR)/grpo_loop.json
 
 # The closed loop with TRL (docs/trl.md): AsyncGRPOTrainer + the durable rollout worker, then GRPOTrainer +
 # rollout_func, on the embedded stack; a benchmark, not a CI test.
 trl-grpo: setup
-	$(BIN)/rollouts stack up --detach
+	$(STACK_UP)
 	$(BIN)/python integrations/trl/bench_loop.py --mode both --steps 30 -o $(HOME_DIR)/trl_loop.json
 
 down: setup
