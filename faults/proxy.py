@@ -72,6 +72,10 @@ class FaultProxy:
     """0 = a free port, known after `start`."""
     setting: FaultSetting = field(default_factory=FaultSetting)
     events: list[ProxyEvent] = field(default_factory=list)
+    hits: int = 0
+    """Times a fault acted on traffic: a new connection reset, hung or answered 503, a reply truncated or
+    delayed (a test can wait for the fault to have reached the pipeline, not just been set). Connections
+    that a new setting cuts are not counted: one may already have finished its exchange."""
     _server: asyncio.Server | None = None
     _hung: set[asyncio.StreamWriter] = field(default_factory=set)
     _open: set[asyncio.StreamWriter] = field(default_factory=set)
@@ -138,6 +142,8 @@ class FaultProxy:
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         s = self.setting
+        if s.fault in (Fault.RESET, Fault.HANG, Fault.HTTP_5XX):
+            self.hits += 1
         if s.fault == Fault.RESET:
             sock = writer.get_extra_info("socket")
             if sock is not None:  # SO_LINGER 0: close sends RST instead of FIN
@@ -171,8 +177,10 @@ class FaultProxy:
         while data := await src.read(65536):
             s = self.setting
             if upstream and s.fault == Fault.DELAY and s.delay_ms > 0:
+                self.hits += 1
                 await asyncio.sleep(s.delay_ms / 1000.0)
             if upstream and s.fault == Fault.TRUNCATE:
+                self.hits += 1
                 data = data[: max(0, s.bytes - sent)]
                 if data:
                     dst.write(data)

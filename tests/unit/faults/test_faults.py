@@ -45,22 +45,29 @@ async def _get(p: FaultProxy, timeout: float = 2.0) -> httpx.Response:
 
 async def test_proxy_passes_through_then_injects_each_fault(proxy: FaultProxy) -> None:
     assert (await _get(proxy)).content == BODY
+    assert proxy.hits == 0  # passing through is not a hit
     proxy.set(Fault.HTTP_5XX)
     assert (await _get(proxy)).status_code == 503
+    assert proxy.hits == 1
     proxy.set(Fault.RESET)
     with pytest.raises((httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError)):
         await _get(proxy)
+    assert proxy.hits == 2
     proxy.set(Fault.TRUNCATE, bytes=100)
     with pytest.raises((httpx.RemoteProtocolError, httpx.ReadError)):
         await _get(proxy)
+    assert proxy.hits == 3
     proxy.set(Fault.HANG)
     with pytest.raises(httpx.ReadTimeout):
         await _get(proxy, timeout=0.5)
+    assert proxy.hits == 4
     proxy.set(Fault.DELAY, delay_ms=300)
     t0 = time.monotonic()
     assert (await _get(proxy)).content == BODY and time.monotonic() - t0 >= 0.3
+    assert proxy.hits == 5
     proxy.clear()
     assert (await _get(proxy)).content == BODY
+    assert proxy.hits == 5
     assert [e.setting.fault for e in proxy.events] == [
         Fault.HTTP_5XX, Fault.RESET, Fault.TRUNCATE, Fault.HANG, Fault.DELAY, Fault.NONE,
     ]  # fmt: skip
