@@ -84,8 +84,14 @@ class Code:
 
     @property
     def cli(self) -> str:
-        """The module of its ``rollouts`` command (``workers.cli`` in commits before the ``cli`` package)."""
-        return "cli.rollouts" if (self.root / "cli" / "rollouts.py").is_file() else "workers.cli"
+        """The module of its ``rollouts`` command."""
+        return cli_module(self.root)
+
+
+def cli_module(root: Path) -> str:
+    """The module of the ``rollouts`` command in the code at ``root`` (``workers.cli`` in commits before
+    the ``cli`` package)."""
+    return "cli.rollouts" if (root / "cli" / "rollouts.py").is_file() else "workers.cli"
 
 
 def git(*args: str) -> str:

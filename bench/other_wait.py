@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from harness import cpu_s  # noqa: E402  (bench/ is on sys.path as a script)
-from orchestration_cost import checkout  # noqa: E402
+from orchestration_cost import checkout, cli_module  # noqa: E402
 
 from config.models import StackConfig  # noqa: E402
 from stack import procs  # noqa: E402
@@ -87,9 +87,7 @@ def sitting(
     label: str, code: Path, pragmas: list[str], rep: int, tmp: Path, home: Path, shapes: dict[str, list[str]]
 ) -> list[dict]:
     env = {**os.environ, "PYTHONPATH": str(code), "ROLLOUTS_HOME": str(home)}
-    cli = (
-        "cli.rollouts" if (code / "cli" / "rollouts.py").is_file() else "workers.cli"
-    )  # before the cli package
+    cli = cli_module(code)
     argv = procs.temporal_argv(tmp, 7233, 8233, pragmas)
     argv[argv.index("--db-filename") + 1] = str(tmp / f"{label}-{rep}.sqlite")
     server = subprocess.Popen(

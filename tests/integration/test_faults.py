@@ -35,15 +35,13 @@ async def _flap(proxy: FaultProxy, fault: Fault, on_s: float, off_s: float, **kw
     """The fault in force for ``on_s``, cleared for ``off_s``, again and again; the first time it stays
     in force until it has acted at least once (up to 30 s), so a run that starts slowly and then ends
     within one cleared spell still meets it."""
-    first = True
     while True:
         proxy.set(fault, **kw)  # type: ignore[arg-type]
         await asyncio.sleep(on_s)
-        for _ in range(300 if first else 0):
+        for _ in range(300):  # only the first spell waits: later, hits are already counted
             if proxy.hits:
                 break
             await asyncio.sleep(0.1)
-        first = False
         proxy.clear()
         await asyncio.sleep(off_s)
 
