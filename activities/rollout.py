@@ -170,9 +170,13 @@ class RolloutActivities:
         t0 = time.monotonic()
         timed = StoreClock()
         ref = inp.ref
-        segs = await timed(self.store.segments, ref.rollout_id)
-        run = await timed(self.store.get_run, ref.run_id)
-        handle = await timed(self.store.get_sandbox, ref.rollout_id)
+        segs, run, handle = await timed(  # the record's reads in one thread hop
+            lambda: (
+                self.store.segments(ref.rollout_id),
+                self.store.get_run(ref.run_id),
+                self.store.get_sandbox(ref.rollout_id),
+            )
+        )
         image = handle.spec.image if handle is not None else None
         extra = {
             **_extras(inp),
@@ -199,7 +203,7 @@ class RolloutActivities:
             "sampling_json": inp.sampling.model_dump_json(),
             "extra_json": json.dumps(extra),
         }
-        inserted = await asyncio.to_thread(self.store.put_rollout, rec)
+        inserted, row = await asyncio.to_thread(self._put_and_read, rec)
         if inserted:  # the record's first write: a retried finalize never counts it (or its turns) twice
             metrics.record_rollout(
                 ref.env,
@@ -208,8 +212,6 @@ class RolloutActivities:
                 segs,
                 inp.state.sandbox_slot_waits if inp.uses_sandbox else 0,
             )
-        row = await asyncio.to_thread(self.store.rollout, ref.rollout_id)
-        assert row is not None
         return StoredOutcome(
             outcome=Outcome(row["outcome"]),
             reason=row["reason"],
@@ -219,17 +221,26 @@ class RolloutActivities:
             inserted=inserted,
         )
 
+    def _put_and_read(self, rec: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
+        """Write the record once; whether this call wrote it, and the record as stored."""
+        inserted = self.store.put_rollout(rec)
+        row = self.store.rollout(rec["rollout_id"])
+        assert row is not None
+        return inserted, row
+
     @options(Options(timedelta(seconds=60), RECORD_RETRY, local=True))
     @activity.defn
     async def finalize_group(self, inp: FinalizeGroupInput) -> bool:
         """Write the group record, its members' advantages and what the close says of its members (the
         superseded attempts, an unscorable group's members); idempotent on run + group id."""
         rec = inp.record
-        await asyncio.to_thread(self.store.set_advantages, inp.advantages)
-        await asyncio.to_thread(self.store.mark_members, inp.superseded, inp.unscorable)
-        return await asyncio.to_thread(
-            self.store.put_group, rec.run_id, rec.group_id, rec.task_id, rec.model_dump(mode="json")
-        )
+
+        def write() -> bool:  # one thread hop; each write is its own idempotent transaction, as before
+            self.store.set_advantages(inp.advantages)
+            self.store.mark_members(inp.superseded, inp.unscorable)
+            return self.store.put_group(rec.run_id, rec.group_id, rec.task_id, rec.model_dump(mode="json"))
+
+        return await asyncio.to_thread(write)
 
     @options(Options(timedelta(seconds=60), RECORD_RETRY))
     @activity.defn

@@ -345,8 +345,11 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     if args.old:
         old = git("rev-parse", args.old)
         codes.insert(0, Code("old", old, checkout(old, tmp / f"code-{old[:8]}")))
+    new = codes[-1]
     for label, sets in args.variant:
-        codes.append(Code(label, codes[-1].commit, REPO_ROOT, sets))
+        if args.old and args.old_variants:  # the same overrides on the old code, measured just before
+            codes.append(Code(f"old-{label}", codes[0].commit, codes[0].root, sets))
+        codes.append(Code(label, new.commit, REPO_ROOT, sets))
     tasks, transcripts = write_workload(tmp)
     port = procs.free_port()
     url = f"http://127.0.0.1:{port}"
@@ -390,6 +393,10 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     for label, _ in args.variant:  # a variant against the old code, and against the current default
         base = "old" if "old" in sittings else "new"
         out[f"{base}_vs_{label}"] = compare(sittings[base]["summary"], sittings[label]["summary"])
+        if f"old-{label}" in sittings:  # the variant's own before/after
+            out[f"old-{label}_vs_{label}"] = compare(
+                sittings[f"old-{label}"]["summary"], sittings[label]["summary"]
+            )
     shutil.rmtree(tmp, ignore_errors=True)
     return out
 
@@ -412,6 +419,12 @@ def _parser() -> argparse.ArgumentParser:
         default=[],
         metavar="LABEL:KEY=VALUE[,KEY=VALUE]",
         help="also measure the current code with these run-config overrides (JSON values), as sitting LABEL",
+    )
+    p.add_argument(
+        "--old-variants",
+        action="store_true",
+        help="also measure each --variant on the --old commit (sitting old-LABEL), for the variant's own "
+        "before/after",
     )
     p.add_argument("--out", type=Path, help="results JSON")
     return p

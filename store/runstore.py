@@ -12,6 +12,8 @@ Invariants:
 - Schema changes after the base schema are numbered migrations (store/schema.py), applied in order when a
   store opens and recorded in the database; two processes opening an old store at once both end at the
   newest version, each migration applied once. The manual-actions log is append-only.
+- A run's tasks never change once stored (``put_tasks`` inserts or keeps), so a store object keeps the
+  most recent ``TASK_CACHE`` it read (`cached_task`): a turn of a task already seen reads nothing.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ from store.gateway_calls import GatewayCallStore
 from store.logs import LogStore
 from store.schema import BASE, MIGRATIONS, SCHEMA_VERSION
 from store.segments import CONTEXT_CACHE, Segment, SegmentStore, model_segment, obs_segment
+
+TASK_CACHE = 4096
+"""Tasks (as their stored JSON text) a store object keeps after reading them."""
 
 __all__ = [
     "CONTEXT_CACHE",
@@ -58,6 +63,7 @@ class RunStore(SegmentStore, LogStore, GatewayCallStore):
         """Where the store is, for messages: its home directory or its URL (without a password)."""
         self._contexts: OrderedDict[str, tuple[tuple[str, ...], list[int]]] = OrderedDict()
         self._cache_lock = threading.Lock()
+        self._tasks: OrderedDict[tuple[str, str], str] = OrderedDict()
         self.db.migrate(BASE, MIGRATIONS)
 
     # -- plumbing -------------------------------------------------------------------------------------
@@ -109,12 +115,29 @@ class RunStore(SegmentStore, LogStore, GatewayCallStore):
         return int(self.db.execute("SELECT COUNT(*) FROM tasks WHERE run_id=?", (run_id,)).fetchone()[0])
 
     def get_task(self, run_id: str, task_id: str) -> dict[str, Any]:
+        """The stored task (a fresh dict on every call); read once per store object (see `cached_task`)."""
+        cached = self.cached_task(run_id, task_id)
+        if cached is not None:
+            return cached
         row = self.db.execute(
             "SELECT data_json FROM tasks WHERE run_id=? AND task_id=?", (run_id, task_id)
         ).fetchone()
         if row is None:
             raise KeyError(f"run {run_id}: no task {task_id!r}")
+        with self._cache_lock:
+            self._tasks[(run_id, task_id)] = row[0]
+            while len(self._tasks) > TASK_CACHE:
+                self._tasks.popitem(last=False)
         return json.loads(row[0])
+
+    def cached_task(self, run_id: str, task_id: str) -> dict[str, Any] | None:
+        """The task if this store object read it before (no database call, so no thread hop is needed);
+        None otherwise. Safe because stored tasks never change."""
+        with self._cache_lock:
+            text = self._tasks.get((run_id, task_id))
+            if text is not None:
+                self._tasks.move_to_end((run_id, task_id))
+        return None if text is None else json.loads(text)
 
     def task_at(self, run_id: str, idx: int) -> dict[str, Any]:
         row = self.db.execute(

@@ -31,7 +31,7 @@ from store import RunStore, Segment, model_segment
 from turns.budget import turn_budget, turn_truncation
 from turns.clock import StoreClock
 from turns.engine import Engine, Sampled
-from turns.step import EnvSteps
+from turns.step import EnvSteps, stored_task
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class ModelTurns:
         existing = await timed(self.store.get_segment, ref.rollout_id, "prompt")
         if existing is None:
             env = registry.get(ref.env)
-            row = await timed(self.store.get_task, ref.run_id, ref.task_id)
+            row = await stored_task(self.store, ref.run_id, ref.task_id, timed)
             with calling(env, "validate_task", ref.rollout_id):
                 task = env.validate_task(row, where=f"run {ref.run_id} task {ref.task_id}")
             with calling(env, "prompt", ref.rollout_id):
@@ -119,7 +119,7 @@ class ModelTurns:
         if inp.env_after is not None and turn_truncation(finish, seg.end, inp.max_total_tokens) is None:
             assert self.steps is not None, "a worker that runs model turns inline runs their env steps"
             step = inp.env_after.model_copy(update={"transfer_s": unrecorded})
-            env = await self.steps.step(step, attempt)
+            env = await self.steps.step(step, attempt, seg)
         return TurnResult(
             turn=inp.turn,
             start=seg.start,
@@ -136,10 +136,10 @@ class ModelTurns:
         """The turn's stored segment (sampled now unless an earlier attempt stored it) and the store
         seconds its meta does not hold (its own write); or the turn without a sample a limit ended."""
         rid, name = inp.rollout_id, model_segment(inp.turn)
-        seg = await timed(self.store.get_segment, rid, name)
-        if seg is not None:
-            return seg, 0.0
-        context = await timed(self.store.token_ids, rid)
+        stored = await timed(self._stored_or_context, rid, name)  # one thread hop, not two
+        if isinstance(stored, Segment):
+            return stored, 0.0
+        context = stored
         if turn_budget(len(context), inp.max_total_tokens, inp.max_tokens).truncated is not None:
             return _no_turn(inp, len(context), TruncationReason.TOKEN_BUDGET)  # no engine asked
         served = await self.served_mode(inp.engine_url, inp.sampling.logprob_mode)
@@ -177,6 +177,11 @@ class ModelTurns:
         before = timed.seconds
         seg = await timed(self.store.put_segment, rid, seg)
         return seg, timed.seconds - before
+
+    def _stored_or_context(self, rollout_id: str, name: str) -> Segment | list[int]:
+        """The turn's segment if an earlier attempt stored it, else the rollout's context to sample on."""
+        seg = self.store.get_segment(rollout_id, name)
+        return seg if seg is not None else self.store.token_ids(rollout_id)
 
     async def served_mode(self, engine_url: str, wanted: str) -> str | None:
         """The logprobs mode the engine really serves (asked at most every MODE_TTL_S per engine, and

@@ -53,12 +53,15 @@ class EnvSteps:
         self.bound = bound
         """How a step of an environment that uses a sandbox finds it (a worker without sandboxes: None)."""
 
-    async def step(self, inp: EnvStepInput, attempt: int = 1) -> EnvStepResult:
-        """Step the environment with the turn's text, or (``score_only``) score the rollout as it stands."""
+    async def step(self, inp: EnvStepInput, attempt: int = 1, turn: Segment | None = None) -> EnvStepResult:
+        """Step the environment with the turn's text, or (``score_only``) score the rollout as it stands.
+
+        ``turn``: the turn's segment as its model call stored it (a step run inline by the turn), so the
+        step need not read it back."""
         t0 = time.monotonic()
         timed = StoreClock()
         rid = inp.rollout_id
-        seg = await timed(self._turn_to_step, inp)
+        seg = turn if turn is not None and not inp.score_only else await timed(self._turn_to_step, inp)
         if seg is None:
             if inp.score_only:
                 return EnvStepResult(done=True, reward=None)
@@ -107,7 +110,7 @@ class EnvSteps:
 
     async def _context(self, env: Environment, inp: EnvStepInput, timed: StoreClock) -> TurnContext:
         ref = inp.ref
-        row = await timed(self.store.get_task, ref.run_id, ref.task_id)
+        row = await stored_task(self.store, ref.run_id, ref.task_id, timed)
         with calling(env, "validate_task", ref.rollout_id):
             task = env.validate_task(row, where=f"run {ref.run_id} task {ref.task_id}")
         sandbox = None
@@ -151,20 +154,22 @@ class EnvSteps:
     async def _observe(
         self, env: Environment, inp: EnvStepInput, seg: Segment, step: Step, timed: StoreClock
     ) -> int:
-        """Store the step's observation as an ``observation_role`` message (loss mask 0); its length."""
+        """Store the step's observation as an ``observation_role`` message (loss mask 0); its length.
+
+        Written once (``put_segment`` keeps an observation an earlier attempt stored, and returns it), so
+        the step does not read it first: a retry checked already (`step`), and an attempt that finds one
+        stored anyway (a worker died after writing it) only tokenizes its text once more."""
         if step.observation is None:
             return 0
-        name = obs_segment(inp.turn)
-        existing = await timed(self.store.get_segment, inp.rollout_id, name)
-        if existing is None:
-            message = {"role": env.observation_role, "content": step.observation}
-            ids = await self.engine.tokenize_chat(inp.engine_url, inp.ref.model, [message])
-            meta: dict[str, Any] = {"truncated_reason": step.truncated} if step.truncated else {}
-            obs = Segment(
-                name=name, kind="observation", turn=inp.turn, start=seg.end, token_ids=ids, meta=meta
-            )
-            existing = await timed(self.store.put_segment, inp.rollout_id, obs)
-        return len(existing.token_ids)
+        message = {"role": env.observation_role, "content": step.observation}
+        ids = await self.engine.tokenize_chat(inp.engine_url, inp.ref.model, [message])
+        meta: dict[str, Any] = {"truncated_reason": step.truncated} if step.truncated else {}
+        obs = Segment(
+            name=obs_segment(inp.turn), kind="observation", turn=inp.turn, start=seg.end, token_ids=ids,
+            meta=meta,
+        )  # fmt: skip
+        stored = await timed(self.store.put_segment, inp.rollout_id, obs)
+        return len(stored.token_ids)
 
 
 @dataclass(frozen=True)
@@ -174,6 +179,13 @@ class _Times:
     env_s: float
     reward_s: float
     transfer_s: float
+
+
+async def stored_task(store: RunStore, run_id: str, task_id: str, timed: StoreClock) -> dict[str, Any]:
+    """The run's task: from the store object's cache without a thread hop once read (tasks never
+    change), else read in a thread."""
+    cached = store.cached_task(run_id, task_id)
+    return cached if cached is not None else await timed(store.get_task, run_id, task_id)
 
 
 async def _timed_async(timed: StoreClock, call: Awaitable[T]) -> T:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+import store.runstore as runstore
 import store.segments as segments
 from store import RunStore, open_store
 from store.runstore import SCHEMA_VERSION, Segment
@@ -125,6 +126,22 @@ def test_rollout_record_is_written_once(any_store: RunStore) -> None:
     rows = any_store.rollouts("run")
     assert len(rows) == 1 and rows[0]["reward"] == 1.0
     assert any_store.group_counts("run", ["g"]) == {"g": (1, 0, 1, 3)}  # completed, 3 tokens
+
+
+def test_a_task_is_read_once_per_store_object_and_every_caller_gets_its_own_copy(
+    any_store: RunStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    any_store.put_tasks("run", [{"id": "t1", "prompt": "1+1"}, {"id": "t2", "prompt": "2+2"}])
+    assert any_store.cached_task("run", "t1") is None  # never read by this object: no answer without I/O
+    first = any_store.get_task("run", "t1")
+    first["prompt"] = "changed by a caller"
+    assert any_store.cached_task("run", "t1") == {"id": "t1", "prompt": "1+1"}
+    monkeypatch.setattr(runstore, "TASK_CACHE", 1)
+    any_store.get_task("run", "t2")  # the cache keeps the most recent TASK_CACHE tasks
+    assert any_store.cached_task("run", "t1") is None
+    assert any_store.get_task("run", "t1") == {"id": "t1", "prompt": "1+1"}  # read again from the database
+    with pytest.raises(KeyError, match="no task 't3'"):
+        any_store.get_task("run", "t3")
 
 
 def test_store_is_shared_between_instances(store_url: str) -> None:

@@ -5,6 +5,7 @@ turn as a plain call, and a sample under a version nobody published is refused, 
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -141,6 +142,36 @@ async def test_a_right_answer_ends_the_rollout_inside_the_turn(tmp_path: Path) -
     assert turn.env is not None and (turn.env.done, turn.env.reward) == (True, 1.0)
     seg = store.get_segment(REF.rollout_id, model_segment(0))
     assert seg is not None and seg.meta["step"] == {"done": True, "reward": 1.0}
+
+
+async def test_a_turn_hops_to_the_store_thread_six_times_and_a_later_turn_four(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker's cost per turn is mostly its store calls and their thread hand-offs: the first turn
+    reads and writes the prompt, reads the context, writes the sample and the observation, and records the
+    step; a later
+    turn reads the context, writes the sample and the observation, and records the step. The task is read
+    once (cached by the store object) and the stepped segment is handed over, not read back."""
+    engine = FakeEngine(version=None)  # a run outside any publish history: no policy versions to check
+    store, turns = _turns(tmp_path, engine)
+    store.get_task(RUN, "t1")  # another rollout of the task ran on this worker
+    hops: list[str] = []
+    to_thread = asyncio.to_thread
+
+    async def counted(fn, *args, **kwargs):  # type: ignore[no-untyped-def]
+        hops.append(getattr(fn, "__name__", "?"))
+        return await to_thread(fn, *args, **kwargs)
+
+    monkeypatch.setattr(asyncio, "to_thread", counted)
+    first = await turns.turn(_turn(0))
+    assert first.env is not None and not first.env.done
+    assert hops == [
+        "get_segment", "put_segment", "_stored_or_context", "put_segment", "put_segment", "update_segment_meta"
+    ], hops  # fmt: skip
+    hops.clear()
+    second = await turns.turn(_turn(1))
+    assert second.env is not None and second.start == first.end + 2  # after the first observation
+    assert hops == ["_stored_or_context", "put_segment", "put_segment", "update_segment_meta"]
 
 
 async def test_call_model_is_the_budgeted_call_without_a_store() -> None:

@@ -81,3 +81,39 @@ async def test_the_action_is_recorded_before_it_runs_and_a_retry_does_not_act_ag
     assert obs is not None and obs.start == 2
     retry = await steps.step(inp, attempt=2)  # its record was lost: the stored observation answers
     assert env.acts == [{"cmd": "ls"}] and retry.observation_tokens == 3
+
+
+async def test_an_observation_a_dead_worker_stored_is_kept_when_the_step_runs_again_as_a_first_attempt(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """A local activity's attempt count starts again after its worker dies: the step then acts and
+    observes again, and the observation already stored stays what it was."""
+    from envs import registry
+
+    store = RunStore(tmp_path)
+    store.put_tasks(RUN, [{"id": "t1"}])
+    env = CountingEnv(store)
+    monkeypatch.setattr(registry, "get", lambda name: env)
+    ref = RolloutRef(
+        run_id=RUN, group_id="g0", rollout_id=f"{RUN}/g0/1", task_id="t1", sample_index=1, env="counting",
+        model="m",
+    )  # fmt: skip
+    for s in (
+        Segment(name="prompt", kind="prompt", turn=None, start=0, token_ids=[1]),
+        Segment(
+            name=model_segment(0),
+            kind="model",
+            turn=0,
+            start=1,
+            token_ids=[5],
+            meta={"finish_reason": "stop"},
+        ),
+        Segment(name=obs_segment(0), kind="observation", turn=0, start=2, token_ids=[8, 8, 8, 8, 8]),
+    ):
+        store.put_segment(ref.rollout_id, s)
+    steps = EnvSteps(store, Engine())  # type: ignore[arg-type]
+    inp = EnvStepInput(ref=ref, turn=0, last_turn=False, engine_url="http://e")
+    again = await steps.step(inp, attempt=1)
+    assert again.observation_tokens == 5  # the stored one (this engine would tokenize it to 3 tokens)
+    obs = store.get_segment(ref.rollout_id, obs_segment(0))
+    assert obs is not None and obs.token_ids == [8] * 5 and len(store.segments(ref.rollout_id)) == 3
