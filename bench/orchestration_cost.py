@@ -68,6 +68,7 @@ from config.paths import REPO_ROOT
 from contracts.client import connect
 from contracts.types import group_id, rollout_id
 from stack import procs, stack
+from store import RunStore
 
 QUEUE = "cost"
 SHAPES = {"1-turn": 1, "10-turn": 10}
@@ -159,10 +160,17 @@ async def history(client: Client, wf_id: str, run_id: str | None = None) -> dict
     return count_events([EventType.Name(e.event_type) async for e in handle.fetch_history_events()])
 
 
-async def run_histories(client: Client, rid: str, groups: int, size: int) -> dict[str, Any]:
-    """Counts of a sample of rollouts and groups (spread over the run) and of every segment of the run."""
+async def run_histories(
+    client: Client, rid: str, groups: int, size: int, inline: bool = False
+) -> dict[str, Any]:
+    """Counts of a sample of rollouts and groups (spread over the run) and of every segment of the run;
+    ``inline``: the groups run their rollouts inline (``group.inline_rollouts``), which have no history of
+    their own (every event is the group's)."""
     picks = sorted({groups * j // ROLLOUT_SAMPLE for j in range(ROLLOUT_SAMPLE)})
-    rollouts = [await history(client, rollout_id(rid, group_id(g), g % size)) for g in picks]
+    if inline:
+        rollouts = [count_events([])]
+    else:
+        rollouts = [await history(client, rollout_id(rid, group_id(g), g % size)) for g in picks]
     gpicks = sorted({groups * j // GROUP_SAMPLE for j in range(GROUP_SAMPLE)})
     grps = [await history(client, f"{rid}/{group_id(g)}") for g in gpicks]
     segs = [w async for w in client.list_workflows(f"WorkflowId = '{rid}'")]
@@ -172,6 +180,15 @@ async def run_histories(client: Client, rid: str, groups: int, size: int) -> dic
         "group": mean_counts(grps),
         "run": {**run, "segments": len(segs)},
     }
+
+
+def stored_close_times(home: Path, rid: str) -> list[float]:
+    """Close times of the run's rollouts from their records (rollouts without a workflow of their own)."""
+    store = RunStore(home)
+    try:
+        return [float(r["finished_at"]) for r in store.rollouts(rid)]
+    finally:
+        store.close()
 
 
 async def close_times(client: Client, rid: str, n: int) -> list[float]:
@@ -252,8 +269,12 @@ class Sitting:
         )
         if not measure:
             return {}
-        hist = await run_histories(self.client, rid, rollouts // a.group_size, a.group_size)
-        closes = await close_times(self.client, rid, rollouts)
+        inline = bool(dict(self.code.sets).get("group.inline_rollouts"))
+        hist = await run_histories(self.client, rid, rollouts // a.group_size, a.group_size, inline)
+        if inline:
+            closes = await asyncio.to_thread(stored_close_times, self.home, rid)
+        else:
+            closes = await close_times(self.client, rid, rollouts)
         return {
             "run_id": rid,
             "shape": shape,

@@ -25,6 +25,8 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import re
 import time
 from dataclasses import dataclass, field
@@ -277,11 +279,20 @@ class Target:
     run_id: str
     group_id: str
     status: WorkflowExecutionStatus | None
+    inline: bool = False
+    """A rollout running inside its group's workflow (``group.inline_rollouts``): no workflow of its own."""
 
 
-async def resolve(client: Client, wid: str) -> Target:
-    """What ``wid`` is; OpsError if it is neither a rollout nor a group of a run."""
-    desc = await _describe(client, wid)
+async def resolve(client: Client, wid: str, store: RunStore | None = None) -> Target:
+    """What ``wid`` is; OpsError if it is neither a rollout nor a group of a run (nor, given the store, a
+    member running inside its group's workflow)."""
+    try:
+        desc = await _describe(client, wid)
+    except OpsError:
+        member = await _inline_member(client, store, wid) if store is not None else None
+        if member is None:
+            raise
+        return member
     kinds = {"RolloutWorkflow": "rollout", "GroupWorkflow": "group"}
     if desc.workflow_type not in kinds:
         raise OpsError(f"{wid} is a {desc.workflow_type}, not a rollout or a group")
@@ -290,6 +301,28 @@ async def resolve(client: Client, wid: str) -> Target:
     if not run_id or not group_id:
         raise OpsError(f"{wid}: not a rollout of a run (no RolloutRun/RolloutGroup attributes)")
     return Target(wid, kinds[desc.workflow_type], run_id, group_id, desc.status)
+
+
+async def _inline_member(client: Client, store: RunStore, wid: str) -> Target | None:
+    """``wid`` as a member running inside its group's workflow: a slot id ``<run>/<group>/<i>[r<n>]`` of a
+    running group whose run has ``group.inline_rollouts`` on, without a record yet; None otherwise.
+
+    Read from the store and the group's description, not from the group's ``progress`` query: a group
+    whose members hold local calls answers queries only when it next completes a workflow task."""
+    parts = wid.rsplit("/", 2)
+    if len(parts) != 3 or not re.fullmatch(r"\d+(r\d+)?", parts[2]):
+        return None
+    run_id, group_id, _ = parts
+    run = await asyncio.to_thread(store.get_run, run_id)
+    if run is None or not json.loads(run["config_json"]).get("group", {}).get("inline_rollouts"):
+        return None
+    try:
+        desc = await client.get_workflow_handle(f"{run_id}/{group_id}").describe()
+    except RPCError:
+        return None
+    if desc.workflow_type != "GroupWorkflow" or await asyncio.to_thread(store.rollout, wid) is not None:
+        return None
+    return Target(wid, "rollout", run_id, group_id, desc.status, inline=True)
 
 
 def _status(t: Target) -> str:
@@ -324,12 +357,17 @@ def _said(rec: dict[str, Any] | None) -> str:
 async def cancel(client: Client, store: RunStore, rollout_id: str, wait_s: float = 30.0) -> str:
     """Cancel a running rollout (reason ``manual``); it writes its own cancelled record. Given a run id,
     cancel the whole run (`cancel_run`)."""
-    if (await _describe(client, rollout_id)).workflow_type == "RunWorkflow":
-        return await cancel_run(client, store, rollout_id, wait_s=max(wait_s, 120.0))
-    t = await resolve(client, rollout_id)
+    with contextlib.suppress(OpsError):  # no workflow: perhaps a member running inline (resolve says)
+        if (await _describe(client, rollout_id)).workflow_type == "RunWorkflow":
+            return await cancel_run(client, store, rollout_id, wait_s=max(wait_s, 120.0))
+    t = await resolve(client, rollout_id, store)
     _need(t, "rollout")
     _in_store(store, t.run_id)
-    await client.get_workflow_handle(rollout_id).signal(RolloutWorkflow.cancel_for, CANCEL_REASON)
+    if t.inline:  # its group tells it (it has no workflow to signal)
+        group = client.get_workflow_handle(f"{t.run_id}/{t.group_id}")
+        await group.signal(GroupWorkflow.cancel_member, args=[rollout_id, CANCEL_REASON])
+    else:
+        await client.get_workflow_handle(rollout_id).signal(RolloutWorkflow.cancel_for, CANCEL_REASON)
     store.put_manual_action(t.run_id, rollout_id, "cancel", CANCEL_REASON, {"group": t.group_id})
     return f"cancelled {rollout_id}: {_said(await _await_record(store, rollout_id, wait_s))}"
 
@@ -357,7 +395,7 @@ async def cancel_run(client: Client, store: RunStore, run_id: str, wait_s: float
 async def retry(client: Client, store: RunStore, rollout_id: str, wait_s: float = 30.0) -> str:
     """Run a running rollout's slot again: its group cancels it (``manual-retry``) and starts the slot's
     next attempt."""
-    t = await resolve(client, rollout_id)
+    t = await resolve(client, rollout_id, store)
     _need(t, "rollout")
     _in_store(store, t.run_id)
     i, attempt = slot_of(rollout_id)
@@ -374,10 +412,15 @@ async def retry(client: Client, store: RunStore, rollout_id: str, wait_s: float 
 async def terminate(client: Client, store: RunStore, wid: str, wait_s: float = 60.0) -> str:
     """Terminate a running rollout (its group records it failed, infra) or a group (the run records its
     members and its record, and counts it done)."""
-    t = await resolve(client, wid)
+    t = await resolve(client, wid, store)
     _in_store(store, t.run_id)
     if t.kind == "rollout":
         _need(t, "rollout")
+        if t.inline:
+            raise OpsError(
+                f"{wid} runs inside its group's workflow (group.inline_rollouts): cancel it "
+                f"(rollouts cancel {wid}), or terminate its group {t.run_id}/{t.group_id}"
+            )
         await client.get_workflow_handle(wid).terminate(reason="manual: rollouts terminate")
         store.put_manual_action(t.run_id, wid, "terminate", CANCEL_REASON, {"group": t.group_id})
         return f"terminated {wid}: {_said(await _await_record(store, wid, wait_s))}"

@@ -172,6 +172,16 @@ class GroupConfig(_Strict):
     of the group's statistics (the others are compared among themselves), "fail-group" makes the whole
     group unscorable (no advantages; the trainer feed discards it, reason ``unscorable``), so a group is
     compared whole or not at all."""
+    inline_rollouts: bool = False
+    """The group runs its rollouts inside its own workflow, not each as a child workflow; for short
+    rollouts at high rates (the Temporal server's and the worker's cost per 1-turn rollout is mostly the
+    child workflow itself: docs/measurements/cost.md). Needs ``rollout.local_model_calls``, and applies to
+    rollouts of environments whose steps run inline without a sandbox or a harness (others still run as
+    child workflows). Records, groups, admission cancels, ``rollouts retry`` and ``rollouts cancel`` work
+    as with child workflows; what it gives up: a rollout has no workflow, history or search attributes of
+    its own (the web UI and ``rollouts stuck``/``top`` see its group, whose ``progress`` query lists the
+    running members with their live state), and a group's history holds its members' events. Off by
+    default."""
 
 
 class AdmissionConfig(BaseModel):
@@ -416,6 +426,11 @@ class Config(_Strict):
             raise ValueError("sampling.max_tokens exceeds rollout.max_total_tokens")
         if self.engine.retry_initial_s > self.engine.retry_max_s:
             raise ValueError("engine.retry_initial_s exceeds engine.retry_max_s")
+        if self.group.inline_rollouts and not self.rollout.local_model_calls:
+            raise ValueError(
+                "group.inline_rollouts needs rollout.local_model_calls = true (a group's history holds its"
+                " members' calls as markers, not as activity tasks)"
+            )
         if self.admission.enabled and self.admission.max_inflight < self.run.group_size:
             raise ValueError("admission.max_inflight is smaller than run.group_size: no group could start")
         return self

@@ -177,6 +177,9 @@ class RolloutInput(_Data):
     instead of a patch marker, which would cost every rollout two history events and a visibility write."""
     local_model_calls: bool = False
     """Model calls run as local activities (``rollout.local_model_calls``; never with a sandbox)."""
+    in_group: bool = False
+    """The rollout runs inside its group's workflow (``group.inline_rollouts``): it upserts no search
+    attributes, sets no live details and never continues as new (those belong to its group)."""
 
     def ref(self) -> RolloutRef:
         """The member's reference, carried by every activity input of the rollout (built once per member:

@@ -94,7 +94,15 @@ def rollout_template(cfg: Config, run_id: str, env: EnvTraits) -> RolloutInput:
         pool=cfg.sandbox_pool if env.uses_sandbox else None,
         revision=REVISION,
         local_model_calls=cfg.rollout.local_model_calls and not env.uses_sandbox,
+        in_group=inline_members(cfg, env),
     )
+
+
+def inline_members(cfg: Config, env: EnvTraits) -> bool:
+    """Whether the run's groups run their rollouts inline (``group.inline_rollouts``): only rollouts whose
+    every step is a local activity of the workflow (inline env steps, no sandbox, no harness)."""
+    eligible = env.inline_steps and not env.uses_sandbox and not env.harness
+    return cfg.group.inline_rollouts and cfg.rollout.local_model_calls and eligible
 
 
 def member_input(inp: GroupInput, i: int, attempt: int = 0) -> RolloutInput:
@@ -239,7 +247,8 @@ class GroupWorkflow:
     def __init__(self) -> None:
         self._done = 0
         self._size = 0
-        self._running: dict[str, workflow.ChildWorkflowHandle] = {}
+        self._running: dict[str, workflow.ChildWorkflowHandle | RolloutWorkflow] = {}
+        """Running members: a child workflow's handle, or the rollout running inline (in_group)."""
         self._told: set[str] = set()
         self._retry: set[str] = set()
         """Members an operator asked to run again (``retry``)."""
@@ -248,7 +257,29 @@ class GroupWorkflow:
 
     @workflow.query
     def progress(self) -> dict:
-        return {"done": self._done, "size": self._size, "running": sorted(self._running)}
+        """Members done and running; ``members``: the live state of each running inline member (what a
+        rollout workflow's ``state`` query answers)."""
+        inline = {rid: m.state() for rid, m in self._running.items() if isinstance(m, RolloutWorkflow)}
+        return {"done": self._done, "size": self._size, "running": sorted(self._running), "members": inline}
+
+    async def _tell(self, rid: str, reason: str) -> None:
+        """Tell a running member to cancel with ``reason`` (a signal to a child; a call to an inline one)."""
+        member = self._running[rid]
+        if isinstance(member, RolloutWorkflow):
+            member.cancel_for(reason)
+            return
+        try:
+            await member.signal(RolloutWorkflow.cancel_for, reason)
+        except Exception as e:  # it ended in the meantime: nothing to cancel, its outcome stands
+            workflow.logger.info("cancel %s (%s): %s", rid, reason, e)
+
+    @workflow.signal
+    async def cancel_member(self, rollout_id: str, reason: str) -> None:
+        """Cancel one running member with ``reason`` (``rollouts cancel`` of a member running inline);
+        unknown or ended members are ignored."""
+        if rollout_id in self._running and rollout_id not in self._told:
+            self._told.add(rollout_id)
+            await self._tell(rollout_id, reason)
 
     @workflow.signal
     async def shed(self, n: int) -> None:
@@ -257,10 +288,7 @@ class GroupWorkflow:
         victims = [rid for rid in reversed(list(self._running)) if rid not in self._told][: max(0, n)]
         for rid in victims:
             self._told.add(rid)
-            try:
-                await self._running[rid].signal(RolloutWorkflow.cancel_for, CANCEL_REASON)
-            except Exception as e:  # it ended in the meantime: nothing to cancel
-                workflow.logger.info("shed %s: %s", rid, e)
+            await self._tell(rid, CANCEL_REASON)
 
     @workflow.signal
     async def retry(self, rollout_id: str) -> None:
@@ -269,10 +297,7 @@ class GroupWorkflow:
         if rollout_id not in self._running or rollout_id in self._retry:
             return
         self._retry.add(rollout_id)
-        try:
-            await self._running[rollout_id].signal(RolloutWorkflow.cancel_for, RETRY_REASON)
-        except Exception as e:  # it ended in the meantime: its outcome stands
-            workflow.logger.info("retry %s: %s", rollout_id, e)
+        await self._tell(rollout_id, RETRY_REASON)
 
     @workflow.signal
     async def cancel_all(self, reason: str) -> None:
@@ -281,15 +306,8 @@ class GroupWorkflow:
         if self._cancelled is not None:
             return
         self._cancelled = reason[:200]
-        for rid, handle in list(self._running.items()):
-            await self._tell_cancel(rid, handle)
-
-    async def _tell_cancel(self, rid: str, handle: workflow.ChildWorkflowHandle) -> None:
-        assert self._cancelled is not None
-        try:
-            await handle.signal(RolloutWorkflow.cancel_for, self._cancelled)
-        except Exception as e:  # it ended in the meantime: its outcome stands
-            workflow.logger.info("cancel %s: %s", rid, e)
+        for rid in list(self._running):
+            await self._tell(rid, self._cancelled)
 
     @workflow.run
     async def run(self, inp: GroupInput) -> GroupResult:
@@ -320,35 +338,17 @@ class GroupWorkflow:
             if self._cancelled is not None:  # the run was cancelled before this member started
                 attempts.append(await self._record_unrun(m, Outcome.CANCELLED, self._cancelled))
                 break
-            attrs: list[SearchAttributePair] = [
-                SearchAttributePair(sa.RUN, inp.run_id),
-                SearchAttributePair(sa.GROUP, inp.group_id),
-                SearchAttributePair(sa.TASK, inp.task_id),
-                SearchAttributePair(sa.ENV, m.env.name),
-                SearchAttributePair(sa.PHASE, "queued"),
-            ]
             if inp.revision < 1:  # retired (workflows/patches.py); revision 1 skips its marker
                 workflow.deprecate_patch(OPS.id)
-            attrs.append(
-                SearchAttributePair(sa.PROGRESS_AT, workflow.now())
-            )  # a queued rollout shows as stuck
-            handle = await workflow.start_child_workflow(
-                RolloutWorkflow.run,
-                m,
-                id=m.rollout_id,
-                search_attributes=TypedSearchAttributes(attrs),
-            )
-            self._running[m.rollout_id] = handle
-            if self._cancelled is not None:  # cancel_all arrived while it was being started
-                await self._tell_cancel(m.rollout_id, handle)
             terminated = False
-            try:
-                result = await handle
-            except ChildWorkflowError as e:
-                terminated = isinstance(e.cause, TerminatedError)  # by hand: never run again
-                result = await self._record_dead_member(m, e)
-            finally:
-                del self._running[m.rollout_id]
+            if m.in_group:
+                result = await self._run_inline(m)
+            else:
+                try:
+                    result = await self._run_child(inp, m)
+                except ChildWorkflowError as e:
+                    terminated = isinstance(e.cause, TerminatedError)  # by hand: never run again
+                    result = await self._record_dead_member(m, e)
             attempts.append(result)
             if self._cancelled is not None:
                 break
@@ -371,6 +371,37 @@ class GroupWorkflow:
             break
         self._done += 1
         workflow.set_current_details(f"task={inp.task_id} members={self._done}/{inp.size}")
+
+    async def _run_child(self, inp: GroupInput, m: RolloutInput) -> RolloutResult:
+        """Run a member as a child workflow (its own history and search attributes) to its result."""
+        attrs: list[SearchAttributePair] = [
+            SearchAttributePair(sa.RUN, inp.run_id),
+            SearchAttributePair(sa.GROUP, inp.group_id),
+            SearchAttributePair(sa.TASK, inp.task_id),
+            SearchAttributePair(sa.ENV, m.env.name),
+            SearchAttributePair(sa.PHASE, "queued"),
+            SearchAttributePair(sa.PROGRESS_AT, workflow.now()),  # a queued rollout shows as stuck
+        ]
+        handle = await workflow.start_child_workflow(
+            RolloutWorkflow.run, m, id=m.rollout_id, search_attributes=TypedSearchAttributes(attrs)
+        )
+        self._running[m.rollout_id] = handle
+        try:
+            if self._cancelled is not None:  # cancel_all arrived while it was being started
+                await self._tell(m.rollout_id, self._cancelled)
+            return await handle
+        finally:
+            del self._running[m.rollout_id]
+
+    async def _run_inline(self, m: RolloutInput) -> RolloutResult:
+        """Run a member inside this workflow (``group.inline_rollouts``): the rollout workflow's own code,
+        its calls local activities recorded in this history; it writes its record as a child does."""
+        member = RolloutWorkflow()
+        self._running[m.rollout_id] = member
+        try:
+            return await member.run(m)
+        finally:
+            del self._running[m.rollout_id]
 
     async def _record_dead_member(self, m: RolloutInput, e: ChildWorkflowError) -> RolloutResult:
         """A member whose workflow died (terminated, timed out) is failed (infra) and still recorded."""

@@ -12,6 +12,10 @@ Invariants:
   ``ops-search-attributes``, is retired: ``workflows/patches.py``).
 - The live details say what the rollout waits on and since when (UTC), e.g.
   ``waiting on model call (turn 3, http://e:8000) since 2026-12-01T10:00:00Z | phase=generate ...``.
+- A rollout run inside its group's workflow (``RolloutInput.in_group``, ``group.inline_rollouts``) is the
+  same code on the group's history: it upserts no search attributes and sets no live details (both are
+  the group's), never continues as new, and is told to cancel by a call, not a signal; its ``state`` is
+  what the group's ``progress`` query lists.
 """
 
 from __future__ import annotations
@@ -112,6 +116,8 @@ class RolloutWorkflow:
         self._sandbox_host: str | None = None
         self._harness: HarnessSteps | None = None
         self._calls: set[int] = set()  # harness calls waiting at the gateway (gateway_call signals)
+        self._in_group = False
+        """Run inside its group's workflow: the search attributes and live details are the group's."""
 
     @workflow.signal
     def cancel_for(self, reason: str) -> None:
@@ -169,7 +175,7 @@ class RolloutWorkflow:
         progress = self._progress_at > (self._progress_upserted or 0.0) and sa.progress_due(
             self._progress_upserted, now
         )
-        if index and (forced or progress):
+        if index and (forced or progress) and not self._in_group:
             wanted: dict[SearchAttributeKey[Any], Any] = {
                 sa.PHASE: phase.value,
                 sa.TURN: s.turn,
@@ -188,14 +194,20 @@ class RolloutWorkflow:
                 if sa.PROGRESS_AT in changed:
                     self._progress_upserted = now
         waits = waiting_on(phase, s.turn, self._engine, self._sandbox_host)
-        workflow.set_current_details(
+        self._details(
             f"{waits} since {utc_text(self._since)} | phase={phase.value} turn={s.turn} tokens={s.tokens}"
             f" version={s.version} attempt={self._attempt} progress={utc_text(self._progress_at or now)}"
         )
 
+    def _details(self, text: str) -> None:
+        """The workflow's live details (a rollout inside its group leaves the group's alone)."""
+        if not self._in_group:
+            workflow.set_current_details(text)
+
     @workflow.run
     async def run(self, inp: RolloutInput) -> RolloutResult:
         s = self._s = inp.state.model_copy() if inp.state is not None else RolloutState()
+        self._in_group = inp.in_group
         if s.started_at is None:
             s.started_at = workflow.now().timestamp()
         started = s.started_at
@@ -291,7 +303,7 @@ class RolloutWorkflow:
             s.tokens += step.observation_tokens
             if step.truncated_reason is not None:
                 raise await self._score_truncated(inp, step.truncated_reason)
-            if workflow.info().is_continue_as_new_suggested():
+            if not self._in_group and workflow.info().is_continue_as_new_suggested():
                 await workflow.wait_condition(workflow.all_handlers_finished)
                 workflow.continue_as_new(inp.model_copy(update={"state": s}))
 
@@ -301,9 +313,7 @@ class RolloutWorkflow:
         self._enter(Phase.PAUSED)
         seen = await call(RolloutActivities.latest_policy_version)
         while (latest := await call(RolloutActivities.latest_policy_version)) == seen:
-            workflow.set_current_details(
-                f"phase=paused turn={s.turn} tokens={s.tokens}: waiting for a version after {seen}"
-            )
+            self._details(f"phase=paused turn={s.turn} tokens={s.tokens}: waiting for a version after {seen}")
             await workflow.sleep(inp.partial_poll_s)
         s.partial_steps += 1
         s.step_sampled = 0
@@ -349,7 +359,7 @@ class RolloutWorkflow:
             raise e
         s.outage_waits += 1
         delay = min(left, OUTAGE_BACKOFF_MAX_S, 2.0 ** min(s.outage_waits, 5))
-        workflow.set_current_details(
+        self._details(
             f"engine {self._engine} unavailable since {s.outage_since:.0f} (wait {s.outage_waits}, "
             f"{left:.0f}s of the outage budget left): retrying in {delay:.0f}s"
         )

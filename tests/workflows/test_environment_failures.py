@@ -34,7 +34,8 @@ ACTS: Counter[str] = Counter()
 
 
 def _member(ctx: TurnContext) -> int:
-    return int(ctx.rollout_id.rsplit("/", 1)[1])
+    """The member's slot (a slot's later attempt ``<i>r<n>`` answers as slot i)."""
+    return int(ctx.rollout_id.rsplit("/", 1)[1].partition("r")[0])
 
 
 class BrokenParse(Environment):
