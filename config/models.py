@@ -179,9 +179,9 @@ class GroupConfig(_Strict):
     rollouts of environments whose steps run inline without a sandbox or a harness (others still run as
     child workflows). Records, groups, admission cancels, ``rollouts retry`` and ``rollouts cancel`` work
     as with child workflows; what it gives up: a rollout has no workflow, history or search attributes of
-    its own (the web UI and ``rollouts stuck``/``top`` see its group, whose ``progress`` query lists the
-    running members with their live state), and a group's history holds its members' events. Off by
-    default."""
+    its own (the web UI shows its group, whose ``progress`` query lists the running members with their
+    live state; ``rollouts stuck`` and ``top`` list rollout workflows, so none of its members), and a
+    group's history holds its members' events. Off by default."""
 
 
 class AdmissionConfig(BaseModel):

@@ -27,7 +27,7 @@ def spawn_worker(env: WorkflowEnvironment, task_queue: str, home: Path, name: st
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("local", [False, True], ids=["activities", "local-model-calls"])
+@pytest.mark.parametrize("mode", ["activities", "local-model-calls", "inline-rollouts"])
 async def test_sigkill_worker_mid_run_loses_and_duplicates_nothing(
     temporal_env: WorkflowEnvironment,
     client: Client,
@@ -35,18 +35,21 @@ async def test_sigkill_worker_mid_run_loses_and_duplicates_nothing(
     task_queue: str,
     tmp_path: Path,
     ledger: Any,
-    local: bool,
+    mode: str,
 ) -> None:
-    """Model calls as activities, and as local activities (the main job's config): a local call the
-    killed worker held runs again on the next worker once its workflow task times out."""
+    """Model calls as activities, as local activities (the main job's config), and rollouts run inside
+    their group's workflow (``group.inline_rollouts``): a local call the killed worker held runs again on
+    the next worker once its workflow task times out."""
     groups, size = 24, 4
+    local, inline = mode != "activities", mode == "inline-rollouts"
     cfg = make_config(
         [engine.url],
         task_queue,
         run={"num_groups": groups, "group_size": size, "max_inflight_groups": 3},
         rollout={"local_model_calls": local},
+        group={"inline_rollouts": inline},
     )
-    run_id = "sigkill-local" if local else "sigkill"
+    run_id = f"sigkill-{mode}"
     store = RunStore(tmp_path)
     first = spawn_worker(temporal_env, task_queue, tmp_path, "worker-1")
     second = None
@@ -73,13 +76,21 @@ async def test_sigkill_worker_mid_run_loses_and_duplicates_nothing(
     assert all(r["outcome"] == "completed" for r in rollouts)
     await ledger(store, run_id, client=client)
     if local:  # the kill caught rollouts inside a workflow task (where a local call runs): it timed out
+        # (inline: the members' workflow tasks are their groups'; no member has a workflow of its own)
+        ids = sorted({f"{run_id}/{group_id(g)}" for g in range(groups)} if inline else expected)
         caught = [
-            rid
-            for rid in sorted(expected)
+            wid
+            for wid in ids
             if EventType.EVENT_TYPE_WORKFLOW_TASK_TIMED_OUT
-            in [e.event_type async for e in client.get_workflow_handle(rid).fetch_history_events()]
+            in [e.event_type async for e in client.get_workflow_handle(wid).fetch_history_events()]
         ]
         assert caught, "no rollout was inside a workflow task at the kill"
+    if inline:
+        types = [
+            e.event_type
+            async for e in client.get_workflow_handle(f"{run_id}/{group_id(0)}").fetch_history_events()
+        ]
+        assert EventType.EVENT_TYPE_START_CHILD_WORKFLOW_EXECUTION_INITIATED not in types
 
 
 def _history_bytes(events) -> int:

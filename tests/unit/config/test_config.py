@@ -67,6 +67,15 @@ def test_cross_field_check(tmp_path: Path) -> None:
         load_config(path)
 
 
+def test_inline_rollouts_need_local_model_calls(tmp_path: Path) -> None:
+    path = _write(tmp_path, "[group]\ninline_rollouts = true\n")
+    with pytest.raises(ConfigError, match=r"group\.inline_rollouts needs rollout\.local_model_calls") as e:
+        load_config(path)
+    assert "\n" not in str(e.value) and str(path) in str(e.value)
+    cfg = load_config(path, ["rollout.local_model_calls=true"])
+    assert cfg.group.inline_rollouts and cfg.rollout.local_model_calls
+
+
 def test_overrides_apply_and_are_validated() -> None:
     cfg = load_config(None, ["run.num_groups=3", "sampling.temperature=0.5", "engine.model=other"])
     assert (cfg.run.num_groups, cfg.sampling.temperature, cfg.engine.model) == (3, 0.5, "other")
