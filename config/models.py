@@ -180,8 +180,10 @@ class GroupConfig(_Strict):
     child workflows). Records, groups, admission cancels, ``rollouts retry`` and ``rollouts cancel`` work
     as with child workflows; what it gives up: a rollout has no workflow, history or search attributes of
     its own (the web UI shows its group, whose ``progress`` query lists the running members with their
-    live state; ``rollouts stuck`` and ``top`` list rollout workflows, so none of its members), and a
-    group's history holds its members' events. Off by default."""
+    live state; ``rollouts stuck`` and ``top`` list rollout workflows, so none of its members), a group's
+    history holds its members' events, and a cancel (an admission shed, ``rollouts cancel``) reaches a
+    member when its group next completes a workflow task: once every call running in the group has ended,
+    or within ~8 s (the SDK's heartbeat of a task held open). Off by default."""
 
 
 class AdmissionConfig(BaseModel):

@@ -13,6 +13,7 @@ import random
 from pathlib import Path
 
 import pytest
+from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.service import RPCError
@@ -22,6 +23,7 @@ from contracts.types import group_id, rollout_id
 from simengine import SimEngine, SimSettings
 from tests.integration.support import export, make_config, run_to_end, worker
 from workers.worker import WORKFLOWS
+from workflows.group import GroupWorkflow
 from workflows.rollout import RolloutWorkflow
 
 GROUPS, SIZE = 24, 4
@@ -76,3 +78,58 @@ async def test_cancels_that_meet_a_local_model_call_leave_one_record_and_a_histo
     for rid in ids:
         history = await client.get_workflow_handle(rid).fetch_history()
         await replayer.replay_workflow(history)  # raises on a nondeterminism error
+
+
+async def cancel_member_at_random(client: Client, rid: str, rng: random.Random) -> None:
+    """Once the member's group exists, wait 0-0.5 s and signal the group ``cancel_member``."""
+    handle = client.get_workflow_handle(rid.rsplit("/", 1)[0])
+    for _ in range(600):
+        try:
+            await handle.describe()
+            break
+        except RPCError:
+            await asyncio.sleep(0.05)
+    await asyncio.sleep(rng.uniform(0.0, 0.5))
+    with contextlib.suppress(RPCError):  # already closed
+        await handle.signal(GroupWorkflow.cancel_member, args=[rid, "manual"])
+
+
+@pytest.mark.timeout(300)
+async def test_cancels_of_inline_members_leave_one_record_and_group_histories_that_replay(
+    client: Client, task_queue: str, tmp_path: Path
+) -> None:
+    """The same with ``group.inline_rollouts``: the members' calls are local activities of their group's
+    workflow task, and the cancels are signals to the group arriving while those calls run. A group's task
+    stays open until its running calls end (the SDK heartbeats it every ~8 s), so with calls this short a
+    cancel reaches its group after the member has ended, and the member's outcome stands."""
+    settings = SimSettings(policy="random", random_min_tokens=5, random_max_tokens=40, decode_ms_per_token=10)
+    rng = random.Random(11)
+    run_id = "inline-cancel"
+    ids = [rollout_id(run_id, group_id(g), i) for g in range(GROUPS) for i in range(SIZE)]
+    async with SimEngine(settings).serve(port=0) as url:
+        cfg = make_config(
+            [url],
+            task_queue,
+            run={"num_groups": GROUPS, "group_size": SIZE, "max_inflight_groups": 8},
+            rollout={"max_turns": 1, "local_model_calls": True},
+            group={"inline_rollouts": True},
+            sampling={"max_tokens": 40},
+        )
+        async with worker(client, task_queue, tmp_path, sandboxed=False) as store:
+            signals = asyncio.gather(*(cancel_member_at_random(client, rid, rng) for rid in ids))
+            result = await run_to_end(client, cfg, run_id)
+            await signals
+            rollouts, groups = export(store, run_id)
+    assert result.done and sum(result.outcomes.values()) == GROUPS * SIZE, result.outcomes
+    assert sorted(r["rollout_id"] for r in rollouts) == sorted(ids), "one record per rollout"
+    assert len(groups) == GROUPS
+    assert {r["outcome"] for r in rollouts} <= {"completed", "cancelled"}, result.outcomes
+    replayer = Replayer(workflows=WORKFLOWS, data_converter=pydantic_data_converter)
+    signalled = 0
+    for g in range(GROUPS):
+        history = await client.get_workflow_handle(f"{run_id}/{group_id(g)}").fetch_history()
+        types = [e.event_type for e in history.events]
+        assert EventType.EVENT_TYPE_START_CHILD_WORKFLOW_EXECUTION_INITIATED not in types
+        signalled += types.count(EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED)
+        await replayer.replay_workflow(history)  # raises on a nondeterminism error
+    assert signalled > 0, "no cancel reached a running group: the test exercised nothing"
