@@ -238,12 +238,15 @@ class DispatchActivities:
                 for r in rows
             ]
             record = GroupResult.model_validate(group) if group else None
-            return TerminatedGroup(task_id=str(task_id), members=members, record=record)
+            # attempts that ran inside the group's workflow (group.inline_rollouts) have no workflow for
+            # Temporal to list: those that stored tokens and no record are unended too
+            began = self.store.unrecorded_with_segments(f"{inp.run_id}/{inp.group_id}/")
+            return TerminatedGroup(task_id=str(task_id), members=members, record=record, unended=began)
 
         seen = await asyncio.to_thread(read)
         if inp.size > 0:
             unended = await unended_members(activity.client(), inp.run_id, inp.group_id, inp.size)
-            seen = seen.model_copy(update={"unended": unended})
+            seen = seen.model_copy(update={"unended": list(dict.fromkeys([*unended, *seen.unended]))})
         return seen
 
     @options(

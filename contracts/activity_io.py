@@ -138,7 +138,8 @@ class TerminatedGroup(_Data):
     record: GroupResult | None = None
     """The group's record if the group wrote it before it was terminated."""
     unended: list[str] = Field(default_factory=list)
-    """Its member attempts that Temporal holds and that did not complete (asked when ``size`` is given)."""
+    """Its member attempts that Temporal holds and that did not complete (asked when ``size`` is given),
+    and those that stored tokens without a record (members that ran inside the group's workflow)."""
 
 
 class ClosedGroupsInput(_Data):

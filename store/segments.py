@@ -181,6 +181,21 @@ class SegmentStore:
         ).fetchall()
         return [self._load(r) for r in rows]
 
+    def unrecorded_with_segments(self, prefix: str) -> list[str]:
+        """Rollout ids starting with ``prefix`` (e.g. ``<run>/<group>/``) that stored segments but have no
+        record: attempts that began and never recorded their end (a group terminated around members that
+        ran inside its workflow, with no workflow of their own for Temporal to list). A key range, so the
+        segments' primary key serves it on both backends (text compares bytewise on both)."""
+        if not prefix:
+            raise ValueError("a prefix is required")
+        end = prefix[:-1] + chr(ord(prefix[-1]) + 1)
+        rows = self.db.execute(
+            "SELECT DISTINCT s.rollout_id FROM segments s LEFT JOIN rollouts r ON r.rollout_id = s.rollout_id"
+            " WHERE s.rollout_id >= ? AND s.rollout_id < ? AND r.rollout_id IS NULL ORDER BY s.rollout_id",
+            (prefix, end),
+        ).fetchall()
+        return [r[0] for r in rows]
+
     def token_ids(self, rollout_id: str) -> list[int]:
         """The rollout's whole context so far: prompt followed by every turn and observation.
 

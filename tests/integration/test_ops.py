@@ -301,3 +301,51 @@ async def test_a_sandboxed_rollout_is_findable_by_its_sandbox_host_replica_and_a
         "hosted/g000000/1",
     ]
     assert_no_containers(docker, "hosted")
+
+
+@pytest.mark.timeout(300)
+async def test_retry_then_terminate_of_a_group_running_its_members_inline_records_every_attempt(
+    client: Client, task_queue: str, tmp_path: Path
+) -> None:
+    """``group.inline_rollouts``: members have no workflow of their own. A member retried by hand runs its
+    slot again as ``<i>r1``; terminating the group then records every attempt that began and has no
+    record (found by the tokens it stored, as Temporal has no workflow of it to list), and every slot."""
+    run_id = "inline-acted"
+    async with SimEngine(SimSettings(policy="random", prefill_ms=500)).serve(port=0) as url:
+        cfg = make_config(
+            [url],
+            task_queue,
+            run={
+                "num_groups": 2,
+                "group_size": 2,
+                "max_inflight_groups": 2,
+                "task_file": never_tasks(tmp_path),
+            },
+            rollout={"max_turns": 30, "max_total_tokens": 8192, "local_model_calls": True},
+            group={"inline_rollouts": True},
+        )
+        async with worker(client, task_queue, tmp_path) as store:
+            handle = await start_run(client, cfg, run_id)
+            r = lambda i: f"{run_id}/g000000/{i}"  # noqa: E731
+
+            def stored(rid: str, name: str):  # type: ignore[no-untyped-def]
+                async def check() -> bool:
+                    return store.get_segment(rid, name) is not None
+
+                return check
+
+            await wait_for(stored(r(1), "t00001.model"), 60, "member 1's turns")
+            said = await ops.retry(client, store, r(1), wait_s=60)
+            assert said.startswith(f"retrying {r(1)} as {r(1)}r1: recorded cancelled (manual-retry)"), said
+            await wait_for(stored(f"{r(1)}r1", "prompt"), 60, "the retry's start")
+            said = await ops.terminate(client, store, f"{run_id}/g000000", wait_s=60)
+            assert said.startswith(f"terminated group {run_id}/g000000: recorded size 2"), said
+            result = await asyncio.wait_for(handle.result(), timeout=200)
+    rollouts, groups = export(store, run_id)
+    by_id = {x["rollout_id"]: x for x in rollouts}
+    assert result.done and len(groups) == 2
+    assert sorted(by_id) == sorted([r(0), r(1), f"{r(1)}r1", f"{run_id}/g000001/0", f"{run_id}/g000001/1"])
+    assert (by_id[r(1)]["outcome"], by_id[r(1)]["reason"]) == ("cancelled", "manual-retry")
+    for rid in (r(0), f"{r(1)}r1"):  # ended by the terminate: recorded by the run
+        assert by_id[rid]["outcome"] == "failed" and "terminated" in by_id[rid]["reason"], by_id[rid]
+    assert sum(result.outcomes.values()) == 5

@@ -144,6 +144,15 @@ def test_a_task_is_read_once_per_store_object_and_every_caller_gets_its_own_copy
         any_store.get_task("run", "t3")
 
 
+def test_attempts_that_stored_tokens_without_a_record_are_found_by_their_group(any_store: RunStore) -> None:
+    for rid in ("run/g1/0", "run/g1/1", "run/g1/1r1", "run/g10/0", "run/g0/2", "run2/g1/0"):
+        any_store.put_segment(rid, seg("prompt", 0, [1, 2], kind="prompt"))
+    any_store.put_rollout(_record("run/g1/1", 0.0))
+    # g10 and g0 sort next to g1 and are other groups; run2 is another run; run/g1/1 has its record
+    assert any_store.unrecorded_with_segments("run/g1/") == ["run/g1/0", "run/g1/1r1"]
+    assert any_store.unrecorded_with_segments("run/g2/") == []
+
+
 def test_store_is_shared_between_instances(store_url: str) -> None:
     assert open_store(store_url).register_run("run", "{}", "h")
     assert not open_store(store_url).register_run("run", '{"x": 1}', "h2")
