@@ -7,10 +7,12 @@ replays; a member the group sheds for admission ends cancelled with its record a
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 from temporalio.api.enums.v1 import EventType
-from temporalio.client import Client, WorkflowHistory
+from temporalio.client import Client, WorkflowHandle, WorkflowHistory
 from temporalio.service import RPCError
 from temporalio.worker import Replayer
 
@@ -81,6 +83,19 @@ async def run_group(client: Client, store: RunStore, uid: str, inp: GroupInput, 
         return result, await handle.fetch_history()
 
 
+@asynccontextmanager
+async def held_group(
+    client: Client, store: RunStore, uid: str, inp: GroupInput, engine: HeldEngine
+) -> AsyncIterator[WorkflowHandle]:
+    """The group running on a worker, once its held member's model call has begun."""
+    async with build_worker(client, f"tq-{uid}", store, engine):  # type: ignore[arg-type]
+        handle = await client.start_workflow(
+            GroupWorkflow.run, inp, id=f"{inp.run_id}/g000000", task_queue=f"tq-{uid}"
+        )
+        await asyncio.wait_for(engine.waiting.wait(), 30)
+        yield handle
+
+
 def event_types(history: WorkflowHistory) -> list[str]:
     return [EventType.Name(e.event_type).removeprefix("EVENT_TYPE_") for e in history.events]
 
@@ -135,11 +150,7 @@ async def test_a_shed_inline_member_ends_cancelled_with_its_record_and_its_slot_
     inp = group_input(uid, store, 3, True, redispatch_cancelled=True)
     held = f"run-{uid}/g000000/2"
     engine = HeldEngine(held)
-    async with build_worker(ts_client, f"tq-{uid}", store, engine):  # type: ignore[arg-type]
-        handle = await ts_client.start_workflow(
-            GroupWorkflow.run, inp, id=f"{inp.run_id}/g000000", task_queue=f"tq-{uid}"
-        )
-        await asyncio.wait_for(engine.waiting.wait(), 30)
+    async with held_group(ts_client, store, uid, inp, engine) as handle:
         prog = await handle.query(GroupWorkflow.progress)
         assert prog["running"] == [held] and prog["members"][held]["phase"] == "generate"
         await handle.signal(GroupWorkflow.shed, 1)
@@ -161,11 +172,7 @@ async def test_rollouts_cancel_of_an_inline_member_reaches_it_through_its_group(
     inp = group_input(uid, store, 2, True)
     held = f"run-{uid}/g000000/0"
     engine = HeldEngine(held)
-    async with build_worker(ts_client, f"tq-{uid}", store, engine):  # type: ignore[arg-type]
-        handle = await ts_client.start_workflow(
-            GroupWorkflow.run, inp, id=f"{inp.run_id}/g000000", task_queue=f"tq-{uid}"
-        )
-        await asyncio.wait_for(engine.waiting.wait(), 30)
+    async with held_group(ts_client, store, uid, inp, engine) as handle:
         target = await ops.resolve(ts_client, held, store)
         assert (target.kind, target.inline, target.group_id) == ("rollout", True, "g000000")
         try:

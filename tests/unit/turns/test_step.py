@@ -45,9 +45,9 @@ class Engine:
         return [4, 4, 4]
 
 
-async def test_the_action_is_recorded_before_it_runs_and_a_retry_does_not_act_again(
-    tmp_path: Path, monkeypatch: Any
-) -> None:
+def _stored_turn(tmp_path: Path, monkeypatch: Any, index: int) -> tuple[RunStore, CountingEnv, EnvStepInput]:
+    """A store holding member ``index``'s prompt and its first model turn, the counting environment
+    registered, and the input of that turn's step."""
     from envs import registry
 
     store = RunStore(tmp_path)
@@ -55,29 +55,28 @@ async def test_the_action_is_recorded_before_it_runs_and_a_retry_does_not_act_ag
     env = CountingEnv(store)
     monkeypatch.setattr(registry, "get", lambda name: env)
     ref = RolloutRef(
-        run_id=RUN, group_id="g0", rollout_id=f"{RUN}/g0/0", task_id="t1", sample_index=0, env="counting",
-        model="m",
+        run_id=RUN, group_id="g0", rollout_id=f"{RUN}/g0/{index}", task_id="t1", sample_index=index,
+        env="counting", model="m",
     )  # fmt: skip
     store.put_segment(
         ref.rollout_id, Segment(name="prompt", kind="prompt", turn=None, start=0, token_ids=[1])
     )
-    store.put_segment(
-        ref.rollout_id,
-        Segment(
-            name=model_segment(0),
-            kind="model",
-            turn=0,
-            start=1,
-            token_ids=[5],
-            meta={"finish_reason": "stop"},
-        ),
+    turn = Segment(
+        name=model_segment(0), kind="model", turn=0, start=1, token_ids=[5], meta={"finish_reason": "stop"}
     )
+    store.put_segment(ref.rollout_id, turn)
+    return store, env, EnvStepInput(ref=ref, turn=0, last_turn=False, engine_url="http://e")
+
+
+async def test_the_action_is_recorded_before_it_runs_and_a_retry_does_not_act_again(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    store, env, inp = _stored_turn(tmp_path, monkeypatch, 0)
     steps = EnvSteps(store, Engine())  # type: ignore[arg-type]
-    inp = EnvStepInput(ref=ref, turn=0, last_turn=False, engine_url="http://e")
     first = await steps.step(inp, attempt=1)
     assert env.acts == [{"cmd": "ls"}]
     assert (first.done, first.observation_tokens) == (False, 3)
-    obs = store.get_segment(ref.rollout_id, obs_segment(0))
+    obs = store.get_segment(inp.rollout_id, obs_segment(0))
     assert obs is not None and obs.start == 2
     retry = await steps.step(inp, attempt=2)  # its record was lost: the stored observation answers
     assert env.acts == [{"cmd": "ls"}] and retry.observation_tokens == 3
@@ -88,32 +87,11 @@ async def test_an_observation_a_dead_worker_stored_is_kept_when_the_step_runs_ag
 ) -> None:
     """A local activity's attempt count starts again after its worker dies: the step then acts and
     observes again, and the observation already stored stays what it was."""
-    from envs import registry
-
-    store = RunStore(tmp_path)
-    store.put_tasks(RUN, [{"id": "t1"}])
-    env = CountingEnv(store)
-    monkeypatch.setattr(registry, "get", lambda name: env)
-    ref = RolloutRef(
-        run_id=RUN, group_id="g0", rollout_id=f"{RUN}/g0/1", task_id="t1", sample_index=1, env="counting",
-        model="m",
-    )  # fmt: skip
-    for s in (
-        Segment(name="prompt", kind="prompt", turn=None, start=0, token_ids=[1]),
-        Segment(
-            name=model_segment(0),
-            kind="model",
-            turn=0,
-            start=1,
-            token_ids=[5],
-            meta={"finish_reason": "stop"},
-        ),
-        Segment(name=obs_segment(0), kind="observation", turn=0, start=2, token_ids=[8, 8, 8, 8, 8]),
-    ):
-        store.put_segment(ref.rollout_id, s)
+    store, _, inp = _stored_turn(tmp_path, monkeypatch, 1)
+    obs = Segment(name=obs_segment(0), kind="observation", turn=0, start=2, token_ids=[8, 8, 8, 8, 8])
+    store.put_segment(inp.rollout_id, obs)
     steps = EnvSteps(store, Engine())  # type: ignore[arg-type]
-    inp = EnvStepInput(ref=ref, turn=0, last_turn=False, engine_url="http://e")
     again = await steps.step(inp, attempt=1)
     assert again.observation_tokens == 5  # the stored one (this engine would tokenize it to 3 tokens)
-    obs = store.get_segment(ref.rollout_id, obs_segment(0))
-    assert obs is not None and obs.token_ids == [8] * 5 and len(store.segments(ref.rollout_id)) == 3
+    stored = store.get_segment(inp.rollout_id, obs_segment(0))
+    assert stored is not None and stored.token_ids == [8] * 5 and len(store.segments(inp.rollout_id)) == 3
