@@ -21,6 +21,7 @@ import pytest
 from temporalio.client import Client
 
 from cli import ops
+from config.models import Config
 from config.paths import REPO_ROOT
 from sandboxes import DockerBackend
 from simengine import Mode, SimEngine, SimSettings
@@ -49,6 +50,26 @@ def sim_engine(home: Path, name: str, turn_ms: float) -> tuple[int, str]:
     url = f"http://127.0.0.1:{port}"
     procs.wait_until(lambda: procs.http_ok(f"{url}/health"), 60, name, pid=pid)
     return pid, url
+
+
+def acted_config(
+    url: str, task_queue: str, tmp: Path, groups: int, size: int, turns: int, local: bool = False,
+    inline: bool = False,
+) -> Config:  # fmt: skip
+    """A run for operators to act on: every group in flight, rollouts of ``turns`` turns (~0.5 s each)
+    that never end early."""
+    return make_config(
+        [url],
+        task_queue,
+        run={
+            "num_groups": groups,
+            "group_size": size,
+            "max_inflight_groups": groups,
+            "task_file": never_tasks(tmp),
+        },
+        rollout={"max_turns": turns, "max_total_tokens": 8192, "local_model_calls": local},
+        group={"inline_rollouts": inline},
+    )
 
 
 def never_tasks(tmp: Path) -> str:
@@ -196,17 +217,7 @@ async def test_cancel_retry_and_terminate_on_a_live_run_keep_the_books_whole(
 ) -> None:
     run_id = "acted"
     async with SimEngine(SimSettings(policy="random", prefill_ms=500)).serve(port=0) as url:
-        cfg = make_config(
-            [url],
-            task_queue,
-            run={
-                "num_groups": 4,
-                "group_size": 3,
-                "max_inflight_groups": 4,
-                "task_file": never_tasks(tmp_path),
-            },
-            rollout={"max_turns": 60, "max_total_tokens": 8192},  # ~30 s each: the actions land first
-        )
+        cfg = acted_config(url, task_queue, tmp_path, 4, 3, 60)  # ~30 s each: the actions land first
         async with worker(client, task_queue, tmp_path) as store:
             handle = await start_run(client, cfg, run_id)
 
@@ -312,18 +323,7 @@ async def test_retry_then_terminate_of_a_group_running_its_members_inline_record
     record (found by the tokens it stored, as Temporal has no workflow of it to list), and every slot."""
     run_id = "inline-acted"
     async with SimEngine(SimSettings(policy="random", prefill_ms=500)).serve(port=0) as url:
-        cfg = make_config(
-            [url],
-            task_queue,
-            run={
-                "num_groups": 2,
-                "group_size": 2,
-                "max_inflight_groups": 2,
-                "task_file": never_tasks(tmp_path),
-            },
-            rollout={"max_turns": 30, "max_total_tokens": 8192, "local_model_calls": True},
-            group={"inline_rollouts": True},
-        )
+        cfg = acted_config(url, task_queue, tmp_path, 2, 2, 30, local=True, inline=True)
         async with worker(client, task_queue, tmp_path) as store:
             handle = await start_run(client, cfg, run_id)
             r = lambda i: f"{run_id}/g000000/{i}"  # noqa: E731
