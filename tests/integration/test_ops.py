@@ -323,7 +323,7 @@ async def test_retry_then_terminate_of_a_group_running_its_members_inline_record
     record (found by the tokens it stored, as Temporal has no workflow of it to list), and every slot."""
     run_id = "inline-acted"
     async with SimEngine(SimSettings(policy="random", prefill_ms=500)).serve(port=0) as url:
-        cfg = acted_config(url, task_queue, tmp_path, 2, 2, 30, local=True, inline=True)
+        cfg = acted_config(url, task_queue, tmp_path, 2, 2, 60, local=True, inline=True)  # ~30 s each
         async with worker(client, task_queue, tmp_path) as store:
             handle = await start_run(client, cfg, run_id)
             r = lambda i: f"{run_id}/g000000/{i}"  # noqa: E731
