@@ -199,20 +199,52 @@ def la_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def best_fixed(w: dict[str, Any], key: str) -> tuple[int, float, bool] | None:
+    """The fixed cap (of the KV cap and the sweep) with the highest ``key``, that value, and whether it is the
+    largest cap run (then the sweep did not reach the peak); None when a run lacks the key (older files)."""
+    runs = w["runs"]
+    fixed = {w["kv_cap"]: runs["fixed"]} | {int(k.split("@")[1]): r for k, r in runs.items() if "@" in k}
+    if any(key not in r for r in fixed.values()):
+        return None
+    best = max(fixed, key=lambda c: fixed[c][key])
+    return best, fixed[best][key], best == max(fixed)
+
+
 def summary(name: str, w: dict[str, Any]) -> dict[str, Any]:
+    """A workload's row. The oracle is the best fixed cap by accepted rollouts per simulated second; the work
+    oracle the best by useful tokens per simulated second (unfinished rollouts' sampled tokens count), which a
+    cap that only holds more rollouts unfinished at the end of the budget does not win."""
     runs = w["runs"]
     rate = {k: r["accepted_per_sim_s"] for k, r in runs.items()}
-    fixed = {w["kv_cap"]: rate["fixed"]} | {int(k.split("@")[1]): v for k, v in rate.items() if "@" in k}
-    best = max(fixed, key=fixed.__getitem__)
+    found = best_fixed(w, "accepted_per_sim_s")
+    assert found is not None
+    best, top, edge = found
     oracle = runs["fixed"] if best == w["kv_cap"] else runs[f"fixed@{best}"]
     a = runs["adaptive"]
+    work = best_fixed(w, "useful_tokens_per_sim_s")
+    by_work: dict[str, Any] = {}
+    if work is not None and "useful_tokens_per_sim_s" in a:
+        work_cap, work_top, work_edge = work
+        by_work = {
+            "work_oracle_cap": work_cap,
+            "work_oracle_at_largest_cap": work_edge,
+            "work_oracle": work_top,
+            "adaptive_work": a["useful_tokens_per_sim_s"],
+            "adaptive/work_oracle": a["useful_tokens_per_sim_s"] / work_top if work_top else 0.0,
+            "adaptive_group_p50_s": a["group_p50_s"],
+            "oracle_group_p50_s": oracle["group_p50_s"],
+            "work_oracle_group_p50_s": runs["fixed" if work_cap == w["kv_cap"] else f"fixed@{work_cap}"][
+                "group_p50_s"
+            ],
+        }
     return {
         "workload": name,
         "kv_cap": w["kv_cap"],
         "oracle_cap": best,
-        "oracle": fixed[best],
+        "oracle_at_largest_cap": edge,
+        "oracle": top,
         "adaptive": rate["adaptive"],
-        "adaptive/oracle": rate["adaptive"] / fixed[best] if fixed[best] else 0.0,
+        "adaptive/oracle": rate["adaptive"] / top if top else 0.0,
         "adaptive/kv_cap": rate["adaptive"] / rate["fixed"] if rate["fixed"] else 0.0,
         "prime-rl": rate["prime-rl"],
         "kv_cap_rate": rate["fixed"],
@@ -226,6 +258,7 @@ def summary(name: str, w: dict[str, Any]) -> dict[str, Any]:
         "oracle_storm_polls": oracle["storm_polls"],
         "oracle_wasted_tokens": oracle["wasted_tokens"],
         "sim_s_min": min(r["sim_s"] for r in runs.values()),
+        **by_work,
     }
 
 
@@ -245,6 +278,23 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"| {s['adaptive_storm_polls']} / {s['oracle_storm_polls']} "
             f"| {s['adaptive_wasted_tokens']} / {s['oracle_wasted_tokens']} |"
         )
+    worked = [s for s in rows if "work_oracle" in s]
+    if worked:
+        lines += [
+            "",
+            "| workload | oracle cap by rollouts (largest run?) | by useful tokens (largest run?) "
+            "| useful tok/s: work oracle | adaptive | ×work oracle "
+            "| group p50 s: adaptive / rollouts oracle / work oracle |",
+            "|" + "---|" * 7,
+        ]
+        for s in worked:
+            lines.append(
+                f"| {s['workload']} | {s['oracle_cap']} ({'yes' if s['oracle_at_largest_cap'] else 'no'}) "
+                f"| {s['work_oracle_cap']} ({'yes' if s['work_oracle_at_largest_cap'] else 'no'}) "
+                f"| {s['work_oracle']:.0f} | {s['adaptive_work']:.0f} | {s['adaptive/work_oracle']:.2f} "
+                f"| {s['adaptive_group_p50_s']:.0f} / {s['oracle_group_p50_s']:.0f} "
+                f"/ {s['work_oracle_group_p50_s']:.0f} |"
+            )
     return "\n".join(lines)
 
 

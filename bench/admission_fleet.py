@@ -132,6 +132,10 @@ class Tally:
     cancelled_tokens: int = 0
     failed: int = 0
     unfinished: int = 0
+    accepted_tokens: int = 0
+    """Tokens sampled in the turns of accepted rollouts."""
+    unfinished_tokens: int = 0
+    """Tokens sampled in the returned turns of rollouts unfinished at the end of the budget."""
     errors: list[str] = field(default_factory=list)
 
 
@@ -248,6 +252,7 @@ class Driver:
         """End of budget: the rollouts still running are unfinished."""
         tasks = [x.task for x in self.live.values() if x.task is not None]
         self.tally.unfinished += len(self.live)
+        self.tally.unfinished_tokens += sum(x.tokens for x in self.live.values())
         self.live.clear()
         for t in tasks:
             t.cancel()
@@ -266,6 +271,7 @@ class Driver:
             return
         if self.live.pop(live.rollout.rid, None) is not None:
             self.tally.accepted += 1
+            self.tally.accepted_tokens += live.tokens
             self.tally.truncated += truncated
             self.complete = (self.complete[0] + 1, self.complete[1] + live.context)
             self._ended(live, "finished")

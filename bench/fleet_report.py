@@ -2,7 +2,10 @@
 policy's row (rates, preemptions, storm polls, wasted tokens, caps, groups), the side-by-side table and
 adaptive's ratios to the other policies.
 
-Reported per policy: accepted (finished) rollouts per simulated second, engine busy fraction (simulated time
+Reported per policy: accepted (finished) rollouts per simulated second; useful tokens per simulated second
+(tokens sampled in the turns of rollouts that were accepted or are unfinished at the end: the work a run
+that went on would deliver, which a count of finished rollouts misses when many are in flight at the end,
+since within a fixed budget the short ones finish first); engine busy fraction (simulated time
 with at least one running sequence / elapsed, mean over engines), preemptions, storm polls (polls in which
 some engine preempted a storm's worth, `admission.controller` rule P1's definition, read from the engines'
 own counters every poll interval for every policy), wasted tokens (KV recomputed after preemptions + tokens
@@ -43,7 +46,9 @@ def fleet_stats(engines: list[SimEngine], sim_s: float) -> dict[str, Any]:
         "preemptions": sum(s.preemptions for s in stats),
         "recomputed_tokens": sum(s.recomputed_tokens for s in stats),
         "aborted_tokens": sum(s.aborted_tokens for s in stats),
-        "generated_tokens": sum(e.counters.generation_tokens for e in engines),
+        # the timing model counts sampled tokens in its step stats (the engine's own counter stays 0)
+        "generated_tokens": sum(s.sampled_tokens for s in stats)
+        + sum(e.counters.generation_tokens for e in engines if e.steps is None),
         "mean_batch": sum(s.seq_steps for s in stats) / steps if steps else 0.0,
         "prefix_hit_rate": sum(p.hits_total for p in pools) / max(1, sum(p.queries_total for p in pools)),
         "behind_s": max(s.max_behind_s for s in loops),
@@ -68,6 +73,7 @@ def summarize(name: str, tally: Tally, fleet: dict[str, Any]) -> dict[str, Any]:
         "wasted_recomputed": fleet["recomputed_tokens"],
         "wasted_cancelled": tally.cancelled_tokens + fleet["aborted_tokens"],
         "generated_tokens_per_sim_s": fleet["generated_tokens"] / sim_s,
+        "useful_tokens_per_sim_s": (tally.accepted_tokens + tally.unfinished_tokens) / sim_s,
         "caps": f"{caps[0]}/{caps[-1]}/{max(caps)}" if caps else "-",
         "mean_inflight": statistics.mean(inflight) if inflight else 0.0,
         "mean_batch": fleet["mean_batch"],
@@ -95,6 +101,7 @@ ROWS = (
     ("  recomputed (preempt)", "wasted_recomputed", "{:d}"),
     ("  cancelled rollouts", "wasted_cancelled", "{:d}"),
     ("generated tokens / sim s", "generated_tokens_per_sim_s", "{:.0f}"),
+    ("useful tokens / sim s", "useful_tokens_per_sim_s", "{:.0f}"),
     ("cap initial/final/max", "caps", "{}"),
     ("mean in flight", "mean_inflight", "{:.1f}"),
     ("mean batch per step", "mean_batch", "{:.1f}"),

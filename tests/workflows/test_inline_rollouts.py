@@ -136,7 +136,9 @@ async def test_inline_members_get_the_records_of_child_workflows_in_one_history_
     # the child group's history alone varies with how the members' completions batch into workflow tasks
     # (24 events or more); with the members' own histories it is the whole price of child workflows
     members = [ts_client.get_workflow_handle(f"run-{uid}-False/g000000/{i}") for i in range(3)]
-    child_events = len(event_types(child_history)) + sum([len((await m.fetch_history()).events) for m in members])
+    child_events = len(event_types(child_history)) + sum(
+        [len((await m.fetch_history()).events) for m in members]
+    )
     print(f"events: inline {len(types)}, child workflows {child_events}")
     assert len(types) < len(event_types(child_history)) and len(types) < child_events / 3
     for i in range(3):  # a member has no workflow of its own
