@@ -199,49 +199,44 @@ def la_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def best_fixed(w: dict[str, Any], key: str) -> tuple[int, float, bool] | None:
-    """The fixed cap (of the KV cap and the sweep) with the highest ``key``, that value, and whether it is the
-    largest cap run (then the sweep did not reach the peak); None when a run lacks the key (older files)."""
+def fixed_runs(w: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    """The workload's fixed-cap runs by cap: the KV cap's and the sweep's."""
     runs = w["runs"]
-    fixed = {w["kv_cap"]: runs["fixed"]} | {int(k.split("@")[1]): r for k, r in runs.items() if "@" in k}
-    if any(key not in r for r in fixed.values()):
-        return None
-    best = max(fixed, key=lambda c: fixed[c][key])
-    return best, fixed[best][key], best == max(fixed)
+    return {w["kv_cap"]: runs["fixed"]} | {int(k.split("@")[1]): r for k, r in runs.items() if "@" in k}
 
 
 def summary(name: str, w: dict[str, Any]) -> dict[str, Any]:
-    """A workload's row. The oracle is the best fixed cap by accepted rollouts per simulated second; the work
-    oracle the best by useful tokens per simulated second (unfinished rollouts' sampled tokens count), which a
-    cap that only holds more rollouts unfinished at the end of the budget does not win."""
+    """A workload's row. The oracle is the fixed cap with the most accepted rollouts per simulated second,
+    flagged when it is the largest cap run (the sweep did not reach the peak). Beside it, the latency-matched
+    oracle: the best fixed cap whose group completion p50 is no longer than adaptive's (more accepted
+    rollouts bought with longer-waiting groups, more policy lag for an async trainer, excluded)."""
     runs = w["runs"]
     rate = {k: r["accepted_per_sim_s"] for k, r in runs.items()}
-    found = best_fixed(w, "accepted_per_sim_s")
-    assert found is not None
-    best, top, edge = found
-    oracle = runs["fixed"] if best == w["kv_cap"] else runs[f"fixed@{best}"]
+    fixed = fixed_runs(w)
+    best = max(fixed, key=lambda c: fixed[c]["accepted_per_sim_s"])
+    top = fixed[best]["accepted_per_sim_s"]
+    oracle = fixed[best]
     a = runs["adaptive"]
-    work = best_fixed(w, "useful_tokens_per_sim_s")
-    by_work: dict[str, Any] = {}
-    if work is not None and "useful_tokens_per_sim_s" in a:
-        work_cap, work_top, work_edge = work
-        by_work = {
-            "work_oracle_cap": work_cap,
-            "work_oracle_at_largest_cap": work_edge,
-            "work_oracle": work_top,
-            "adaptive_work": a["useful_tokens_per_sim_s"],
-            "adaptive/work_oracle": a["useful_tokens_per_sim_s"] / work_top if work_top else 0.0,
-            "adaptive_group_p50_s": a["group_p50_s"],
-            "oracle_group_p50_s": oracle["group_p50_s"],
-            "work_oracle_group_p50_s": runs["fixed" if work_cap == w["kv_cap"] else f"fixed@{work_cap}"][
-                "group_p50_s"
-            ],
+    # runs written before groups were reported lack their p50: no latency-matched oracle for those
+    p50 = a.get("group_p50_s")
+    matched = [c for c, r in fixed.items() if p50 is not None and r.get("group_p50_s", p50 + 1) <= p50]
+    by_latency: dict[str, Any] = {
+        "adaptive_group_p50_s": p50,
+        "oracle_group_p50_s": oracle.get("group_p50_s"),
+    }
+    if matched:
+        m = max(matched, key=lambda c: fixed[c]["accepted_per_sim_s"])
+        by_latency |= {
+            "matched_cap": m,
+            "matched": fixed[m]["accepted_per_sim_s"],
+            "adaptive/matched": rate["adaptive"] / fixed[m]["accepted_per_sim_s"],
+            "matched_group_p50_s": fixed[m]["group_p50_s"],
         }
     return {
         "workload": name,
         "kv_cap": w["kv_cap"],
         "oracle_cap": best,
-        "oracle_at_largest_cap": edge,
+        "oracle_at_largest_cap": best == max(fixed),
         "oracle": top,
         "adaptive": rate["adaptive"],
         "adaptive/oracle": rate["adaptive"] / top if top else 0.0,
@@ -258,7 +253,7 @@ def summary(name: str, w: dict[str, Any]) -> dict[str, Any]:
         "oracle_storm_polls": oracle["storm_polls"],
         "oracle_wasted_tokens": oracle["wasted_tokens"],
         "sim_s_min": min(r["sim_s"] for r in runs.values()),
-        **by_work,
+        **by_latency,
     }
 
 
@@ -278,23 +273,25 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"| {s['adaptive_storm_polls']} / {s['oracle_storm_polls']} "
             f"| {s['adaptive_wasted_tokens']} / {s['oracle_wasted_tokens']} |"
         )
-    worked = [s for s in rows if "work_oracle" in s]
-    if worked:
-        lines += [
-            "",
-            "| workload | oracle cap by rollouts (largest run?) | by useful tokens (largest run?) "
-            "| useful tok/s: work oracle | adaptive | ×work oracle "
-            "| group p50 s: adaptive / rollouts oracle / work oracle |",
-            "|" + "---|" * 7,
-        ]
-        for s in worked:
-            lines.append(
-                f"| {s['workload']} | {s['oracle_cap']} ({'yes' if s['oracle_at_largest_cap'] else 'no'}) "
-                f"| {s['work_oracle_cap']} ({'yes' if s['work_oracle_at_largest_cap'] else 'no'}) "
-                f"| {s['work_oracle']:.0f} | {s['adaptive_work']:.0f} | {s['adaptive/work_oracle']:.2f} "
-                f"| {s['adaptive_group_p50_s']:.0f} / {s['oracle_group_p50_s']:.0f} "
-                f"/ {s['work_oracle_group_p50_s']:.0f} |"
-            )
+    lines += [
+        "",
+        "| workload | oracle cap (the sweep's largest?) | group p50 s: adaptive / oracle "
+        "| latency-matched oracle /s (cap, group p50 s) | adaptive × matched |",
+        "|" + "---|" * 5,
+    ]
+    for s in rows:
+        if s["adaptive_group_p50_s"] is None or s["oracle_group_p50_s"] is None:
+            continue
+        matched = (
+            f"{s['matched']:.3f} ({s['matched_cap']}, {s['matched_group_p50_s']:.0f}) "
+            f"| {s['adaptive/matched']:.2f}"
+            if "matched" in s
+            else "- | -"
+        )
+        lines.append(
+            f"| {s['workload']} | {s['oracle_cap']} ({'yes' if s['oracle_at_largest_cap'] else 'no'}) "
+            f"| {s['adaptive_group_p50_s']:.0f} / {s['oracle_group_p50_s']:.0f} | {matched} |"
+        )
     return "\n".join(lines)
 
 
