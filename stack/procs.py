@@ -456,6 +456,33 @@ def worker_argv(
     return argv
 
 
+def check_logprob_mode(engine_url: str, declared: str) -> str | None:
+    """The logprobs mode the engine serves, from vLLM's dev-mode ``/server_info`` (None when it has none);
+    asked once at start-up so a run's first rollouts do not wait for it: vLLM gathers system information
+    on its first ``/server_info`` (2.2 s for the stack's engine on this host, 5 ms afterwards), and every
+    worker asks it before an engine's first model call.
+
+    Raises:
+        StackError: The engine serves another mode than the stack declares, or answered without JSON.
+    """
+    try:
+        info = http_json(f"{engine_url}/server_info?config_format=json", timeout=60.0)
+    except urllib.error.HTTPError as e:
+        if e.code in (404, 405):  # not in dev mode: the workers cannot ask either
+            return None
+        raise StackError(f"{engine_url}/server_info: HTTP {e.code}") from None
+    except (urllib.error.URLError, OSError) as e:
+        raise StackError(f"{engine_url}/server_info: {type(e).__name__}: {e}") from None
+    except ValueError as e:
+        raise StackError(f"{engine_url}/server_info: not JSON ({e})") from None
+    mode = ((info.get("vllm_config") or {}).get("model_config") or {}).get("logprobs_mode")
+    if mode is not None and mode != declared:
+        raise StackError(
+            f"engine {engine_url} serves logprobs mode {mode!r}; the stack declares {declared!r}"
+        )
+    return mode if isinstance(mode, str) else None
+
+
 def set_weight_version(engine_url: str, version: str) -> None:
     """Announce ``version`` as the engine's weight version (no launch flag exists; it starts as "default")."""
     http_json(f"{engine_url}/update_weight_version", {"new_version": version})

@@ -28,6 +28,7 @@ from config.models import StackConfig
 from config.paths import resolve_repo_path, venv_bin
 from stack.procs import (
     StackError,
+    check_logprob_mode,
     engine_argv,
     engine_env,
     http_json,
@@ -233,6 +234,7 @@ def _start(cfg: StackConfig, home: Path, components: Collection[str], started: d
         await_healthy("worker", lambda: _has_fresh_poller(address, cfg.task_queue, since))
     if "engine" in components:
         await_healthy("engine", lambda: http_ok(f"{engine_url}/health"))
+        check_logprob_mode(engine_url, cfg.logprob_mode)
         set_weight_version(engine_url, cfg.policy_version)
         _register_policy(cfg, home, engine_url)
     return StackInfo(home, address, ui_url, engine_url, cfg.task_queue, home / "logs", dict(started), ready)
