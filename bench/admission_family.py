@@ -49,7 +49,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from admission_fleet import Workload, _parser, fixed_cap, run_policy  # bench/ is on sys.path as a script
+from admission_fleet import _parser, fixed_cap, run_policy  # bench/ is on sys.path as a script
+from fleet_workload import Workload
 
 FAMILY: dict[str, dict[str, Any]] = {
     "default": {},

@@ -54,8 +54,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import math
-import random
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,6 +62,7 @@ from typing import Any
 import httpx
 from fleet_groups import GroupBook, group_stats  # bench/ is on sys.path as a script
 from fleet_report import fleet_stats, ratios, summarize, table
+from fleet_workload import Rollout, Workload
 from length_aware import GroupOffer, LengthAwareConfig, LengthAwareScheduler, Outcome
 
 from admission.controller import AdmissionConfig, AdmissionController, Inflight
@@ -78,36 +77,6 @@ MODEL = "tiny"
 POLICIES = ("adaptive", "prime-rl", "fixed", "sync")
 POLL_S = 5.0
 """Simulated seconds between /metrics polls: the reference's interval, which its poll-counted rules assume."""
-
-
-@dataclass(frozen=True)
-class Rollout:
-    rid: str
-    prompt: list[int]
-    turns: list[tuple[list[int], float]]
-    """Per turn: the tool result appended after it, and the simulated seconds the tool takes."""
-    seed: int
-
-
-class Workload:
-    """Rollout ``i`` of the seeded workload, the same for every policy."""
-
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.args = args
-        rng = random.Random(f"{args.seed}:system")
-        self.system = [rng.randrange(256) for _ in range(256)]
-
-    def rollout(self, i: int) -> Rollout:
-        a = self.args
-        g, m = divmod(i, a.group_size)
-        task_rng = random.Random(f"{a.seed}:task:{g}")
-        task = [task_rng.randrange(256) for _ in range(task_rng.randint(256, 768))]
-        rng = random.Random(f"{a.seed}:rollout:{i}")
-        turns = []
-        for _ in range(rng.randint(a.min_turns, a.max_turns)):
-            tool = [rng.randrange(256) for _ in range(rng.randint(64, 384))]
-            turns.append((tool, min(60.0, rng.lognormvariate(math.log(a.tool_median_s), 0.8))))
-        return Rollout(f"g{g:05d}/{m}", self.system + task, turns, seed=rng.randrange(2**31))
 
 
 @dataclass

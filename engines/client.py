@@ -48,6 +48,15 @@ measured 613 connects for 512 calls at 32 in flight); idle ones are dropped afte
 server closes them at 5 s (uvicorn's keep-alive timeout), so a call never lands on a closing one."""
 
 
+def served_logprobs_mode(server_info: Any) -> str | None:
+    """The logprobs mode in vLLM's ``/server_info?config_format=json`` answer (None when it names none)."""
+    try:
+        mode = server_info["vllm_config"]["model_config"]["logprobs_mode"]
+    except (KeyError, TypeError):
+        return None
+    return mode if isinstance(mode, str) else None
+
+
 class EngineClient:
     """Async HTTP client for a fleet of engine replicas; one per worker process."""
 
@@ -87,12 +96,7 @@ class EngineClient:
             raise EngineUnavailable(f"{url}: {type(e).__name__}: {e}") from e
         if resp.status_code in (404, 405):
             return None
-        data = _classify(url, resp)
-        try:
-            mode = data["vllm_config"]["model_config"]["logprobs_mode"]
-        except (KeyError, TypeError):
-            return None
-        return mode if isinstance(mode, str) else None
+        return served_logprobs_mode(_classify(url, resp))
 
     async def max_model_len(self, base_url: str, model: str) -> int:
         """The engine's context length, read once per replica from /v1/models."""

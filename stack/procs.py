@@ -465,6 +465,8 @@ def check_logprob_mode(engine_url: str, declared: str) -> str | None:
     Raises:
         StackError: The engine serves another mode than the stack declares, or answered without JSON.
     """
+    from engines.client import served_logprobs_mode  # the workers' reading of the answer
+
     try:
         info = http_json(f"{engine_url}/server_info?config_format=json", timeout=60.0)
     except urllib.error.HTTPError as e:
@@ -475,12 +477,12 @@ def check_logprob_mode(engine_url: str, declared: str) -> str | None:
         raise StackError(f"{engine_url}/server_info: {type(e).__name__}: {e}") from None
     except ValueError as e:
         raise StackError(f"{engine_url}/server_info: not JSON ({e})") from None
-    mode = ((info.get("vllm_config") or {}).get("model_config") or {}).get("logprobs_mode")
+    mode = served_logprobs_mode(info)
     if mode is not None and mode != declared:
         raise StackError(
             f"engine {engine_url} serves logprobs mode {mode!r}; the stack declares {declared!r}"
         )
-    return mode if isinstance(mode, str) else None
+    return mode
 
 
 def set_weight_version(engine_url: str, version: str) -> None:
