@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import signal
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from temporalio.client import Client
 from temporalio.testing import WorkflowEnvironment
 
 from contracts.types import group_id, rollout_id
+from faults.proxy import Fault, FaultProxy
 from stack import procs
 from store.runstore import RunStore
 from tests.conftest import Engine
@@ -35,15 +37,19 @@ async def test_sigkill_worker_mid_run_loses_and_duplicates_nothing(
     task_queue: str,
     tmp_path: Path,
     ledger: Any,
+    fault_proxy: Callable[[str], Awaitable[FaultProxy]],
     mode: str,
 ) -> None:
     """Model calls as activities, as local activities (the main job's config), and rollouts run inside
     their group's workflow (``group.inline_rollouts``): a local call the killed worker held runs again on
-    the next worker once its workflow task times out."""
+    the next worker once its workflow task times out. The engine sits behind a fault proxy that holds
+    the model calls made at the kill (``hang``), so the kill always lands while the worker holds one: a
+    local call inside a workflow task, an activity otherwise (not a moment between calls, by chance)."""
     groups, size = 24, 4
     local, inline = mode != "activities", mode == "inline-rollouts"
+    proxy = await fault_proxy(engine.url)
     cfg = make_config(
-        [engine.url],
+        [proxy.url],
         task_queue,
         run={"num_groups": groups, "group_size": size, "max_inflight_groups": 3},
         rollout={"local_model_calls": local},
@@ -59,7 +65,14 @@ async def test_sigkill_worker_mid_run_loses_and_duplicates_nothing(
             if sum(store.count_rollouts(run_id).values()) >= 8:
                 break
             await asyncio.sleep(0.05)
+        proxy.set(Fault.HANG)  # calls made from now on are held: wait until the worker holds one
+        for _ in range(400):
+            if proxy.hits:
+                break
+            await asyncio.sleep(0.025)
+        assert proxy.hits, "no model call reached the engine within 10 s of the hang"
         os.killpg(first, signal.SIGKILL)
+        proxy.clear()
         done_at_kill = sum(store.count_rollouts(run_id).values())
         assert 8 <= done_at_kill < groups * size, "the kill must land while rollouts are in flight"
         second = spawn_worker(temporal_env, task_queue, tmp_path, "worker-2")
