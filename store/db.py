@@ -172,8 +172,23 @@ class SqliteDatabase(Database):
             for version, ddl in migrations:
                 if current < version:
                     for stmt in _statements(ddl):
-                        conn.execute(stmt)
+                        if not self._has_column_added_by(conn, stmt):
+                            conn.execute(stmt)
                     conn.execute(f"PRAGMA user_version={int(version)}")
+
+    @staticmethod
+    def _has_column_added_by(conn: sqlite3.Connection, stmt: str) -> bool:
+        """Whether ``stmt`` adds a column the table already has. A 0.2.0 process read ``user_version``
+        outside its write lock and wrote its own (1) after a newer one had migrated, so a store can carry
+        a column its version says it lacks; SQLite has no ``ADD COLUMN IF NOT EXISTS``."""
+        added = _ADD_COLUMN.match(stmt)
+        if added is None:
+            return False
+        table, column = added.groups()
+        return any(row[1] == column for row in conn.execute(f"PRAGMA table_info({table})"))
+
+
+_ADD_COLUMN = re.compile(r"ALTER\s+TABLE\s+(\w+)\s+ADD\s+COLUMN\s+(\w+)", re.IGNORECASE)
 
 
 def _statements(ddl: str) -> list[str]:

@@ -226,6 +226,20 @@ def test_a_store_of_the_previous_schema_is_migrated_and_its_json_segments_still_
     assert [s.token_ids for s in RunStore(tmp_path).segments("r")] == [[5, 6], [7, 8]]
 
 
+def test_a_store_whose_version_a_previous_release_wrote_back_migrates_again_and_keeps_its_rows(
+    tmp_path: Path,
+) -> None:
+    store = RunStore(tmp_path)
+    store.put_segment("r", seg("prompt", 0, [5, 6]))
+    # A 0.2.0 worker that read version 0 before this release migrated wrote its own version afterwards.
+    conn = sqlite3.connect(tmp_path / "store.sqlite")
+    conn.execute("PRAGMA user_version=1")
+    conn.close()
+    again = RunStore(tmp_path)  # the migrations run again: columns already added are not added twice
+    assert again.schema_version() == SCHEMA_VERSION
+    assert again.token_ids("r") == [5, 6]
+
+
 def test_the_store_url_picks_the_backend(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from errors import ConfigError
     from store.db import PostgresDatabase, SqliteDatabase, redact
