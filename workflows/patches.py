@@ -56,7 +56,9 @@ OPS = Patch(
 FINAL_DECISION = Patch(
     "final-dispatch-decision",
     CURRENT,
-    "An adaptive run steps the controller once more after its last group and logs it.",
+    "An adaptive run writes its last decision and steps the controller once more after its last group, "
+    "and logs it, however the last group ended (0.2.0 wrote the last decision only when a decision saw "
+    "the last group gone).",
 )
 PROBE_ADMISSION = Patch(
     "probe-admission",

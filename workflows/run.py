@@ -301,6 +301,7 @@ class RunWorkflow:
             adm = adm.model_copy(update={"predicted_fill": 0.0})
         ctl = AdmissionController(adm, ds.admission, group_size=cfg.run.group_size)
         size, started, over = cfg.run.group_size, 0, cfg.run.overprovision
+        ended_at_decision = False
         while (st.next_group < cfg.run.num_groups or st.slots) and st.breaker.stopped is None:
             poll = await self._poll(inp, template)
             now = workflow.now().timestamp()
@@ -361,14 +362,19 @@ class RunWorkflow:
                 backlog=poll.backlog,
             )
             await self._maybe_continue_as_new(inp, started >= cfg.run.groups_per_run_segment)
-            if st.next_group >= cfg.run.num_groups and not st.slots:
-                last = await self._poll(inp, template)  # writes the last decision to the dispatch log
-                if workflow.patched(patches.FINAL_DECISION.id):
-                    await self._log_final_decision(inp, template, ctl, last)
-            else:
-                self._freed = False
-                with contextlib.suppress(TimeoutError):  # the poll interval passed with no group ending
-                    await workflow.wait_condition(lambda: self._freed, timeout=adm.poll_interval_s)
+            if ended_at_decision := st.next_group >= cfg.run.num_groups and not st.slots:
+                break
+            self._freed = False
+            with contextlib.suppress(TimeoutError):  # the poll interval passed with no group ending
+                await workflow.wait_condition(lambda: self._freed, timeout=adm.poll_interval_s)
+        if st.breaker.stopped is not None:
+            return
+        # The last group ended, seen at a decision or (more often) during the wait after one: 0.2.0 wrote
+        # the last decision only in the first case, and saw no readings taken after it in either.
+        if ended_at_decision or workflow.patched(patches.FINAL_DECISION.id):
+            last = await self._poll(inp, template)  # writes the last decision to the dispatch log
+            if workflow.patched(patches.FINAL_DECISION.id):
+                await self._log_final_decision(inp, template, ctl, last)
 
     async def _log_final_decision(
         self, inp: RunInput, template: RolloutInput, ctl: AdmissionController, last: FleetPoll

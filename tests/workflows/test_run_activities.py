@@ -12,6 +12,7 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Replayer
 
 from config.models import AdmissionSection, Config, RolloutConfig, RunConfig
+from contracts.dispatch import PollFleetInput
 from contracts.types import RunInput, RunProgress
 from workers.worker import WORKFLOWS
 from workflows.patches import RUN_ACTIVITIES
@@ -46,5 +47,33 @@ async def test_an_adaptive_run_calls_regular_activities_and_replays(client: Clie
     assert [m.marker_name for m in markers if m.marker_name != "core_patch"] == []  # no local activity
     assert any(RUN_ACTIVITIES.id in str(m.details) for m in markers)  # the patch's marker
     assert "poll_fleet" in scheduled and "task_ids_at" in scheduled
+    replayer = Replayer(workflows=WORKFLOWS, data_converter=pydantic_data_converter)
+    await replayer.replay_workflow(history)
+
+
+async def test_an_adaptive_run_writes_every_decision_and_a_final_one_after_its_last_group(
+    client: Client, uid: str
+) -> None:
+    # Rollouts end within milliseconds and the run polls once a second: the last group ends while the run
+    # waits between decisions, the path on which the last decision went unwritten and no final one was made.
+    fakes = Fakes()
+    fakes.done_on_turn = 1
+    cfg = Config(
+        run=RunConfig(num_groups=4, group_size=2, max_inflight_groups=2),
+        rollout=RolloutConfig(max_turns=1),
+        admission=AdmissionSection(enabled=True, poll_interval_s=1.0),
+    )
+    inp = RunInput(run_id=f"run-{uid}", config=cfg)
+    tq = f"tq-{uid}"
+    async with fake_worker(client, tq, fakes):
+        handle = await client.start_workflow(RunWorkflow.run, inp, id=inp.run_id, task_queue=tq)
+        result: RunProgress = await handle.result()
+        history = await handle.fetch_history()
+    assert result.done and result.groups_done == 4
+    polls: list[PollFleetInput] = fakes.calls["poll_fleet"]
+    written = [p.log for p in polls if p.log is not None]
+    assert [d.seq for d in written] == list(range(1, len(written) + 1)), "a decision went unwritten"
+    assert written[-1].reasons[0] == "final" and written[-1].inflight == 0, written[-1]
+    assert all(d.reasons[:1] != ["final"] for d in written[:-1])
     replayer = Replayer(workflows=WORKFLOWS, data_converter=pydantic_data_converter)
     await replayer.replay_workflow(history)
