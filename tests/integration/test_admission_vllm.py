@@ -66,9 +66,15 @@ async def test_the_controller_trims_before_a_small_kv_cache_fills_and_avoids_a_p
     info = httpx.get(f"{small_kv.url}/metrics", timeout=10).text
     assert parse_metrics(info, url="e", engine_id="e", at=0).kv_capacity_tokens == BLOCKS * BLOCK
     async with worker(client, task_queue, tmp_path) as store:
-        before = preemptions(small_kv.url)
-        flood = await run_to_end(client, run_config(small_kv.url, task_queue), "flood")
-        flooded = preemptions(small_kv.url) - before
+        # The control: the same rollouts all at once. Whether they overflow the cache depends on the
+        # worker putting their turns on the engine together; a worker slowed by a cold or loaded host
+        # trickles them in (once in a CI run: 0 preemptions), so the control runs again, up to 3 times.
+        for attempt in range(3):
+            before = preemptions(small_kv.url)
+            flood = await run_to_end(client, run_config(small_kv.url, task_queue), f"flood-{attempt}")
+            flooded = preemptions(small_kv.url) - before
+            if flooded > 0 or not flood.done:
+                break
         adaptive_cfg = run_config(
             small_kv.url, task_queue, enabled=True, preset="prime-rl", grow_turnover=0.5
         )
@@ -84,11 +90,13 @@ async def test_the_controller_trims_before_a_small_kv_cache_fills_and_avoids_a_p
     trims = [
         e for e in log if any("trim" in why or "cut" in why or "preemption" in why for why in e["reasons"])
     ]
-    print(f"\npreemptions: all at once {flooded:.0f}, adaptive {adapted:.0f}; peak usage {max(usage):.2f}; "
-          f"caps {sorted({e['cap'] for e in log})}; {len(trims)} trims/cuts")  # fmt: skip
-    assert flooded > 0, "the flood must overflow the small cache (otherwise this test shows nothing)"
+    caps = sorted({e["cap"] for e in log})
+    print(f"\npreemptions: all at once {flooded:.0f} (flood {attempt + 1}), adaptive {adapted:.0f}; "
+          f"peak usage {max(usage):.2f}; caps {caps}; {len(trims)} trims/cuts")  # fmt: skip
+    assert flooded > 0, "3 floods never overflowed the small cache (so this test would show nothing)"
     # It reacts: a trim on KV usage over 80 % when a poll catches it (the tiny model's turns are short, so
-    # usage peaks between polls), else a cut on the first preemptions; either way no storm follows.
+    # usage peaks between polls), else a cut on the first preemptions (the run's final decision sees those
+    # of its last turns); either way no storm follows.
     assert trims or adapted == 0, "preemptions, and the controller never trimmed or cut"
     assert adapted <= max(2, flooded // 3), f"preemption storm: {adapted} vs {flooded} without admission"
 
