@@ -7,7 +7,7 @@ dev server (the ``client`` fixture): the run polls every second in real time."""
 from __future__ import annotations
 
 from temporalio.api.enums.v1 import EventType
-from temporalio.client import Client
+from temporalio.client import Client, WorkflowHistory
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Replayer
 
@@ -21,11 +21,14 @@ from workflows.run import RunWorkflow
 from .fakes import Fakes, fake_worker
 
 
-async def test_an_adaptive_run_calls_regular_activities_and_replays(client: Client, uid: str) -> None:
+async def run_adaptive(
+    client: Client, uid: str, num_groups: int
+) -> tuple[Fakes, RunProgress, WorkflowHistory]:
+    """An adaptive run of 1-turn rollouts (2 per group, 2 groups at a time) polling once a second."""
     fakes = Fakes()
     fakes.done_on_turn = 1
     cfg = Config(
-        run=RunConfig(num_groups=6, group_size=2, max_inflight_groups=2),
+        run=RunConfig(num_groups=num_groups, group_size=2, max_inflight_groups=2),
         rollout=RolloutConfig(max_turns=1),
         admission=AdmissionSection(enabled=True, poll_interval_s=1.0),
     )
@@ -35,6 +38,11 @@ async def test_an_adaptive_run_calls_regular_activities_and_replays(client: Clie
         handle = await client.start_workflow(RunWorkflow.run, inp, id=inp.run_id, task_queue=tq)
         result: RunProgress = await handle.result()
         history = await handle.fetch_history()
+    return fakes, result, history
+
+
+async def test_an_adaptive_run_calls_regular_activities_and_replays(client: Client, uid: str) -> None:
+    _, result, history = await run_adaptive(client, uid, num_groups=6)
     assert result.done and result.groups_done == 6
     events = list(history.events)
     marker = EventType.EVENT_TYPE_MARKER_RECORDED
@@ -56,19 +64,7 @@ async def test_an_adaptive_run_writes_every_decision_and_a_final_one_after_its_l
 ) -> None:
     # Rollouts end within milliseconds and the run polls once a second: the last group ends while the run
     # waits between decisions, the path on which the last decision went unwritten and no final one was made.
-    fakes = Fakes()
-    fakes.done_on_turn = 1
-    cfg = Config(
-        run=RunConfig(num_groups=4, group_size=2, max_inflight_groups=2),
-        rollout=RolloutConfig(max_turns=1),
-        admission=AdmissionSection(enabled=True, poll_interval_s=1.0),
-    )
-    inp = RunInput(run_id=f"run-{uid}", config=cfg)
-    tq = f"tq-{uid}"
-    async with fake_worker(client, tq, fakes):
-        handle = await client.start_workflow(RunWorkflow.run, inp, id=inp.run_id, task_queue=tq)
-        result: RunProgress = await handle.result()
-        history = await handle.fetch_history()
+    fakes, result, history = await run_adaptive(client, uid, num_groups=4)
     assert result.done and result.groups_done == 4
     polls: list[PollFleetInput] = fakes.calls["poll_fleet"]
     written = [p.log for p in polls if p.log is not None]
