@@ -60,7 +60,7 @@ with workflow.unsafe.imports_passed_through():
     from activities.dispatch import DispatchActivities
     from activities.rollout import RolloutActivities
     from admission import breaker
-    from admission.controller import AdmissionController
+    from admission.controller import AdmissionController, Decision
     from admission.replicas import choose_replica, replica_load
     from admission.room import (
         admission_room,
@@ -344,23 +344,7 @@ class RunWorkflow:
                 left, admitted, started = left - size, admitted + size, started + 1
             await asyncio.gather(*starts)
             ds.bucket = spend_bucket(ds.bucket, admitted, room.ready)
-            ds.polls += 1
-            ds.last_log = DispatchLog(
-                run_id=inp.run_id,
-                seq=ds.polls,
-                at=now,
-                cap=d.cap,
-                inflight=len(inflight),
-                admitted=admitted,
-                cancelled=len(d.cancel),
-                kv_usage=d.kv_usage,
-                healthy=d.healthy,
-                pool=poll.pool,
-                reasons=list(d.reasons) + room.reasons,
-                footprint=ctl.state.footprint,
-                kv_cap=d.kv_cap,
-                backlog=poll.backlog,
-            )
+            self._log_decision(inp, now, d, ctl, poll, len(inflight), admitted, [*d.reasons, *room.reasons])
             await self._maybe_continue_as_new(inp, started >= cfg.run.groups_per_run_segment)
             if ended_at_decision := st.next_group >= cfg.run.num_groups and not st.slots:
                 break
@@ -388,13 +372,21 @@ class RunWorkflow:
             ds.readings[r.engine_id] = r
         d = ctl.step(now, list(ds.readings.values()), [])
         ds.admission, self._cap = ctl.state, d.cap
+        self._log_decision(inp, now, d, ctl, last, 0, 0, ["final", *d.reasons])
+        await self._poll(inp, template)  # writes it
+
+    def _log_decision(
+        self, inp: RunInput, now: float, d: Decision, ctl: AdmissionController, poll: FleetPoll,
+        inflight: int, admitted: int, reasons: list[str],
+    ) -> None:  # fmt: skip
+        """The decision the next poll writes to the dispatch log (sequence number: the poll count)."""
+        ds = self._state.dispatch
         ds.polls += 1
         ds.last_log = DispatchLog(
-            run_id=inp.run_id, seq=ds.polls, at=now, cap=d.cap, inflight=0, admitted=0, cancelled=0,
-            kv_usage=d.kv_usage, healthy=d.healthy, pool=last.pool, reasons=["final", *d.reasons],
-            footprint=ctl.state.footprint, kv_cap=d.kv_cap, backlog=last.backlog,
+            run_id=inp.run_id, seq=ds.polls, at=now, cap=d.cap, inflight=inflight, admitted=admitted,
+            cancelled=len(d.cancel), kv_usage=d.kv_usage, healthy=d.healthy, pool=poll.pool,
+            reasons=reasons, footprint=ctl.state.footprint, kv_cap=d.kv_cap, backlog=poll.backlog,
         )  # fmt: skip
-        await self._poll(inp, template)  # writes it
 
     async def _poll(self, inp: RunInput, template: RolloutInput) -> FleetPoll:
         st, cfg = self._state, self._cfg
