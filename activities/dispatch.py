@@ -35,11 +35,11 @@ from temporalio.api.workflowservice.v1 import (
 from temporalio.client import Client
 from temporalio.common import RetryPolicy
 
-import metrics
-from activities.calls import Options, options
-from activities.closed_groups import closed_among, unended_members
-from contracts.activity_io import ClosedGroupsInput, TerminatedGroup, TerminatedGroupInput
-from contracts.types import (
+from durable_rollouts import metrics
+from durable_rollouts.activities.calls import Options, options
+from durable_rollouts.activities.closed_groups import closed_among, unended_members
+from durable_rollouts.contracts.activity_io import ClosedGroupsInput, TerminatedGroup, TerminatedGroupInput
+from durable_rollouts.contracts.types import (
     FleetPoll,
     GroupCounts,
     GroupResult,
@@ -48,9 +48,9 @@ from contracts.types import (
     QueueBacklog,
     RolloutResult,
 )
-from engines.metrics import fetch_reading
-from sandboxes.pool import SandboxPool
-from store.runstore import RunStore
+from durable_rollouts.engines.metrics import fetch_reading
+from durable_rollouts.sandboxes.pool import SandboxPool
+from durable_rollouts.store.runstore import RunStore
 
 METRICS_TIMEOUT_S = 3.0
 OWN_EVENTS = 30

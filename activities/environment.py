@@ -14,15 +14,15 @@ from datetime import timedelta
 from temporalio import activity
 from temporalio.common import RetryPolicy
 
-from activities.calls import Options, options
-from activities.heartbeat import heartbeating
-from activities.sandbox import SandboxActivities
-from contracts.activity_io import EnvStepInput
-from contracts.types import EnvStepResult
-from errors import RolloutError, SandboxGone, SandboxPathError, names
-from store import RunStore
-from turns.engine import Engine
-from turns.step import EnvSteps
+from durable_rollouts.activities.calls import Options, options
+from durable_rollouts.activities.heartbeat import heartbeating
+from durable_rollouts.activities.sandbox import SandboxActivities
+from durable_rollouts.contracts.activity_io import EnvStepInput
+from durable_rollouts.contracts.types import EnvStepResult
+from durable_rollouts.errors import RolloutError, SandboxGone, SandboxPathError, names
+from durable_rollouts.store import RunStore
+from durable_rollouts.turns.engine import Engine
+from durable_rollouts.turns.step import EnvSteps
 
 ENV_RETRY = RetryPolicy(
     initial_interval=timedelta(seconds=1),

@@ -21,19 +21,31 @@ from datetime import timedelta
 from temporalio import activity
 from temporalio.common import RetryPolicy
 
-from activities.calls import Options, options
-from activities.heartbeat import heartbeating
-from activities.sandbox import SandboxActivities
-from contracts.harness import GatewayCallInput, GatewayCallResult, HarnessExit, HarnessRunInput
-from engines.client import EngineClient
-from engines.watchdog import watching
-from envs import registry
-from envs.base import Sandbox, calling
-from errors import EnvironmentFailure, RolloutError, SandboxFileError, SandboxGone, SandboxPathError, names
-from gateway import harness
-from gateway.server import GatewayServer, gateway_key
-from gateway.turn import GatewayTurns
-from store import RunStore
+from durable_rollouts.activities.calls import Options, options
+from durable_rollouts.activities.heartbeat import heartbeating
+from durable_rollouts.activities.sandbox import SandboxActivities
+from durable_rollouts.contracts.harness import (
+    GatewayCallInput,
+    GatewayCallResult,
+    HarnessExit,
+    HarnessRunInput,
+)
+from durable_rollouts.engines.client import EngineClient
+from durable_rollouts.engines.watchdog import watching
+from durable_rollouts.environments import registry
+from durable_rollouts.environments.base import Sandbox, calling
+from durable_rollouts.errors import (
+    EnvironmentFailure,
+    RolloutError,
+    SandboxFileError,
+    SandboxGone,
+    SandboxPathError,
+    names,
+)
+from durable_rollouts.gateway import harness
+from durable_rollouts.gateway.server import GatewayServer, gateway_key
+from durable_rollouts.gateway.turn import GatewayTurns
+from durable_rollouts.store import RunStore
 
 POLL_S = 1.0
 """How often the harness's exit is looked for (one exec in its sandbox)."""

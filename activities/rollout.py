@@ -8,7 +8,7 @@ Invariants:
 - Idempotent on keys that survive retries: the run id, the rollout id, and (rollout id, turn). A retried
   activity finds what an earlier attempt wrote and returns it, so no sample is produced twice or lost.
 - Inputs and results are small (keys, counts, scalars); token arrays go to the store, never to history.
-- Environment-specific work goes through the environment interface (``envs.base``), never a name test.
+- Environment-specific work goes through the environment interface (``environments.base``), never a name test.
 - Errors leave as ``ApplicationError`` whose type names the boundary (see ``errors``).
 - Metrics: a record and its turns are counted when its first write lands (``metrics.record_rollout``
   from the segments finalize already read), never again on a retry.
@@ -25,11 +25,11 @@ from typing import Any
 from temporalio import activity
 from temporalio.common import RetryPolicy
 
-import metrics
-from activities.calls import Options, options
-from activities.environment import EnvironmentActivities
-from activities.heartbeat import heartbeating
-from contracts.activity_io import (
+from durable_rollouts import metrics
+from durable_rollouts.activities.calls import Options, options
+from durable_rollouts.activities.environment import EnvironmentActivities
+from durable_rollouts.activities.heartbeat import heartbeating
+from durable_rollouts.contracts.activity_io import (
     FinalizeGroupInput,
     FinalizeRolloutInput,
     GenerateInput,
@@ -38,17 +38,17 @@ from contracts.activity_io import (
     PrepareInput,
     StoredOutcome,
 )
-from contracts.types import EnvTraits, Outcome, PrepareResult, RetrySettings, TurnResult
-from engines.client import EngineClient
-from engines.watchdog import watching
-from envs import registry
-from envs.base import calling
-from errors import ConfigError, EngineBadRequest, RolloutError, TaskFileError, names
-from gateway.turn import sequence_starts
-from records.export import rollout_lineage
-from store import RunStore
-from turns.clock import StoreClock
-from turns.model import ModelTurns
+from durable_rollouts.contracts.types import EnvTraits, Outcome, PrepareResult, RetrySettings, TurnResult
+from durable_rollouts.engines.client import EngineClient
+from durable_rollouts.engines.watchdog import watching
+from durable_rollouts.environments import registry
+from durable_rollouts.environments.base import calling
+from durable_rollouts.errors import ConfigError, EngineBadRequest, RolloutError, TaskFileError, names
+from durable_rollouts.gateway.turn import sequence_starts
+from durable_rollouts.records.export import rollout_lineage
+from durable_rollouts.store import RunStore
+from durable_rollouts.turns.clock import StoreClock
+from durable_rollouts.turns.model import ModelTurns
 
 RECORD_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=30))
 """Writing a record retries until it lands: a record is never lost to a store hiccup."""

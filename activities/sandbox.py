@@ -23,19 +23,24 @@ from typing import Any
 from temporalio import activity
 from temporalio.common import RetryPolicy
 
-from activities.calls import Options, options
-from activities.heartbeat import heartbeating
-from contracts.sandbox import SandboxCreated, SandboxPlaceInput, SandboxPlacement, SandboxStepInput
-from envs import registry
-from envs.base import SandboxPlan, TurnContext, calling
-from envs.registry import env_part
-from errors import EnvironmentFailure, RolloutError, SandboxGone, SandboxPathError, names
-from sandboxes import AsyncSandboxBackend, SandboxHandle
-from sandboxes.base import BoundSandbox
-from sandboxes.hosts import SandboxHosts
-from sandboxes.images import ImageBuilds, ensure_image
-from sandboxes.pool import SandboxPool
-from store import RunStore
+from durable_rollouts.activities.calls import Options, options
+from durable_rollouts.activities.heartbeat import heartbeating
+from durable_rollouts.contracts.sandbox import (
+    SandboxCreated,
+    SandboxPlaceInput,
+    SandboxPlacement,
+    SandboxStepInput,
+)
+from durable_rollouts.environments import registry
+from durable_rollouts.environments.base import SandboxPlan, TurnContext, calling
+from durable_rollouts.environments.registry import env_part
+from durable_rollouts.errors import EnvironmentFailure, RolloutError, SandboxGone, SandboxPathError, names
+from durable_rollouts.sandboxes import AsyncSandboxBackend, SandboxHandle
+from durable_rollouts.sandboxes.base import BoundSandbox
+from durable_rollouts.sandboxes.hosts import SandboxHosts
+from durable_rollouts.sandboxes.images import ImageBuilds, ensure_image
+from durable_rollouts.sandboxes.pool import SandboxPool
+from durable_rollouts.store import RunStore
 
 SANDBOX_RETRY = RetryPolicy(
     initial_interval=timedelta(seconds=1),

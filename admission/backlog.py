@@ -38,8 +38,8 @@ and result out; the workflow replays them.
 
 from __future__ import annotations
 
-from config.models import AdmissionConfig
-from contracts.types import AdmissionState, QueueBacklog
+from durable_rollouts.config.models import AdmissionConfig
+from durable_rollouts.contracts.types import AdmissionState, QueueBacklog
 
 CAUSE = "orchestration-backlog"
 """How the dispatch log names this rule's decisions (every reason of it starts so)."""

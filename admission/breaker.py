@@ -20,7 +20,7 @@ Rules:
 
 from __future__ import annotations
 
-from contracts.types import BreakerState
+from durable_rollouts.contracts.types import BreakerState
 
 
 def record(

@@ -113,10 +113,10 @@ from collections.abc import Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from admission import backlog as orchestration
-from admission import footprint, prime_rl
-from config.models import AdmissionConfig
-from contracts.types import AdmissionState, EngineReading, QueueBacklog
+from durable_rollouts.admission import backlog as orchestration
+from durable_rollouts.admission import footprint, prime_rl
+from durable_rollouts.config.models import AdmissionConfig
+from durable_rollouts.contracts.types import AdmissionState, EngineReading, QueueBacklog
 
 CANCEL_REASON = "admission"
 """Reason recorded on rollouts the controller cancels."""

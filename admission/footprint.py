@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-from config.models import AdmissionConfig
-from contracts.types import AdmissionState, EngineReading
+from durable_rollouts.config.models import AdmissionConfig
+from durable_rollouts.contracts.types import AdmissionState, EngineReading
 
 Fit = tuple[int, float]
 """The predicted fit: the cap at which blind growth stops, and the footprint (tokens per rollout) it uses."""

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import math
 
-from config.models import AdmissionConfig
-from contracts.types import AdmissionState, EngineReading
+from durable_rollouts.config.models import AdmissionConfig
+from durable_rollouts.contracts.types import AdmissionState, EngineReading
 
 
 def adapt(

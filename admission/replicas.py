@@ -16,8 +16,8 @@ import hashlib
 import math
 from collections.abc import Mapping
 
-from admission.room import running_members
-from contracts.types import GroupCounts, GroupSlot
+from durable_rollouts.admission.room import running_members
+from durable_rollouts.contracts.types import GroupCounts, GroupSlot
 
 
 def replica_order(urls: list[str], key: str) -> list[str]:

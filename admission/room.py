@@ -19,8 +19,8 @@ from collections.abc import Mapping
 
 from pydantic import BaseModel, ConfigDict
 
-from admission.controller import Inflight
-from contracts.types import (
+from durable_rollouts.admission.controller import Inflight
+from durable_rollouts.contracts.types import (
     RAN_TO_END,
     DispatchState,
     GroupCounts,

@@ -65,13 +65,13 @@ from fleet_report import fleet_stats, ratios, summarize, table
 from fleet_workload import Rollout, Workload
 from length_aware import GroupOffer, LengthAwareConfig, LengthAwareScheduler, Outcome
 
-from admission.controller import AdmissionConfig, AdmissionController, Inflight
-from contracts.types import SamplingParams
-from engines.client import EngineClient
-from engines.metrics import fetch_reading
-from simengine import PolicyName, SimEngine, SimSettings, TimingSettings
-from simengine.clock import PacedClock
-from turns.budget import turn_budget, turn_truncation
+from durable_rollouts.admission.controller import AdmissionConfig, AdmissionController, Inflight
+from durable_rollouts.contracts.types import SamplingParams
+from durable_rollouts.engines.client import EngineClient
+from durable_rollouts.engines.metrics import fetch_reading
+from durable_rollouts.simengine import PolicyName, SimEngine, SimSettings, TimingSettings
+from durable_rollouts.simengine.clock import PacedClock
+from durable_rollouts.turns.budget import turn_budget, turn_truncation
 
 MODEL = "tiny"
 POLICIES = ("adaptive", "prime-rl", "fixed", "sync")

@@ -1,6 +1,6 @@
 """Calibrate simengine's timing model against real vLLM-CPU: the same small workload side by side, one run.
 
-One vLLM-CPU engine on the bundled tiny policy (``models/tiny-policy``) gets a deliberately small KV cache
+One vLLM-CPU engine on the bundled tiny policy (``engines/tiny-policy``) gets a deliberately small KV cache
 (``--num-gpu-blocks`` blocks of ``--block-size`` tokens, vLLM's ``--num-gpu-blocks-override`` and
 ``--block-size``). A closed loop of ``c`` clients sends ``--requests`` requests (or ``--waves`` × c, whichever
 is more); each has its own ``--prompt-tokens`` random prompt (no prefix sharing) and samples exactly
@@ -52,11 +52,11 @@ from typing import Any
 
 import httpx
 
-from contracts.types import SamplingParams
-from engines.client import EngineClient
-from engines.metrics import parse_metrics
-from simengine import PolicyName, SimEngine, SimSettings, TimingSettings
-from simengine.clock import PacedClock
+from durable_rollouts.contracts.types import SamplingParams
+from durable_rollouts.engines.client import EngineClient
+from durable_rollouts.engines.metrics import parse_metrics
+from durable_rollouts.simengine import PolicyName, SimEngine, SimSettings, TimingSettings
+from durable_rollouts.simengine.clock import PacedClock
 
 MODEL = "tiny"
 
@@ -220,13 +220,13 @@ def fit_timing(real: dict[str, Any], args: argparse.Namespace) -> dict[str, floa
 
 @contextlib.asynccontextmanager
 async def real_engine(args: argparse.Namespace) -> AsyncIterator[str]:
-    from config.models import StackConfig
-    from stack import procs
+    from durable_rollouts.config.models import StackConfig
+    from durable_rollouts.stack import procs
 
     port = procs.free_port()
     cfg = StackConfig(
         engine_port=port,
-        model_dir="models/tiny-policy",
+        model_dir="durable_rollouts.engines:tiny-policy",
         max_model_len=args.max_model_len,
         num_gpu_blocks=args.num_gpu_blocks,
         block_size=args.block_size,

@@ -37,23 +37,24 @@ from pathlib import Path
 from temporalio.client import Client, WorkflowFailureError
 from temporalio.service import RPCError
 
-from config.load import config_hash, load_config
-from config.models import Config, StackConfig
-from config.paths import REPO_ROOT
-from contracts.client import connect
-from contracts.types import RunInput, group_id
-from faults.chaos import INSTANT, KINDS, Chaos
-from faults.ledger import LedgerReport, check_run
-from faults.schedule import schedule
-from sandboxes import DockerBackend
-from sandboxes.base import DEFAULT_IMAGE
-from sandboxes.pool import SandboxPool
-from simengine import Mode, ModeRule, SimEngine, SimSettings
-from stack import stack
-from stack.procs import free_port
-from store import RunStore
-from workflows.run import RunWorkflow
-from workflows.search_attributes import reason_key
+from durable_rollouts.config.load import config_hash, load_config
+from durable_rollouts.config.models import Config, StackConfig
+from durable_rollouts.contracts.client import connect
+from durable_rollouts.contracts.types import RunInput, group_id
+from durable_rollouts.faults.chaos import INSTANT, KINDS, Chaos
+from durable_rollouts.faults.ledger import LedgerReport, check_run
+from durable_rollouts.faults.schedule import schedule
+from durable_rollouts.sandboxes import DockerBackend
+from durable_rollouts.sandboxes.base import DEFAULT_IMAGE
+from durable_rollouts.sandboxes.pool import SandboxPool
+from durable_rollouts.simengine import Mode, ModeRule, SimEngine, SimSettings
+from durable_rollouts.stack import stack
+from durable_rollouts.stack.procs import free_port
+from durable_rollouts.store import RunStore
+from durable_rollouts.workflows.run import RunWorkflow
+from durable_rollouts.workflows.search_attributes import reason_key
+
+REPO_ROOT = Path(__file__).resolve().parent.parent  # the checkout the benchmark runs from
 
 CODING_TASKS = REPO_ROOT / "environments" / "coding" / "coding_env" / "data" / "coding.jsonl"
 MATH_TASKS = REPO_ROOT / "environments" / "math" / "math_env" / "data" / "addition.jsonl"

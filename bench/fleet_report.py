@@ -30,7 +30,7 @@ import statistics
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-from simengine import SimEngine
+from durable_rollouts.simengine import SimEngine
 
 if TYPE_CHECKING:
     from admission_fleet import Tally

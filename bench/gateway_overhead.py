@@ -38,12 +38,12 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from contracts.harness import GatewayCallInput  # noqa: E402
-from contracts.types import RolloutRef, SamplingParams  # noqa: E402
-from engines.client import EngineClient  # noqa: E402
-from gateway.server import GatewayServer, gateway_key  # noqa: E402
-from gateway.turn import GatewayTurns  # noqa: E402
-from store import RunStore, Segment, model_segment, obs_segment  # noqa: E402
+from durable_rollouts.contracts.harness import GatewayCallInput  # noqa: E402
+from durable_rollouts.contracts.types import RolloutRef, SamplingParams  # noqa: E402
+from durable_rollouts.engines.client import EngineClient  # noqa: E402
+from durable_rollouts.gateway.server import GatewayServer, gateway_key  # noqa: E402
+from durable_rollouts.gateway.turn import GatewayTurns  # noqa: E402
+from durable_rollouts.store import RunStore, Segment, model_segment, obs_segment  # noqa: E402
 
 SAMPLING = SamplingParams(
     temperature=1.0, top_p=1.0, top_k=-1, max_tokens=64, seed=1, logprob_mode="processed_logprobs"
@@ -80,7 +80,7 @@ print(json.dumps(out))
 
 
 def start_engine(port: int) -> subprocess.Popen[bytes]:
-    argv = [sys.executable, "-m", "simengine", "--port", str(port), "--policy", "random",
+    argv = [sys.executable, "-m", "durable_rollouts.simengine", "--port", str(port), "--policy", "random",
             "--random-median-tokens", "48", "--max-model-len", "65536",
             "--num-gpu-blocks", "65536"]  # fmt: skip
     return subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

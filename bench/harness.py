@@ -27,18 +27,18 @@ from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
-from config.load import config_hash
-from config.models import Config
-from config.paths import venv_bin
-from contracts.types import RunInput, TruncationReason, group_id, rollout_id, sampling_params
-from engines.client import EngineClient
-from envs import registry
-from envs.base import Step, TurnContext
-from turns.budget import turn_truncation
-from turns.model import call_model
-from workflows import search_attributes as sa
-from workflows.group import member_seed
-from workflows.run import RunWorkflow
+from durable_rollouts.config.load import config_hash
+from durable_rollouts.config.models import Config
+from durable_rollouts.config.paths import venv_bin
+from durable_rollouts.contracts.types import RunInput, TruncationReason, group_id, rollout_id, sampling_params
+from durable_rollouts.engines.client import EngineClient
+from durable_rollouts.environments import registry
+from durable_rollouts.environments.base import Step, TurnContext
+from durable_rollouts.turns.budget import turn_truncation
+from durable_rollouts.turns.model import call_model
+from durable_rollouts.workflows import search_attributes as sa
+from durable_rollouts.workflows.group import member_seed
+from durable_rollouts.workflows.run import RunWorkflow
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 

@@ -48,14 +48,15 @@ from temporalio.api.enums.v1 import EventType, WorkflowTaskFailedCause
 from temporalio.api.workflowservice.v1 import DescribeNamespaceRequest
 from temporalio.client import Client, WorkflowHandle
 
-from config.load import config_hash, load_config
-from config.models import Config, StackConfig
-from config.paths import REPO_ROOT
-from contracts.client import connect
-from contracts.types import RunInput, group_id, rollout_id
-from stack import procs, stack
-from store.runstore import RunStore
-from workflows.run import RunWorkflow
+from durable_rollouts.config.load import config_hash, load_config
+from durable_rollouts.config.models import Config, StackConfig
+from durable_rollouts.contracts.client import connect
+from durable_rollouts.contracts.types import RunInput, group_id, rollout_id
+from durable_rollouts.stack import procs, stack
+from durable_rollouts.store.runstore import RunStore
+from durable_rollouts.workflows.run import RunWorkflow
+
+REPO_ROOT = Path(__file__).resolve().parent.parent  # the checkout the benchmark runs from
 
 TASKS = REPO_ROOT / "environments" / "math" / "math_env" / "data" / "addition.jsonl"
 HISTORY_SAMPLES = 3
@@ -86,7 +87,7 @@ def turns_of(task_index: int, turns: int) -> int:
 
 def engine_argv(port: int, transcripts: Path) -> list[str]:
     return [
-        sys.executable, "-m", "simengine", "--port", str(port), "--policy", "scripted",
+        sys.executable, "-m", "durable_rollouts.simengine", "--port", str(port), "--policy", "scripted",
         "--transcripts", str(transcripts), "--max-num-seqs", "512", "--num-gpu-blocks", "65536",
     ]  # fmt: skip
 

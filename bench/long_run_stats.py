@@ -259,8 +259,8 @@ def _points(rows: list[dict[str, Any]], key: str) -> list[tuple[float, float]]:
 def page(result: dict[str, Any]) -> str:
     """A self-contained HTML page of the result: its acceptance numbers, charts per tenth (throughput,
     RSS, CPU per rollout, bytes per rollout, sampled history lengths, the run's carried state; from
-    reports/svg.py) and a table of the tenths."""
-    from reports import svg
+    records/report/svg.py) and a table of the tenths."""
+    from durable_rollouts.records.report import svg
 
     rows = result["deciles"]
     pal = svg.PALETTE

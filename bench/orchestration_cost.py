@@ -63,12 +63,13 @@ from temporalio.api.taskqueue.v1 import TaskQueue
 from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
 from temporalio.client import Client
 
-from config.models import StackConfig
-from config.paths import REPO_ROOT
-from contracts.client import connect
-from contracts.types import group_id, rollout_id
-from stack import procs, stack
-from store import RunStore
+from durable_rollouts.config.models import StackConfig
+from durable_rollouts.contracts.client import connect
+from durable_rollouts.contracts.types import group_id, rollout_id
+from durable_rollouts.stack import procs, stack
+from durable_rollouts.store import RunStore
+
+REPO_ROOT = Path(__file__).resolve().parent.parent  # the checkout the benchmark runs from
 
 QUEUE = "cost"
 SHAPES = {"1-turn": 1, "10-turn": 10}
@@ -89,10 +90,35 @@ class Code:
         return cli_module(self.root)
 
 
+def namespaced(root: Path) -> bool:
+    """Whether the code at ``root`` installs under the ``durable_rollouts`` namespace (its folders mapped
+    onto the repository's top level); older commits import its folders as top-level packages."""
+    pyproject = root / "pyproject.toml"
+    return pyproject.is_file() and 'package-dir = {"durable_rollouts" = "."}' in pyproject.read_text()
+
+
+def module(root: Path, name: str) -> str:
+    """The importable name of the code at ``root``'s module ``name`` (``workers.worker``, ...)."""
+    return f"durable_rollouts.{name}" if namespaced(root) else name
+
+
+def import_path(root: Path) -> str:
+    """What goes on ``PYTHONPATH`` to import the code at ``root``: the root itself for older commits; for the
+    namespace layout, a folder beside it holding a link ``durable_rollouts`` to it."""
+    if not namespaced(root):
+        return str(root)
+    base = root.parent / f"{root.name}.import"
+    link = base / "durable_rollouts"
+    if not link.exists():
+        base.mkdir(exist_ok=True)
+        link.symlink_to(root, target_is_directory=True)
+    return str(base)
+
+
 def cli_module(root: Path) -> str:
     """The module of the ``rollouts`` command in the code at ``root`` (``workers.cli`` in commits before
     the ``cli`` package)."""
-    return "cli.rollouts" if (root / "cli" / "rollouts.py").is_file() else "workers.cli"
+    return module(root, "cli.rollouts") if (root / "cli" / "rollouts.py").is_file() else "workers.cli"
 
 
 def git(*args: str) -> str:
@@ -110,7 +136,7 @@ def checkout(commit: str, dest: Path) -> Path:
 
 
 def python(code: Code, home: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(code.root), "ROLLOUTS_HOME": str(home)}
+    env = {**os.environ, "PYTHONPATH": import_path(code.root), "ROLLOUTS_HOME": str(home)}
     return subprocess.run(
         [sys.executable, "-P", *args], env=env, capture_output=True, text=True, timeout=timeout
     )
@@ -221,7 +247,7 @@ class Sitting:
             sys.executable,
             "-P",
             "-m",
-            "workers.worker",
+            module(self.code.root, "workers.worker"),
             "--address",
             self.address,
             "--task-queue",
@@ -229,7 +255,7 @@ class Sitting:
         ]
         if self.args.unsandboxed:
             argv.append("--unsandboxed")
-        env = {"PYTHONPATH": str(self.code.root), "ROLLOUTS_HOME": str(self.home)}
+        env = {"PYTHONPATH": import_path(self.code.root), "ROLLOUTS_HOME": str(self.home)}
         self.workers = [procs.spawn(f"worker-{i}", argv, self.home, env=env) for i in range(n)]
         assert self.client is not None
         await wait_for_workers(self.client, self.workers)
@@ -296,8 +322,9 @@ class Sitting:
 
     async def go(self, engine_pid: int) -> dict[str, Any]:
         a = self.args
-        where = python(self.code, self.home, "-c", "import workflows.run as w; print(w.__file__)")
-        if where.stdout.strip() != str(self.code.root / "workflows" / "run.py"):
+        run_module = module(self.code.root, "workflows.run")
+        where = python(self.code, self.home, "-c", f"import {run_module} as w; print(w.__file__)")
+        if Path(where.stdout.strip()).resolve() != (self.code.root / "workflows" / "run.py").resolve():
             raise RuntimeError(f"{self.code.label}: imports {where.stdout.strip()!r} {where.stderr[-300:]}")
         scfg = StackConfig(
             temporal_port=procs.free_port(), ui_port=procs.free_port(), task_queue=QUEUE,

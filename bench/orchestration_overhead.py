@@ -36,14 +36,15 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.api.history.v1 import HistoryEvent
 from temporalio.client import Client
 
-from config.load import load_config
-from config.models import Config
-from config.paths import REPO_ROOT
-from engines.client import EngineClient
-from envs.tasks import load_tasks
-from stack import procs
-from store.runstore import RunStore
-from workers.worker import build_worker
+from durable_rollouts.config.load import load_config
+from durable_rollouts.config.models import Config
+from durable_rollouts.engines.client import EngineClient
+from durable_rollouts.environments.tasks import load_tasks
+from durable_rollouts.stack import procs
+from durable_rollouts.store.runstore import RunStore
+from durable_rollouts.workers.worker import build_worker
+
+REPO_ROOT = Path(__file__).resolve().parent.parent  # the checkout the benchmark runs from
 
 TASKS = REPO_ROOT / "environments" / "math" / "math_env" / "data" / "addition.jsonl"
 MAX_TOKENS = 8
@@ -52,7 +53,7 @@ MAX_TOKENS = 8
 def engine_argv(port: int, turn_ms: float, max_seqs: int) -> list[str]:
     """The simulated engine: random policy, every request held ``turn_ms`` before its tokens."""
     return [
-        sys.executable, "-m", "simengine", "--port", str(port), "--policy", "random",
+        sys.executable, "-m", "durable_rollouts.simengine", "--port", str(port), "--policy", "random",
         "--prefill-ms", str(turn_ms), "--max-num-seqs", str(max_seqs), "--num-gpu-blocks", "65536",
     ]  # fmt: skip
 

@@ -47,10 +47,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from harness import cpu_s  # noqa: E402  (bench/ is on sys.path as a script)
-from orchestration_cost import checkout, cli_module  # noqa: E402
+from orchestration_cost import checkout, cli_module, import_path, module  # noqa: E402
 
-from config.models import StackConfig  # noqa: E402
-from stack import procs  # noqa: E402
+from durable_rollouts.config.models import StackConfig  # noqa: E402
+from durable_rollouts.stack import procs  # noqa: E402
 
 SHAPES = {"demo": [], "40x4": ["--groups", "40", "--set", "run.max_inflight_groups=40"]}
 
@@ -86,7 +86,7 @@ def record_stats(path: Path) -> dict[str, Any]:
 def sitting(
     label: str, code: Path, pragmas: list[str], rep: int, tmp: Path, home: Path, shapes: dict[str, list[str]]
 ) -> list[dict]:
-    env = {**os.environ, "PYTHONPATH": str(code), "ROLLOUTS_HOME": str(home)}
+    env = {**os.environ, "PYTHONPATH": import_path(code), "ROLLOUTS_HOME": str(home)}
     cli = cli_module(code)
     argv = procs.temporal_argv(tmp, 7233, 8233, pragmas)
     argv[argv.index("--db-filename") + 1] = str(tmp / f"{label}-{rep}.sqlite")
@@ -98,7 +98,7 @@ def sitting(
     try:
         procs.wait_until(lambda: procs.temporal_healthy("127.0.0.1:7233"), 60, "temporal", server.pid)
         worker = subprocess.Popen(
-            [sys.executable, "-P", "-m", "workers.worker", "--address", "127.0.0.1:7233",
+            [sys.executable, "-P", "-m", module(code, "workers.worker"), "--address", "127.0.0.1:7233",
              "--task-queue", "rollouts"],
             cwd=code, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
             start_new_session=True,

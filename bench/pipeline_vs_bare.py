@@ -18,21 +18,22 @@ from pathlib import Path
 
 from harness import bare_round, pipeline_round, temporal_env
 
-from config.load import load_config
-from config.models import StackConfig
-from config.paths import REPO_ROOT
-from engines.client import EngineClient
-from envs.tasks import load_tasks
-from stack import procs
-from store.runstore import RunStore
-from workers.worker import build_worker
+from durable_rollouts.config.load import load_config
+from durable_rollouts.config.models import StackConfig
+from durable_rollouts.engines.client import EngineClient
+from durable_rollouts.environments.tasks import load_tasks
+from durable_rollouts.stack import procs
+from durable_rollouts.store.runstore import RunStore
+from durable_rollouts.workers.worker import build_worker
+
+REPO_ROOT = Path(__file__).resolve().parent.parent  # the checkout the benchmark runs from
 
 TASKS = REPO_ROOT / "environments" / "math" / "math_env" / "data" / "addition.jsonl"
 
 
 async def main(args: argparse.Namespace) -> dict:
     home = Path(tempfile.mkdtemp(prefix="bench-pipeline-"))
-    stack = StackConfig(engine_port=procs.free_port(), model_dir=str(REPO_ROOT / "models" / "tiny-policy"))
+    stack = StackConfig(engine_port=procs.free_port(), model_dir=str(REPO_ROOT / "engines" / "tiny-policy"))
     url = f"http://127.0.0.1:{stack.engine_port}"
     pid = procs.spawn("engine", procs.engine_argv(stack), home, env=procs.engine_env(stack))
     n = args.groups * args.group_size

@@ -17,7 +17,7 @@ from concurrent.futures import Executor
 from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
-    from sandboxes import DockerBackend, SandboxSpec
+    from durable_rollouts.sandboxes import DockerBackend, SandboxSpec
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     import platform
     import uuid
 
-    from sandboxes import DockerBackend, SandboxSpec
+    from durable_rollouts.sandboxes import DockerBackend, SandboxSpec
 
     backend = DockerBackend(max_pool_size=max(args.levels) + 8)
     spec = SandboxSpec(

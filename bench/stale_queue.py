@@ -56,10 +56,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from simengine.settings import TimingSettings
-from simengine.timing import Seq, StepScheduler
-from store.runstore import RunStore, Segment, model_segment
-from trainer.feed import Count, TrainerFeed, length_summary
+from durable_rollouts.simengine.settings import TimingSettings
+from durable_rollouts.simengine.timing import Seq, StepScheduler
+from durable_rollouts.store.runstore import RunStore, Segment, model_segment
+from durable_rollouts.trainer.feed import Count, TrainerFeed, length_summary
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling, run as a script or imported
 from stale_queue_report import Result, asdict_count, mix_table, summary, table

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainer.feed import Count
+from durable_rollouts.trainer.feed import Count
 
 
 @dataclass

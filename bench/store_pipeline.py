@@ -21,14 +21,15 @@ from pathlib import Path
 
 from harness import pipeline_round, temporal_env
 
-from config.load import load_config
-from config.models import Config
-from config.paths import REPO_ROOT
-from engines.client import EngineClient
-from stack import procs
-from store import open_store
-from store.local_postgres import local_postgres
-from workers.worker import build_worker
+from durable_rollouts.config.load import load_config
+from durable_rollouts.config.models import Config
+from durable_rollouts.engines.client import EngineClient
+from durable_rollouts.stack import procs
+from durable_rollouts.store import open_store
+from durable_rollouts.store.local_postgres import local_postgres
+from durable_rollouts.workers.worker import build_worker
+
+REPO_ROOT = Path(__file__).resolve().parent.parent  # the checkout the benchmark runs from
 
 TASKS = REPO_ROOT / "environments" / "math" / "math_env" / "data" / "addition.jsonl"
 
@@ -54,7 +55,7 @@ def make_config(url: str, args: argparse.Namespace, queue: str) -> Config:
 async def main(args: argparse.Namespace) -> dict:
     home = Path(tempfile.mkdtemp(prefix="bench-store-pipeline-"))
     port = procs.free_port()
-    argv = [sys.executable, "-m", "simengine", "--port", str(port), "--policy", "random",
+    argv = [sys.executable, "-m", "durable_rollouts.simengine", "--port", str(port), "--policy", "random",
             "--prefill-ms", str(args.turn_ms), "--max-num-seqs", "256",
             "--num-gpu-blocks", "65536"]  # fmt: skip
     url = f"http://127.0.0.1:{port}"

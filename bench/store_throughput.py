@@ -30,9 +30,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from stack.procs import free_port  # noqa: E402
-from store import RunStore, Segment, model_segment, open_store  # noqa: E402
-from store.local_postgres import database_url, local_postgres  # noqa: E402
+from durable_rollouts.stack.procs import free_port  # noqa: E402
+from durable_rollouts.store import RunStore, Segment, model_segment, open_store  # noqa: E402
+from durable_rollouts.store.local_postgres import database_url, local_postgres  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -50,13 +50,13 @@ def chaos_command(
     docker: Annotated[bool, typer.Option(help="Check no container of the runs is left.")] = True,
 ) -> None:
     """Fire a seeded fault schedule at the stack and the runs, log each fault, then check the ledger."""
-    from config.paths import rollouts_home
-    from contracts.client import connect
-    from errors import ConfigError
-    from faults.chaos import INSTANT, KINDS, Chaos
-    from faults.schedule import schedule
-    from sandboxes.pool import SandboxPool
-    from store import open_store
+    from durable_rollouts.config.paths import rollouts_home
+    from durable_rollouts.contracts.client import connect
+    from durable_rollouts.errors import ConfigError
+    from durable_rollouts.faults.chaos import INSTANT, KINDS, Chaos
+    from durable_rollouts.faults.schedule import schedule
+    from durable_rollouts.sandboxes.pool import SandboxPool
+    from durable_rollouts.store import open_store
 
     chosen = [k.strip() for k in kinds.split(",") if k.strip()]
     unknown = sorted(set(chosen) - set(KINDS))
@@ -90,7 +90,7 @@ def chaos_command(
         typer.echo(f"chaos: injected {injected or 'nothing'}")
         backend = None
         if docker:
-            from sandboxes import DockerBackend
+            from durable_rollouts.sandboxes import DockerBackend
 
             backend = DockerBackend()
         reports = await chaos.ledger(wait, backend=backend, pool=SandboxPool(store))

@@ -12,7 +12,7 @@ import typer
 if TYPE_CHECKING:
     from temporalio.client import Client
 
-    from store import RunStore
+    from durable_rollouts.store import RunStore
 
 
 def fail(msg: str, code: int = 2) -> typer.Exit:
@@ -24,8 +24,8 @@ def fail(msg: str, code: int = 2) -> typer.Exit:
 def run_store(url: str | None = None) -> RunStore:
     """The run store ``url`` names, else the configured one ($ROLLOUTS_STORE, else $ROLLOUTS_HOME; imported
     lazily, so the CLI starts fast); a bad URL or a server that does not answer is one line and exit 2."""
-    from errors import ConfigError
-    from store import open_store
+    from durable_rollouts.errors import ConfigError
+    from durable_rollouts.store import open_store
 
     try:
         return open_store(url)
@@ -35,7 +35,7 @@ def run_store(url: str | None = None) -> RunStore:
 
 async def temporal_client(address: str, namespace: str = "default") -> Client:
     """A client of the Temporal frontend at ``address``; one that does not answer is one line and exit 1."""
-    from contracts.client import connect
+    from durable_rollouts.contracts.client import connect
 
     try:
         return await connect(address, namespace)

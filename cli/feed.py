@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 if TYPE_CHECKING:
-    from trainer.feed import TrainerFeed
+    from durable_rollouts.trainer.feed import TrainerFeed
 
 feed_app = typer.Typer(
     help="Take fresh, complete groups of a run for training; show the books.", no_args_is_help=True
@@ -27,9 +27,9 @@ def _fail(message: str) -> typer.Exit:
 
 
 def _feed(run_id: str) -> TrainerFeed:
-    from errors import ConfigError
-    from store import open_store
-    from trainer.feed import TrainerFeed
+    from durable_rollouts.errors import ConfigError
+    from durable_rollouts.store import open_store
+    from durable_rollouts.trainer.feed import TrainerFeed
 
     try:
         store = open_store()
@@ -93,7 +93,7 @@ def take(
     ] = None,
 ) -> None:
     """Consume up to N complete groups fresh for VERSION (stale ones are discarded with a reason)."""
-    from trainer.feed import FeedError
+    from durable_rollouts.trainer.feed import FeedError
 
     feed = _feed(run_id)
     try:
@@ -121,7 +121,7 @@ def batch(
     output: Annotated[Path, typer.Option("-o", "--output", help="JSONL file to write.")],
 ) -> None:
     """Write an already consumed batch again (for a trainer that restarted)."""
-    from trainer.feed import FeedError
+    from durable_rollouts.trainer.feed import FeedError
 
     try:
         lines = _feed(run_id).batch(batch_id)

@@ -13,14 +13,14 @@ from typing import Annotated, Any
 
 import typer
 
-from cli.common import run_store, temporal_client
+from durable_rollouts.cli.common import run_store, temporal_client
 
 Address = Annotated[str, typer.Option(help="Temporal frontend host:port.")]
 
 
 def _ops(work: Callable[[], Coroutine[Any, Any, None]]) -> None:
     """Run an operating command (``cli.ops``): its OpsError is one line and exit 2."""
-    from cli.ops import OpsError
+    from durable_rollouts.cli.ops import OpsError
 
     error = None
     try:
@@ -43,7 +43,7 @@ def stuck(
     sandbox, and the pending call (attempt, heartbeat, last failure); one line each."""
     import time
 
-    from cli import ops
+    from durable_rollouts.cli import ops
 
     async def go() -> None:
         seconds = ops.parse_duration(for_)
@@ -66,7 +66,7 @@ def top(
     address: Address = "127.0.0.1:7233",
 ) -> None:
     """Live view of the run's in-flight rollouts by phase and replica (Ctrl-C exits)."""
-    from cli import top as live
+    from durable_rollouts.cli import top as live
 
     async def go() -> None:
         await live.top(await temporal_client(address), run_id, interval_s=max(0.5, interval))
@@ -75,7 +75,7 @@ def top(
 
 
 def _act(action: str, target: str, address: str) -> None:
-    from cli import ops
+    from durable_rollouts.cli import ops
 
     async def go() -> None:
         client = await temporal_client(address)

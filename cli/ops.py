@@ -37,12 +37,12 @@ from urllib.parse import quote
 from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.service import RPCError, RPCStatusCode
 
-from contracts.activity_io import TerminatedGroupInput
-from store.runstore import RunStore
-from workflows import search_attributes as sa
-from workflows.group import RETRY_REASON, RUN_CANCEL_REASON, GroupWorkflow, slot_of
-from workflows.rollout import RolloutWorkflow
-from workflows.run import RunWorkflow
+from durable_rollouts.contracts.activity_io import TerminatedGroupInput
+from durable_rollouts.store.runstore import RunStore
+from durable_rollouts.workflows import search_attributes as sa
+from durable_rollouts.workflows.group import RETRY_REASON, RUN_CANCEL_REASON, GroupWorkflow, slot_of
+from durable_rollouts.workflows.rollout import RolloutWorkflow
+from durable_rollouts.workflows.run import RunWorkflow
 
 UI = "http://127.0.0.1:8233"
 CANCEL_REASON = "manual"

@@ -21,12 +21,12 @@ from rich.table import Table
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle, WorkflowQueryFailedError
 from temporalio.service import RPCError
 
-from contracts.types import RunProgress
-from workflows.run import RunWorkflow
+from durable_rollouts.contracts.types import RunProgress
+from durable_rollouts.workflows.run import RunWorkflow
 
 if TYPE_CHECKING:
-    from records.timing import Totals
-    from store.runstore import RunStore
+    from durable_rollouts.records.timing import Totals
+    from durable_rollouts.store.runstore import RunStore
 
 console = Console(stderr=True)
 
@@ -162,7 +162,7 @@ def summary_table(
 
 def time_table(run_id: str, totals: dict[str, Totals]) -> Table:
     """Per environment: summed seconds of each time component and its share of the summed wall time."""
-    from records.timing import COMPONENTS
+    from durable_rollouts.records.timing import COMPONENTS
 
     table = Table(title=f"run {run_id}: where the time went")
     table.add_column("env")
@@ -186,8 +186,8 @@ def time_table(run_id: str, totals: dict[str, Totals]) -> Table:
 
 def run_totals(store: RunStore, run_id: str) -> dict[str, Totals]:
     """The run's time totals per environment (``records/timing.py``)."""
-    from records.export import rollout_times
-    from records.timing import totals_by_env
+    from durable_rollouts.records.export import rollout_times
+    from durable_rollouts.records.timing import totals_by_env
 
     return totals_by_env((row["env"], t) for row, t in rollout_times(store, run_id))
 
@@ -195,7 +195,7 @@ def run_totals(store: RunStore, run_id: str) -> dict[str, Totals]:
 def print_summary(p: RunProgress, store: RunStore | None = None) -> None:
     """Print the summary, with failures by cause, reward figures and the time decomposition when this
     machine's store (or ``store``) holds the run."""
-    from store import open_store, store_exists
+    from durable_rollouts.store import open_store, store_exists
 
     if store is None:
         store = open_store() if store_exists() else None
@@ -228,7 +228,7 @@ async def show_status(client: Client, run_id: str) -> None:
 
 def _print_dispatch(run_id: str, last: int = 5) -> None:
     """The dispatcher's latest decisions (adaptive admission), when this machine's store holds the run."""
-    from store import open_store, store_exists
+    from durable_rollouts.store import open_store, store_exists
 
     log = open_store().dispatch_log(run_id)[-last:] if store_exists() else []
     for e in log:

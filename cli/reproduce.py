@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 if TYPE_CHECKING:  # heavy imports wait until a reproduction runs, so `rollouts --help` stays instant
-    from contracts.types import SamplingParams
-    from store.runstore import RunStore
-    from turns.engine import Sampled
+    from durable_rollouts.contracts.types import SamplingParams
+    from durable_rollouts.store.runstore import RunStore
+    from durable_rollouts.turns.engine import Sampled
 
 
 class ReproduceError(RuntimeError):
@@ -97,12 +97,12 @@ def reproduce(
         ReproduceError: The run, the rollout, its prompt or first model call, or the stored config is
             missing or unreadable; or the engine cannot be reached.
     """
-    from config.load import config_hash
-    from config.models import Config
-    from contracts.types import SamplingParams, sampling_params
-    from records.export import env_versions, rollout_record
-    from store.runstore import model_segment
-    from workflows.group import member_seed
+    from durable_rollouts.config.load import config_hash
+    from durable_rollouts.config.models import Config
+    from durable_rollouts.contracts.types import SamplingParams, sampling_params
+    from durable_rollouts.records.export import env_versions, rollout_record
+    from durable_rollouts.store.runstore import model_segment
+    from durable_rollouts.workflows.group import member_seed
 
     where = f"run {run_id}, rollout {rollout_id}"
     run = store.get_run(run_id)
@@ -182,8 +182,8 @@ def reproduce(
 
 def _sandbox_image(store: RunStore, run_id: str, task_id: str, env_name: str, cfg: Any) -> str | None:
     """The image the stored config gives this task's sandbox (None: no sandbox, or env not installed)."""
-    from envs import registry
-    from errors import RolloutError
+    from durable_rollouts.environments import registry
+    from durable_rollouts.errors import RolloutError
 
     try:
         env = registry.get(env_name)
@@ -218,10 +218,10 @@ async def _generate(
 ) -> Sampled:
     """The first model call again, through the call the workers make (``turns.model.call_model``: the same
     budget under the run's token limit and the engine's window)."""
-    from contracts.types import TruncationReason
-    from engines.client import EngineClient
-    from errors import RolloutError
-    from turns.model import call_model
+    from durable_rollouts.contracts.types import TruncationReason
+    from durable_rollouts.engines.client import EngineClient
+    from durable_rollouts.errors import RolloutError
+    from durable_rollouts.turns.model import call_model
 
     client = EngineClient()
     try:
@@ -268,8 +268,8 @@ def reproduce_command(
 ) -> None:
     """Re-run a recorded rollout's first model call from the stored config, prompt and seed; compare the
     token ids and the lineage. Exit 0 when reproduced, 1 when tokens or lineage differ, 2 on bad input."""
-    from errors import ConfigError
-    from store import open_store, store_exists, store_url
+    from durable_rollouts.errors import ConfigError
+    from durable_rollouts.store import open_store, store_exists, store_url
 
     if not store_exists():
         typer.echo(f"error: no run store at {store_url()} (set ROLLOUTS_STORE or ROLLOUTS_HOME)", err=True)

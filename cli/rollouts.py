@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import sys
 
-from stack import interrupt
+from durable_rollouts.stack import interrupt
 
 if __name__ == "__main__" or os.path.basename(sys.argv[0]) == "rollouts":  # the program, not an importer
     interrupt.install()  # first: Ctrl-C during the imports below returns at once too (stack/interrupt.py)
@@ -27,7 +27,7 @@ from typing import Annotated
 
 import typer
 
-from cli.common import fail, run_store, temporal_client
+from durable_rollouts.cli.common import fail, run_store, temporal_client
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Durable rollout generation for agent RL.")
 
@@ -43,7 +43,12 @@ def _new_run_id() -> str:
 
 @app.command()
 def run(
-    config: Annotated[Path | None, typer.Argument(help="Run config (TOML); defaults when omitted.")] = None,
+    config: Annotated[
+        Path | None,
+        typer.Argument(
+            help="Run config: a TOML file, or a bundled example (math, coding, ...); defaults when omitted."
+        ),
+    ] = None,
     run_id: Annotated[str | None, typer.Option("--run-id", help="Run id (existing: attach).")] = None,
     wait: Annotated[bool, typer.Option("--wait", help="Show progress and a summary to the end.")] = False,
     task_file: Annotated[str | None, typer.Option("--task-file", help="Override run.task_file.")] = None,
@@ -52,10 +57,10 @@ def run(
     set_: Annotated[list[str] | None, typer.Option("--set", help="section.field=value")] = None,
 ) -> None:
     """Start a run (or attach to an existing run id) and print its id."""
-    from config.load import ConfigError, config_hash, load_config
-    from config.paths import resolve_repo_path
-    from envs.tasks import load_tasks
-    from errors import EnvironmentCodeError, TaskFileError
+    from durable_rollouts.config.load import ConfigError, config_hash, load_config
+    from durable_rollouts.config.paths import resolve_path
+    from durable_rollouts.environments.tasks import load_tasks
+    from durable_rollouts.errors import EnvironmentCodeError, TaskFileError
 
     overrides = list(set_ or [])
     if task_file is not None:
@@ -68,7 +73,7 @@ def run(
         cfg = load_config(config, overrides)
     except ConfigError as e:
         raise fail(str(e)) from None
-    tasks_path = resolve_repo_path(cfg.run.task_file)
+    tasks_path = resolve_path(cfg.run.task_file, "run.task_file")
     cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"task_file": str(tasks_path)})})
     try:
         tasks = load_tasks(tasks_path, cfg.run.env)
@@ -91,14 +96,14 @@ def _toml_str(s: str) -> str:
 
 async def _submit(cfg, cfg_hash: str, rid: str, wait: bool, upload: Callable[[], object]) -> None:
     """Start the run (or attach to it): on its environment's task queue, once a live worker polls it
-    (envs/fleet.py; none: one line, exit 2, nothing started or uploaded)."""
+    (environments/fleet.py; none: one line, exit 2, nothing started or uploaded)."""
     from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
     from temporalio.service import RPCError, RPCStatusCode
 
-    from contracts.types import RunInput
-    from envs.fleet import require_worker
-    from errors import ConfigError
-    from workflows.run import RunWorkflow
+    from durable_rollouts.contracts.types import RunInput
+    from durable_rollouts.environments.fleet import require_worker
+    from durable_rollouts.errors import ConfigError
+    from durable_rollouts.workflows.run import RunWorkflow
 
     client = await temporal_client(cfg.temporal.address, cfg.temporal.namespace)
     handle = client.get_workflow_handle_for(RunWorkflow.run, rid)
@@ -131,7 +136,7 @@ async def _submit(cfg, cfg_hash: str, rid: str, wait: bool, upload: Callable[[],
     if attached:
         typer.echo(f"attached to existing run {rid} (its stored config applies)", err=True)
     if wait:  # exit 3 past run.max_environment_failure_share (cli.progress.wait_verdict)
-        from cli.progress import ENVIRONMENT_FAILURE_EXIT, follow, wait_verdict
+        from durable_rollouts.cli.progress import ENVIRONMENT_FAILURE_EXIT, follow, wait_verdict
 
         store = run_store(cfg.store.url)
         final = await follow(handle, store)
@@ -148,7 +153,7 @@ def status(
     address: Annotated[str, typer.Option(help="Temporal frontend host:port.")] = "127.0.0.1:7233",
 ) -> None:
     """Show a run's progress (live from the run workflow, or its final result)."""
-    from cli.progress import show_status
+    from durable_rollouts.cli.progress import show_status
 
     async def go() -> None:
         client = await temporal_client(address)
@@ -163,7 +168,7 @@ def export(
     output: Annotated[Path, typer.Option("-o", "--output", help="JSONL file to write.")],
 ) -> None:
     """Write a run's rollout and group records as JSONL (the trainer contract; see README)."""
-    from records.export import export_run
+    from durable_rollouts.records.export import export_run
 
     store = run_store()
     if store.get_run(run_id) is None:
@@ -180,8 +185,8 @@ def report(
 ) -> None:
     """Write a run's report: one self-contained HTML file of plots (time decomposition, lengths, rewards,
     admission, replicas; see README, "Reports")."""
-    from reports import ReportError, write_report
-    from store import store_exists, store_url
+    from durable_rollouts.records.report import ReportError, write_report
+    from durable_rollouts.store import store_exists, store_url
 
     if not store_exists():
         raise fail(f"no run store at {store_url()} (set ROLLOUTS_STORE or ROLLOUTS_HOME?)")
@@ -204,9 +209,9 @@ def ledger(
     docker: Annotated[bool, typer.Option(help="Also check no container of the run is left.")] = True,
 ) -> None:
     """The ledger check (faults/ledger.py): one line per broken promise; exit 1 on any, 2 on bad input."""
-    from errors import SandboxError
-    from faults import LedgerReport, check_run
-    from sandboxes.pool import SandboxPool
+    from durable_rollouts.errors import SandboxError
+    from durable_rollouts.faults import LedgerReport, check_run
+    from durable_rollouts.sandboxes.pool import SandboxPool
 
     store = run_store()
     if store.get_run(run_id) is None:
@@ -216,7 +221,7 @@ def ledger(
         client = await temporal_client(address) if temporal else None
         backend = None
         if docker:
-            from sandboxes import DockerBackend
+            from durable_rollouts.sandboxes import DockerBackend
 
             try:
                 backend = DockerBackend()
@@ -237,10 +242,10 @@ def reap(
     address: Annotated[str, typer.Option(help="Temporal frontend host:port.")] = "127.0.0.1:7233",
 ) -> None:
     """Remove sandboxes whose rollout workflow is no longer running (terminated, finished, unknown)."""
-    from sandboxes import SandboxError
-    from sandboxes.pool import SandboxPool
-    from sandboxes.reaper import reap_orphans
-    from workers.worker import docker_sandboxes
+    from durable_rollouts.sandboxes import SandboxError
+    from durable_rollouts.sandboxes.pool import SandboxPool
+    from durable_rollouts.sandboxes.reaper import reap_orphans
+    from durable_rollouts.workers.worker import docker_sandboxes
 
     async def go() -> list[str]:
         client = await temporal_client(address)
@@ -268,7 +273,7 @@ def policy_publish(
 ) -> None:
     """Pause every engine (keeping in-flight requests), reload weights, set the version, reset the prefix
     cache, resume; record the publish in the store. Version ids are immutable."""
-    from engines.policy import PolicyError, publish
+    from durable_rollouts.engines.policy import PolicyError, publish
 
     urls = engine or ["http://127.0.0.1:8000"]
     try:
@@ -282,8 +287,8 @@ def policy_publish(
 @app.command()
 def envs() -> None:
     """List the installed environments (entry-point group durable_rollouts.environments)."""
-    from envs import registry
-    from errors import ConfigError
+    from durable_rollouts.environments import registry
+    from durable_rollouts.errors import ConfigError
 
     eps = registry.installed()
     if not eps:
@@ -331,7 +336,7 @@ def worker(
     sandbox_slots: Annotated[int, typer.Option(help="Sandboxes the host runs at once.")] = 8,
 ) -> None:
     """Start an additional worker (runs until Ctrl-C or SIGTERM)."""
-    from workers.worker import main as worker_main
+    from durable_rollouts.workers.worker import main as worker_main
 
     interrupt.patient()  # it drains on Ctrl-C (its own handler, once running); no watchdog cuts that short
 
@@ -347,7 +352,7 @@ def worker(
 
 
 def _mount_operate() -> None:
-    from cli.operate import COMMANDS
+    from durable_rollouts.cli.operate import COMMANDS
 
     for command in COMMANDS:
         app.command()(command)
@@ -355,32 +360,32 @@ def _mount_operate() -> None:
 
 def _mount_stack() -> None:
     try:
-        from cli.stack import stack_app
+        from durable_rollouts.cli.stack import stack_app
     except ImportError:  # pragma: no cover - only while the stack module is absent
         return
     app.add_typer(stack_app, name="stack", help="Start, stop and inspect the embedded stack.")
 
 
 def _mount_feed() -> None:
-    from cli.feed import feed_app
+    from durable_rollouts.cli.feed import feed_app
 
     app.add_typer(feed_app, name="feed")
 
 
 def _mount_reproduce() -> None:
-    from cli.reproduce import reproduce_command
+    from durable_rollouts.cli.reproduce import reproduce_command
 
     app.command("reproduce")(reproduce_command)
 
 
 def _mount_chaos() -> None:
-    from cli.chaos import chaos_command
+    from durable_rollouts.cli.chaos import chaos_command
 
     app.command("chaos")(chaos_command)
 
 
 def _mount_train() -> None:
-    from cli.train import train
+    from durable_rollouts.cli.train import train
 
     app.command("train")(train)
 
@@ -394,7 +399,7 @@ _mount_chaos()
 
 
 def main() -> None:
-    from stack.procs import run_main
+    from durable_rollouts.stack.procs import run_main
 
     run_main(lambda: app(prog_name="rollouts"))
 

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 if TYPE_CHECKING:
-    from config.models import StackConfig
-    from stack.stack import ComponentStatus, StackInfo
+    from durable_rollouts.config.models import StackConfig
+    from durable_rollouts.stack.stack import ComponentStatus, StackInfo
 
 stack_app = typer.Typer(
     help="Run the embedded stack: a Temporal dev server, one vLLM engine and one worker.",
@@ -36,7 +36,7 @@ def load_stack_config(path: Path | None) -> StackConfig:
 
     from pydantic import ValidationError
 
-    from config.models import StackConfig
+    from durable_rollouts.config.models import StackConfig
 
     if path is None:
         return StackConfig()
@@ -95,12 +95,12 @@ def up(
     ] = None,
 ) -> None:
     """Start Temporal, the engine and a worker; wait until all are healthy."""
-    from stack import interrupt
+    from durable_rollouts.stack import interrupt
 
     interrupt.patient()  # Ctrl-C stops what it started (up to 15 s a component): no watchdog cuts that short
     cfg = load_stack_config(config)
-    from config.paths import rollouts_home
-    from stack import stack
+    from durable_rollouts.config.paths import rollouts_home
+    from durable_rollouts.stack import stack
 
     try:
         stack.up(cfg, rollouts_home(), detach, on_ready=lambda info: _print_info(info, detach))
@@ -116,8 +116,8 @@ def up(
 @stack_app.command()
 def down() -> None:
     """Stop the stack started from $ROLLOUTS_HOME (worker, engine, then Temporal)."""
-    from config.paths import rollouts_home
-    from stack import stack
+    from durable_rollouts.config.paths import rollouts_home
+    from durable_rollouts.stack import stack
 
     try:
         stopped = stack.down(rollouts_home())
@@ -129,8 +129,8 @@ def down() -> None:
 @stack_app.command()
 def status() -> None:
     """Show each component's pid, health and address; exit 1 unless every component is healthy."""
-    from config.paths import rollouts_home
-    from stack import stack
+    from durable_rollouts.config.paths import rollouts_home
+    from durable_rollouts.stack import stack
 
     rows = stack.status(rollouts_home())
     _print_status(rows)
@@ -144,7 +144,7 @@ def search_attributes(
 ) -> None:
     """Register the project's search attributes on a Temporal server that lacks them (idempotent): the
     one set-up step a production server needs before the first run (docker-compose runs it)."""
-    from stack.stack import StackError, ensure_search_attributes
+    from durable_rollouts.stack.stack import StackError, ensure_search_attributes
 
     try:
         ensure_search_attributes(address)
@@ -154,6 +154,6 @@ def search_attributes(
 
 
 if __name__ == "__main__":
-    from stack.procs import run_main
+    from durable_rollouts.stack.procs import run_main
 
     run_main(stack_app)

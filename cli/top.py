@@ -13,9 +13,9 @@ from typing import Any
 
 from temporalio.client import Client
 
-from cli.ops import QUERY_TIMEOUT, ago, check_run, running, stuck_filter, utc
-from workflows import search_attributes as sa
-from workflows.run import RunWorkflow
+from durable_rollouts.cli.ops import QUERY_TIMEOUT, ago, check_run, running, stuck_filter, utc
+from durable_rollouts.workflows import search_attributes as sa
+from durable_rollouts.workflows.run import RunWorkflow
 
 PHASES = ("queued", "prepare", "generate", "env", "paused", "finalize")
 

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 if TYPE_CHECKING:
-    from config.models import Config
-    from trainer.settings import TrainerSettings
+    from durable_rollouts.config.models import Config
+    from durable_rollouts.trainer.settings import TrainerSettings
 
 
 def _fail(msg: str, code: int = 2) -> typer.Exit:
@@ -43,11 +43,11 @@ def train(
     math accuracy is measured through the engine before and after."""
     import time
 
-    from config.load import ConfigError
-    from config.paths import resolve_repo_path, rollouts_home
-    from envs.tasks import load_tasks
-    from errors import TaskFileError
-    from trainer.settings import load_loop_config
+    from durable_rollouts.config.load import ConfigError
+    from durable_rollouts.config.paths import resolve_path, rollouts_home
+    from durable_rollouts.environments.tasks import load_tasks
+    from durable_rollouts.errors import TaskFileError
+    from durable_rollouts.trainer.settings import load_loop_config
 
     overrides = list(set_ or [])
     if groups is not None:
@@ -56,7 +56,7 @@ def train(
         cfg, ts = load_loop_config(config, overrides)
     except ConfigError as e:
         raise _fail(str(e)) from None
-    from envs import registry
+    from durable_rollouts.environments import registry
 
     try:
         env = registry.get(cfg.run.env)
@@ -66,22 +66,22 @@ def train(
         raise _fail(
             f"{config}: run.env: the example trainer evaluates inline-step runs (math), not {cfg.run.env!r}"
         )
-    tasks_path = resolve_repo_path(cfg.run.task_file)
+    tasks_path = resolve_path(cfg.run.task_file, "run.task_file")
     cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"task_file": str(tasks_path)})})
     try:
         load_tasks(tasks_path, cfg.run.env)
-        load_tasks(resolve_repo_path(ts.eval_task_file), cfg.run.env)
+        load_tasks(resolve_path(ts.eval_task_file, "trainer.eval_task_file"), cfg.run.env)
     except TaskFileError as e:
         raise _fail(str(e)) from None
     rid = run_id or time.strftime("grpo-%Y%m%d-%H%M%S")
-    from metrics.serve import serve_metrics
+    from durable_rollouts.metrics.serve import serve_metrics
 
     with serve_metrics(metrics_port) as port:  # feed freshness, discards, tokens consumed (metrics/)
         if port is not None:
             typer.echo(f"trainer metrics on http://127.0.0.1:{port}/metrics", err=True)
         metrics = _run(cfg, ts, rid, rollouts_home())
     if out is not None:
-        from trainer.loop import write_metrics
+        from durable_rollouts.trainer.loop import write_metrics
 
         write_metrics(metrics, out)
         typer.echo(f"metrics: {out}")
@@ -89,10 +89,10 @@ def train(
 
 
 def _run(cfg: Config, ts: TrainerSettings, rid: str, home: Path) -> dict[str, Any]:
-    from engines.policy import PolicyError
-    from trainer.batch import BatchError
-    from trainer.loop import Loop, TrainerError
-    from trainer.policy_io import PolicyIOError
+    from durable_rollouts.engines.policy import PolicyError
+    from durable_rollouts.trainer.batch import BatchError
+    from durable_rollouts.trainer.loop import Loop, TrainerError
+    from durable_rollouts.trainer.policy_io import PolicyIOError
 
     loop = Loop(cfg, ts, rid, home, log=lambda line: typer.echo(line, err=True))
     try:

@@ -7,6 +7,7 @@ naming the file and the field (``file: section.field: problem``); callers print 
 from __future__ import annotations
 
 import hashlib
+import importlib.resources
 import json
 import tomllib
 from pathlib import Path
@@ -14,8 +15,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from config.models import Config
-from errors import ConfigError
+from durable_rollouts.config.models import Config
+from durable_rollouts.config.paths import is_resource, resource_path
+from durable_rollouts.errors import ConfigError
 
 
 def _one_line(source: str, err: ValidationError) -> str:
@@ -67,6 +69,33 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         raise ConfigError(_one_line(source, e)) from e
 
 
+def bundled_examples() -> list[str]:
+    """The names of the example configs shipped with the package (``math``, ``coding``, ...)."""
+    folder = importlib.resources.files("durable_rollouts.config").joinpath("examples")
+    return sorted(f.name.removesuffix(".toml") for f in folder.iterdir() if f.name.endswith(".toml"))
+
+
+def config_file(path: str | Path) -> Path:
+    """The config file ``path`` names: a file (absolute, or relative to the working directory), a package
+    resource (``PACKAGE:RELATIVE``), or the name of a bundled example (``math``) where no such file exists.
+
+    Raises:
+        ConfigError: a bare name that is neither a file nor a bundled example (one line, listing them).
+    """
+    text = str(path)
+    if is_resource(text):
+        return resource_path(text, "config")
+    candidate = Path(text)
+    if candidate.exists() or "/" in text or text.endswith(".toml"):
+        return candidate
+    if text in bundled_examples():
+        return resource_path(f"durable_rollouts.config:examples/{text}.toml", "config")
+    raise ConfigError(
+        f"{text}: no such config file, and no bundled example of that name "
+        f"(bundled: {', '.join(bundled_examples())})"
+    )
+
+
 def read_toml(path: str | Path | None, overrides: list[str] | None = None) -> tuple[dict[str, Any], str]:
     """The TOML at ``path`` (empty when None) with overrides applied, and how errors should name it.
 
@@ -77,7 +106,7 @@ def read_toml(path: str | Path | None, overrides: list[str] | None = None) -> tu
     data: dict[str, Any] = {}
     if path is not None:
         try:
-            data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+            data = tomllib.loads(config_file(path).read_text(encoding="utf-8"))
         except OSError as e:
             raise ConfigError(f"{source}: cannot read config: {e.strerror or e}") from e
         except tomllib.TOMLDecodeError as e:

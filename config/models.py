@@ -10,8 +10,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from sandboxes.base import SandboxSpec
-from sandboxes.pool import SandboxPoolConfig
+from durable_rollouts.sandboxes.base import SandboxSpec
+from durable_rollouts.sandboxes.pool import SandboxPoolConfig
 
 
 class _Strict(BaseModel):
@@ -120,12 +120,12 @@ class RolloutConfig(_Strict):
 
 
 class RunConfig(_Strict):
-    task_file: str = Field("environments/math/math_env/data/addition.jsonl", min_length=1)
+    task_file: str = Field("math_env:data/addition.jsonl", min_length=1)
     """JSONL task file in the environment's task format; a relative path resolves against the submitter's
     working directory. The tasks are read once, at submit, and stored with the run."""
     env: str = Field("math", min_length=1)
     """Environment that drives and scores the rollouts: a name registered under the entry-point group
-    ``durable_rollouts.environments`` (``rollouts envs`` lists them; bundled: math, coding)."""
+    ``environments`` (``rollouts envs`` lists them; bundled: math, coding)."""
     num_groups: int = Field(8, ge=1, le=10_000_000)
     """Groups to generate; group i samples task i modulo the number of tasks."""
     group_size: int = Field(4, ge=1, le=1024)
@@ -369,7 +369,7 @@ class StackConfig(_Strict):
     """Temporal web UI port on 127.0.0.1."""
     engine_port: int = Field(8000, ge=1, le=65535)
     """vLLM OpenAI-compatible server port on 127.0.0.1."""
-    model_dir: str = "models/tiny-policy"
+    model_dir: str = "durable_rollouts.engines:tiny-policy"
     """Model directory the engine serves (relative paths resolve against the repository root)."""
     served_model_name: str = "tiny"
     """Name the engine serves the model under (must match engine.model of the runs)."""

@@ -11,8 +11,15 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from contracts.ref import OfRollout, RolloutRef
-from contracts.types import EnvTraits, GroupResult, Outcome, RolloutResult, RolloutState, SamplingParams
+from durable_rollouts.contracts.ref import OfRollout, RolloutRef
+from durable_rollouts.contracts.types import (
+    EnvTraits,
+    GroupResult,
+    Outcome,
+    RolloutResult,
+    RolloutState,
+    SamplingParams,
+)
 
 
 class _Data(BaseModel):

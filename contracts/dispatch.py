@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from sandboxes.pool import PoolStatus, SandboxPoolConfig
+from durable_rollouts.sandboxes.pool import PoolStatus, SandboxPoolConfig
 
 
 class _Data(BaseModel):

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
-from contracts.ref import RolloutRef
-from contracts.types import SamplingParams, TruncationReason
+from durable_rollouts.contracts.ref import RolloutRef
+from durable_rollouts.contracts.types import SamplingParams, TruncationReason
 
 
 class _Data(BaseModel):

@@ -10,9 +10,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from contracts.ref import OfRollout, RolloutRef
-from sandboxes.base import SandboxSpec
-from sandboxes.pool import SandboxPoolConfig
+from durable_rollouts.contracts.ref import OfRollout, RolloutRef
+from durable_rollouts.sandboxes.base import SandboxSpec
+from durable_rollouts.sandboxes.pool import SandboxPoolConfig
 
 
 class _Data(BaseModel):

@@ -13,8 +13,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from config.models import Config
-from contracts.dispatch import (
+from durable_rollouts.config.models import Config
+from durable_rollouts.contracts.dispatch import (
     AdmissionState,
     DispatchLog,
     DispatchState,
@@ -26,10 +26,15 @@ from contracts.dispatch import (
     QueueBacklog,
     TokenBucket,
 )
-from contracts.ref import RolloutRef
-from contracts.sandbox import SandboxCreated, SandboxPlaceInput, SandboxPlacement, SandboxStepInput
-from sandboxes.base import SandboxSpec
-from sandboxes.pool import PoolStatus, SandboxPoolConfig
+from durable_rollouts.contracts.ref import RolloutRef
+from durable_rollouts.contracts.sandbox import (
+    SandboxCreated,
+    SandboxPlaceInput,
+    SandboxPlacement,
+    SandboxStepInput,
+)
+from durable_rollouts.sandboxes.base import SandboxSpec
+from durable_rollouts.sandboxes.pool import PoolStatus, SandboxPoolConfig
 
 
 class _Data(BaseModel):

@@ -21,10 +21,10 @@ from typing import Any
 
 import httpx
 
-from contracts.types import SamplingParams, TruncationReason
-from engines.watchdog import Watchdog
-from errors import ContextLengthExceeded, EngineBadReply, EngineBadRequest, EngineUnavailable
-from turns.budget import turn_budget
+from durable_rollouts.contracts.types import SamplingParams, TruncationReason
+from durable_rollouts.engines.watchdog import Watchdog
+from durable_rollouts.errors import ContextLengthExceeded, EngineBadReply, EngineBadRequest, EngineUnavailable
+from durable_rollouts.turns.budget import turn_budget
 
 _CONTEXT_MARKERS = ("maximum context length", "maximum model length", "max_model_len", "context length")
 

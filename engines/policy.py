@@ -41,7 +41,7 @@ from typing import Any
 
 import httpx
 
-from store.runstore import RunStore
+from durable_rollouts.store.runstore import RunStore
 
 VERSION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,63}$")
 

@@ -43,7 +43,7 @@ from typing import TypeVar
 
 import httpx
 
-from errors import EngineStalled
+from durable_rollouts.errors import EngineStalled
 
 T = TypeVar("T")
 

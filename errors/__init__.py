@@ -12,7 +12,8 @@ Invariants:
   Infra failures are never recorded as a reward.
 - An exception an environment's hook raises that is not one of these classes (a ``ZeroDivisionError`` in
   ``parse``, the base class's ``NotImplementedError``) is the environment's: it crosses the boundary as
-  `EnvironmentCodeError` (``envs.base.calling``) and is recorded ``environment: <its type>: <message>``
+  `EnvironmentCodeError` (``environments.base.calling``) and is recorded ``environment: <its type>:
+  <message>``
   (`failure_reason`), its traceback's last frames in the record (`failure_details`). Final unless the
   environment declared it transient. The project's own errors raised inside a hook (a sandbox call's
   `SandboxError`, a `TaskFileError`) keep their class and their kind.
@@ -144,7 +145,8 @@ FRAMES_KEPT = 5
 
 
 class EnvironmentCodeError(EnvironmentFailure):
-    """An exception raised by an environment's own code (a hook of ``envs.base.Environment``): its type
+    """An exception raised by an environment's own code (a hook of ``environments.base.Environment``): its
+    type
     name, message, the hook and the traceback's last frames, which the record keeps.
 
     Final, unless the environment declared the exception transient (``Environment.retryable_errors``, or

@@ -12,11 +12,14 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from faults.proxy import Fault, FaultProxy
-from faults.schedule import Planned, schedule  # binds the function over the submodule of that name
+from durable_rollouts.faults.proxy import Fault, FaultProxy
+from durable_rollouts.faults.schedule import (  # binds the function over the submodule of that name
+    Planned,
+    schedule,
+)
 
 if TYPE_CHECKING:
-    from faults.ledger import LedgerReport, Violation, check_run, check_store
+    from durable_rollouts.faults.ledger import LedgerReport, Violation, check_run, check_store
 
 _LAZY = {"LedgerReport", "Violation", "check_run", "check_store"}
 """The ledger's names (it imports the store and the trainer feed): loaded on first use."""
@@ -36,4 +39,4 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     if name not in _LAZY:
         raise AttributeError(f"module 'faults' has no attribute {name!r}")
-    return getattr(importlib.import_module("faults.ledger"), name)
+    return getattr(importlib.import_module("durable_rollouts.faults.ledger"), name)

@@ -41,10 +41,10 @@ from typing import Any
 import docker.errors
 import httpx
 
-from faults import containers, process
-from faults.ledger import LedgerReport, check_run
-from faults.schedule import Planned
-from sandboxes.base import DEFAULT_IMAGE
+from durable_rollouts.faults import containers, process
+from durable_rollouts.faults.ledger import LedgerReport, check_run
+from durable_rollouts.faults.schedule import Planned
+from durable_rollouts.sandboxes.base import DEFAULT_IMAGE
 
 PROCESS_KINDS = {
     "worker_kill": ("worker", "kill"),
@@ -90,7 +90,7 @@ class Chaos:
     def __post_init__(self) -> None:
         self._rng = random.Random(self.seed)
         if self.store is None:
-            from store import RunStore
+            from durable_rollouts.store import RunStore
 
             self.store = RunStore(self.home)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -180,7 +180,7 @@ class Chaos:
                 await asyncio.sleep(0.5)
 
     def _engine_back(self) -> None:
-        from engines.policy import publish
+        from durable_rollouts.engines.policy import publish
 
         latest = self._latest_policy()
         if latest is None:
@@ -272,7 +272,7 @@ class Chaos:
     # -- publish ---------------------------------------------------------------------------------------
 
     async def _publish(self, p: Planned) -> None:
-        from engines.policy import publish
+        from durable_rollouts.engines.policy import publish
 
         latest = self._latest_policy()
         if latest is None:

@@ -30,7 +30,7 @@ from typing import Any
 import docker
 import docker.errors
 
-from sandboxes.docker_backend import LABEL_PROJECT, LABEL_ROLLOUT, LABEL_RUN
+from durable_rollouts.sandboxes.docker_backend import LABEL_PROJECT, LABEL_ROLLOUT, LABEL_RUN
 
 HOLD_REPO = "durable-rollouts-chaos-hold"
 """Repository of the tags that keep an image while its own tag is removed."""

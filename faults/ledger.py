@@ -31,8 +31,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
-from store import RunStore
-from trainer.feed import TrainerFeed
+from durable_rollouts.store import RunStore
+from durable_rollouts.trainer.feed import TrainerFeed
 
 _ATTEMPT = re.compile(r"^(?P<slot>\d+)(?:r(?P<n>\d+))?$")
 

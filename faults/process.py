@@ -6,7 +6,7 @@ them: ``<home>/pids/<name>.pid`` holding ``<pid> <kernel start time>``. ``target
 ``worker`` and every ``worker-<n>`` spawned there; a user's suite that spawns its own components the same
 way gets the same faults::
 
-    from faults import process
+    from durable_rollouts.faults import process
     (w,) = process.targets(home, "worker")
     with process.frozen(w):            # SIGSTOP now, SIGCONT on leaving, whatever happens inside
         await asyncio.sleep(10)
@@ -15,7 +15,7 @@ way gets the same faults::
 Invariants:
 - A target is found by a pid whose recorded start time still matches (a reused pid is never touched), and
   every signal goes to its whole process tree (each component leads its own session): each process of that
-  session or group proven to be of the same spawn first (``config.proctree``: the spawn's marker in its
+  session or group proven to be of the same spawn first (``stack.proctree``: the spawn's marker in its
   environment), so a kill also reaches the tree of a leader that died meanwhile, and a recycled group id
   is never signalled.
 - A frozen group is stopped when ``frozen`` returns, and always thawed: SIGCONT on the way out, even on
@@ -26,7 +26,7 @@ Invariants:
   of the old tree is left.
 
 This module does not import ``stack`` (``cli`` imports both; no cycle): the pid-file format and the tree's
-membership check live in ``config.proctree``.
+membership check live in ``stack.proctree``.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from config import proctree
-from config.proctree import Record
+from durable_rollouts.stack import proctree
+from durable_rollouts.stack.proctree import Record
 
 
 class ProcessFaultError(RuntimeError):

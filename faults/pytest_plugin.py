@@ -1,7 +1,7 @@
 """pytest fixtures for fault-injection suites: ``fault_proxy`` and ``ledger``.
 
-Enable with ``-p faults.pytest_plugin`` (or ``pytest_plugins = ["faults.pytest_plugin"]`` in a root
-conftest)::
+Enable with ``-p faults.pytest_plugin`` (or ``pytest_plugins = ["durable_rollouts.faults.pytest_plugin"]`` in
+a root conftest)::
 
     async def test_my_stack_survives_resets(fault_proxy, ledger):
         proxy = await fault_proxy("http://127.0.0.1:8000")   # point engine.urls at proxy.url
@@ -20,8 +20,8 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from faults.ledger import LedgerReport, check_run
-from faults.proxy import FaultProxy
+from durable_rollouts.faults.ledger import LedgerReport, check_run
+from durable_rollouts.faults.proxy import FaultProxy
 
 
 @pytest.fixture

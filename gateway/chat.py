@@ -9,8 +9,8 @@ Invariants:
   template's tokens for the new messages (`template_delta`); anything else is a rewrite (the harness
   truncated or summarised its history): a new token sequence starts, and the reason says where.
 - Tool calls are parsed in the model's own format (``<tool_call>{"name", "arguments"}</tool_call>``, as
-  ``envs.tool_calls`` renders it) and answered in OpenAI's shape; a block that does not parse stays in the
-  content, so the harness sees what the model wrote.
+  ``environments.tool_calls`` renders it) and answered in OpenAI's shape; a block that does not parse stays
+  in the content, so the harness sees what the model wrote.
 """
 
 from __future__ import annotations

@@ -14,13 +14,13 @@ Invariants:
 from __future__ import annotations
 
 import hashlib
+import importlib.resources
 import shlex
-from pathlib import Path
 
-from envs.base import Sandbox
-from envs.harness import HarnessCommand
-from errors import SandboxFileError, SandboxGone
-from sandboxes.base import GATEWAY_MOUNT
+from durable_rollouts.environments.base import Sandbox
+from durable_rollouts.environments.harness_trait import HarnessCommand
+from durable_rollouts.errors import SandboxFileError, SandboxGone
+from durable_rollouts.sandboxes.base import GATEWAY_MOUNT
 
 STATE = "/tmp/.dr-harness"
 SOCKET = f"{GATEWAY_MOUNT}/gw.sock"
@@ -63,7 +63,7 @@ async def start(box: Sandbox, cmd: HarnessCommand, env: dict[str, str]) -> bool:
     res = await box.exec(f"mkdir -p {STATE} && test -e {STATE}/started && echo STARTED || echo NEW", 30)
     if "STARTED" in res.output:
         return False
-    shim = (Path(__file__).parent / "shim.py").read_text()
+    shim = importlib.resources.files("durable_rollouts.gateway").joinpath("shim.py").read_text()
     await _write(box, f"{STATE}/shim.py", shim)
     await _write(box, f"{STATE}/run.sh", launcher(cmd, env))
     res = await box.exec(

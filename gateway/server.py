@@ -23,10 +23,10 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from gateway import chat
-from sandboxes.base import gateway_dir
-from store import RunStore
-from store.gateway_calls import CallInFlight
+from durable_rollouts.gateway import chat
+from durable_rollouts.sandboxes.base import gateway_dir
+from durable_rollouts.store import RunStore
+from durable_rollouts.store.gateway_calls import CallInFlight
 
 log = logging.getLogger(__name__)
 

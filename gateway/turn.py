@@ -22,16 +22,16 @@ import asyncio
 import time
 from typing import Any, Protocol
 
-from contracts.harness import GatewayCallInput, GatewayCallResult
-from contracts.types import TruncationReason
-from errors import EnvironmentFailure
-from gateway import chat
-from store import RunStore, Segment, model_segment
-from store.gateway_calls import GatewayCall
-from turns.budget import turn_budget
-from turns.clock import StoreClock
-from turns.engine import Engine as TurnEngine
-from turns.model import ModelTurns, call_model
+from durable_rollouts.contracts.harness import GatewayCallInput, GatewayCallResult
+from durable_rollouts.contracts.types import TruncationReason
+from durable_rollouts.errors import EnvironmentFailure
+from durable_rollouts.gateway import chat
+from durable_rollouts.store import RunStore, Segment, model_segment
+from durable_rollouts.store.gateway_calls import GatewayCall
+from durable_rollouts.turns.budget import turn_budget
+from durable_rollouts.turns.clock import StoreClock
+from durable_rollouts.turns.engine import Engine as TurnEngine
+from durable_rollouts.turns.model import ModelTurns, call_model
 
 
 class Engine(TurnEngine, Protocol):

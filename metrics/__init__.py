@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import Counter, Gauge, Histogram
 
 if TYPE_CHECKING:
-    from contracts.types import DispatchLog, FleetPoll
+    from durable_rollouts.contracts.types import DispatchLog, FleetPoll
 
 TURN_BUCKETS = (
     0.001,

@@ -22,7 +22,7 @@ from temporalio import activity
 from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
 from temporalio.worker import ActivityInboundInterceptor, ExecuteActivityInput, Interceptor
 
-from metrics import INFLIGHT, phase_of
+from durable_rollouts.metrics import INFLIGHT, phase_of
 
 
 @contextmanager

@@ -1,2 +1,2 @@
 """The export contract: rollout and group records as trainers read them (JSONL), their typed models
-(``records.models``), the committed JSON Schemas generated from them (``records/schema/``) and lineage."""
+(``records.record``), the committed JSON Schemas generated from them (``records/schema/``) and lineage."""

@@ -1,7 +1,7 @@
 """Export a run as JSONL: one rollout object per line, then one group object per group.
 
 This is a stable contract that trainers read (see README, "Export format"): every line is built through
-the models of ``records/models.py`` (whose committed JSON Schemas are ``records/schema/*.json``) and carries
+the models of ``records/record.py`` (whose committed JSON Schemas are ``records/schema/*.json``) and carries
 ``schema_version``. Fields keep their names and meaning. Invariant: token_ids, logprobs, loss_mask and
 policy_versions of a record have the same length, and logprobs/policy_versions are null exactly where
 loss_mask is 0.
@@ -17,7 +17,8 @@ record time; the group record carries it too). Records stored before wall time e
 
 Lineage: every rollout record carries ``lineage`` (see :func:`rollout_lineage`): the policy versions that
 sampled its tokens in order of first use, the run's config hash, the environment and verifier versions
-(constants in ``envs/``) and, for coding, the sandbox image of the stored config. ``finalize_rollout`` stores
+(constants in ``environments/``) and, for coding, the sandbox image of the stored config.
+``finalize_rollout`` stores
 it with the record; records stored before lineage existed are exported with what the store still knows
 (versions from the tokens, hash and image from the stored run) and null for the code versions it never
 recorded.
@@ -29,9 +30,9 @@ import json
 from collections.abc import Iterator
 from typing import IO, Any
 
-from records.models import ROLLOUT_OPTIONAL, SCHEMA_VERSION, GroupRecord, RolloutRecord
-from records.timing import rollout_time
-from store.runstore import RunStore, Segment
+from durable_rollouts.records.record import ROLLOUT_OPTIONAL, SCHEMA_VERSION, GroupRecord, RolloutRecord
+from durable_rollouts.records.timing import rollout_time
+from durable_rollouts.store.runstore import RunStore, Segment
 
 LINEAGE_FIELDS = (
     "policy_versions",
@@ -46,7 +47,7 @@ LINEAGE_FIELDS = (
 
 def env_versions(env: str) -> tuple[str | None, str | None]:
     """(environment version, verifier version) of the code running now; None for an env not installed."""
-    from envs import registry
+    from durable_rollouts.environments import registry
 
     e = registry.find(env)
     return (e.env_version, e.verifier_version) if e is not None else (None, None)
@@ -84,7 +85,7 @@ def rollout_lineage(
 
 def _sandbox_image(run: dict[str, Any] | None, env: str) -> str | None:
     """The run's default sandbox image, for an environment that uses sandboxes."""
-    from envs import registry
+    from durable_rollouts.environments import registry
 
     e = registry.find(env)
     if e is None or not e.uses_sandbox or not run:
@@ -128,7 +129,7 @@ def _turns(segs: list[Segment]) -> list[dict[str, Any]]:
             turn["transfer_s"] = m["transfer_s"]
         if "logprob_mode" in m:  # recorded from schema 4 on
             turn["logprob_mode"] = m["logprob_mode"]
-        if m.get("metrics"):  # an environment that reports more than the reward (envs.base.Score)
+        if m.get("metrics"):  # an environment that reports more than the reward (environments.base.Score)
             turn["metrics"] = m["metrics"]
         out.append(turn)
     return out

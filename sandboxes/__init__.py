@@ -4,8 +4,14 @@ Invariant: model-generated code runs only inside a hardened sandbox, and a lost 
 `SandboxGone`, never reported as the program's output.
 """
 
-from errors import SandboxError, SandboxFileError, SandboxGone, SandboxNotReady, SandboxPathError
-from sandboxes.base import (
+from durable_rollouts.errors import (
+    SandboxError,
+    SandboxFileError,
+    SandboxGone,
+    SandboxNotReady,
+    SandboxPathError,
+)
+from durable_rollouts.sandboxes.base import (
     DEFAULT_IMAGE,
     AsyncSandboxBackend,
     ExecResult,
@@ -15,7 +21,7 @@ from sandboxes.base import (
     SandboxSpec,
     validate_relative_path,
 )
-from sandboxes.docker_backend import DockerBackend, container_name
+from durable_rollouts.sandboxes.docker_backend import DockerBackend, container_name
 
 __all__ = [
     "DEFAULT_IMAGE",

@@ -14,7 +14,7 @@ from typing import Any
 
 import docker.errors
 
-from sandboxes.base import ImageBuild
+from durable_rollouts.sandboxes.base import ImageBuild
 
 
 def context_tar(build: ImageBuild) -> io.BytesIO:

@@ -18,8 +18,8 @@ import docker.errors
 import requests.exceptions
 from docker.utils.socket import frames_iter
 
-from errors import SandboxError, SandboxGone, SandboxNotReady
-from sandboxes.base import ExecResult, SandboxHandle, SandboxSpec
+from durable_rollouts.errors import SandboxError, SandboxGone, SandboxNotReady
+from durable_rollouts.sandboxes.base import ExecResult, SandboxHandle, SandboxSpec
 
 KILL_AFTER_S = 1.0
 """Grace between SIGTERM and SIGKILL to the command's process group when its timeout fires."""

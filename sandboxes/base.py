@@ -16,7 +16,7 @@ from typing import Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from errors import (
+from durable_rollouts.errors import (
     SandboxPathError,
 )
 
@@ -367,7 +367,8 @@ class AsyncSandboxBackend:
 
 
 class BoundSandbox:
-    """One live sandbox as an environment sees it (``envs.base.Sandbox``): the backend bound to a handle."""
+    """One live sandbox as an environment sees it (``environments.base.Sandbox``): the backend bound to a
+    handle."""
 
     def __init__(self, backend: AsyncSandboxBackend, handle: SandboxHandle) -> None:
         self.backend, self.handle = backend, handle

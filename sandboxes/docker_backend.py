@@ -19,9 +19,15 @@ from collections.abc import Set as AbstractSet
 import docker
 import docker.errors
 
-from errors import SandboxError, SandboxFileError, SandboxGone, SandboxNotReady, SandboxPathError
-from sandboxes._docker_build import build_image
-from sandboxes._docker_exec import (
+from durable_rollouts.errors import (
+    SandboxError,
+    SandboxFileError,
+    SandboxGone,
+    SandboxNotReady,
+    SandboxPathError,
+)
+from durable_rollouts.sandboxes._docker_build import build_image
+from durable_rollouts.sandboxes._docker_exec import (
     EXEC_WRAPPER,
     KILL_AFTER_S,
     READ_SCRIPT,
@@ -31,7 +37,7 @@ from sandboxes._docker_exec import (
     exec_result,
     stream_exec,
 )
-from sandboxes.base import (
+from durable_rollouts.sandboxes.base import (
     ExecResult,
     ImageBuild,
     SandboxHandle,

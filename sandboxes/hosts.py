@@ -21,8 +21,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from errors import SandboxSlotPending
-from sandboxes.pool import PoolStatus, SandboxPool, SandboxPoolConfig
+from durable_rollouts.errors import SandboxSlotPending
+from durable_rollouts.sandboxes.pool import PoolStatus, SandboxPool, SandboxPoolConfig
 
 
 def host_queue(task_queue: str, host: str) -> str:

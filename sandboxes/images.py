@@ -31,8 +31,8 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
-from errors import EnvironmentFailure
-from sandboxes.base import AsyncSandboxBackend, ImageBuild
+from durable_rollouts.errors import EnvironmentFailure
+from durable_rollouts.sandboxes.base import AsyncSandboxBackend, ImageBuild
 
 BUILD_BEAT_S = 2.0
 """How often a builder refreshes its row."""

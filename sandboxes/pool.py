@@ -25,7 +25,7 @@ from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from errors import SandboxSlotPending
+from durable_rollouts.errors import SandboxSlotPending
 
 
 class _Tx(Protocol):

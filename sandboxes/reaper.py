@@ -13,8 +13,8 @@ import logging
 from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.service import RPCError, RPCStatusCode
 
-from sandboxes import AsyncSandboxBackend
-from sandboxes.pool import SandboxPool
+from durable_rollouts.sandboxes import AsyncSandboxBackend
+from durable_rollouts.sandboxes.pool import SandboxPool
 
 log = logging.getLogger(__name__)
 

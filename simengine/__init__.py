@@ -25,7 +25,7 @@ It is NOT a replacement for tests against real vLLM: it has no model and no samp
 linear cost model, and it reproduces only the parts of vLLM's behaviour listed above. Anything that depends
 on how vLLM actually behaves must also be tested against vLLM.
 
-Start it with ``python -m simengine --port P --model tiny --tasks
+Start it with ``python -m durable_rollouts.simengine --port P --model tiny --tasks
 environments/coding/coding_env/data/coding.jsonl --policy scripted --mode reference``, or in process::
 
     async with SimEngine(SimSettings(tasks=...)).serve(port=0) as url:
@@ -40,10 +40,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from simengine.engine import SimEngine
-    from simengine.faults import Faults, FaultUpdate
-    from simengine.policies import SCRIPTED_LOGPROB
-    from simengine.settings import Mode, ModeRule, PolicyName, SimSettings, TimingSettings
+    from durable_rollouts.simengine.engine import SimEngine
+    from durable_rollouts.simengine.faults import Faults, FaultUpdate
+    from durable_rollouts.simengine.policies import SCRIPTED_LOGPROB
+    from durable_rollouts.simengine.settings import Mode, ModeRule, PolicyName, SimSettings, TimingSettings
 
 __all__ = [
     "SCRIPTED_LOGPROB",
@@ -57,17 +57,18 @@ __all__ = [
     "TimingSettings",
 ]
 
-# Imported on first use, so `python -m simengine --help` answers before aiohttp and tokenizers load.
+# Imported on first use, so `python -m durable_rollouts.simengine --help` answers before aiohttp and
+# tokenizers load.
 _HOMES = {
-    "SimEngine": "simengine.engine",
-    "Faults": "simengine.faults",
-    "FaultUpdate": "simengine.faults",
-    "SCRIPTED_LOGPROB": "simengine.policies",
-    "Mode": "simengine.settings",
-    "ModeRule": "simengine.settings",
-    "PolicyName": "simengine.settings",
-    "SimSettings": "simengine.settings",
-    "TimingSettings": "simengine.settings",
+    "SimEngine": "durable_rollouts.simengine.engine",
+    "Faults": "durable_rollouts.simengine.faults",
+    "FaultUpdate": "durable_rollouts.simengine.faults",
+    "SCRIPTED_LOGPROB": "durable_rollouts.simengine.policies",
+    "Mode": "durable_rollouts.simengine.settings",
+    "ModeRule": "durable_rollouts.simengine.settings",
+    "PolicyName": "durable_rollouts.simengine.settings",
+    "SimSettings": "durable_rollouts.simengine.settings",
+    "TimingSettings": "durable_rollouts.simengine.settings",
 }
 
 

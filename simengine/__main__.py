@@ -1,4 +1,4 @@
-"""``python -m simengine``: serve one simulated engine until SIGTERM or SIGINT.
+"""``python -m durable_rollouts.simengine``: serve one simulated engine until SIGTERM or SIGINT.
 
 Invariant: the line ``simengine ready on http://HOST:PORT ...`` is printed (and flushed) only once the port
 accepts requests; a bad setting or task file exits with status 2 and one line on stderr, before binding.
@@ -14,13 +14,15 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from simengine.engine import SimEngine
-    from simengine.faults import FaultUpdate
-    from simengine.settings import SimSettings
+    from durable_rollouts.simengine.engine import SimEngine
+    from durable_rollouts.simengine.faults import FaultUpdate
+    from durable_rollouts.simengine.settings import SimSettings
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m simengine", description="Simulated vLLM engine (HTTP).")
+    p = argparse.ArgumentParser(
+        prog="python -m durable_rollouts.simengine", description="Simulated vLLM engine (HTTP)."
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port (see the ready line)")
     p.add_argument("--model", default="tiny", help="served model name")
@@ -78,8 +80,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from pydantic import ValidationError
 
-    from errors import TaskFileError
-    from simengine.engine import SimEngine
+    from durable_rollouts.errors import TaskFileError
+    from durable_rollouts.simengine.engine import SimEngine
 
     try:
         settings, faults = _settings(args)
@@ -94,15 +96,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _settings(args: argparse.Namespace) -> tuple[SimSettings, FaultUpdate]:
-    from config.paths import resolve_repo_path
-    from simengine.faults import FaultUpdate
-    from simengine.settings import ModeRule, SimSettings
+    from durable_rollouts.config.paths import resolve_path
+    from durable_rollouts.simengine.faults import FaultUpdate
+    from durable_rollouts.simengine.settings import ModeRule, SimSettings
 
     fields: dict[str, Any] = {
         "model": args.model,
         "max_model_len": args.max_model_len,
-        "tasks": resolve_repo_path(args.tasks) if args.tasks else None,
-        "transcripts": resolve_repo_path(args.transcripts) if args.transcripts else None,
+        "tasks": resolve_path(args.tasks, "--tasks") if args.tasks else None,
+        "transcripts": resolve_path(args.transcripts, "--transcripts") if args.transcripts else None,
         "policy": args.policy,
         "mode": args.mode,
         "mode_rules": [ModeRule.parse(r) for r in args.mode_rule],
@@ -126,7 +128,7 @@ def _settings(args: argparse.Namespace) -> tuple[SimSettings, FaultUpdate]:
             "time_scale": args.time_scale,
         }
     if args.model_dir:
-        fields["model_dir"] = resolve_repo_path(args.model_dir)
+        fields["model_dir"] = resolve_path(args.model_dir, "--model-dir")
     faults = FaultUpdate(
         fail_next=args.fail_next,
         fail_status=args.fail_status,

@@ -14,9 +14,9 @@ from typing import Any, TypeVar
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
-from simengine.engine import HTTPFault, SimEngine
-from simengine.faults import FaultUpdate
-from simengine.protocol import (
+from durable_rollouts.simengine.engine import HTTPFault, SimEngine
+from durable_rollouts.simengine.faults import FaultUpdate
+from durable_rollouts.simengine.protocol import (
     DetokenizeIn,
     GenerateIn,
     ModeIn,
@@ -25,7 +25,7 @@ from simengine.protocol import (
     WeightVersionIn,
     error_body,
 )
-from simengine.settings import Mode, ModeRule
+from durable_rollouts.simengine.settings import Mode, ModeRule
 
 _ENGINE = web.AppKey("engine", SimEngine)
 _Body = TypeVar("_Body", bound=BaseModel)

@@ -19,16 +19,23 @@ from typing import Any
 
 from aiohttp import web
 
-from simengine.clock import SimClock
-from simengine.faults import Faults
-from simengine.metrics import Counters, EngineView, Load, PrefixCounts, TimingView, render_metrics
-from simengine.policies import PolicyError, PolicyRequest, make_policy
-from simengine.protocol import GenerateIn
-from simengine.scheduler import PrefixCache, Scheduler
-from simengine.settings import SimSettings
-from simengine.steploop import StepLoop
-from simengine.timing import StepScheduler
-from simengine.tokenizer import SimTokenizer
+from durable_rollouts.simengine.clock import SimClock
+from durable_rollouts.simengine.faults import Faults
+from durable_rollouts.simengine.metrics import (
+    Counters,
+    EngineView,
+    Load,
+    PrefixCounts,
+    TimingView,
+    render_metrics,
+)
+from durable_rollouts.simengine.policies import PolicyError, PolicyRequest, make_policy
+from durable_rollouts.simengine.protocol import GenerateIn
+from durable_rollouts.simengine.scheduler import PrefixCache, Scheduler
+from durable_rollouts.simengine.settings import SimSettings
+from durable_rollouts.simengine.steploop import StepLoop
+from durable_rollouts.simengine.timing import StepScheduler
+from durable_rollouts.simengine.tokenizer import SimTokenizer
 
 DECODE_CHUNK = 16
 """Tokens produced per pacing step: coarse enough that thousands of requests do not flood the event loop."""
@@ -74,7 +81,7 @@ class SimEngine:
     @asynccontextmanager
     async def serve(self, host: str = "127.0.0.1", port: int = 0) -> AsyncIterator[str]:
         """Serve HTTP until the block exits; yields the base URL (``port=0`` picks a free port)."""
-        from simengine.app import build_app
+        from durable_rollouts.simengine.app import build_app
 
         runner = web.AppRunner(
             build_app(self), handler_cancellation=True, shutdown_timeout=2.0, access_log=None

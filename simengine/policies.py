@@ -26,10 +26,10 @@ from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from errors import TaskFileError
-from simengine.scripts import ScriptedTask, load_scripted_tasks, script
-from simengine.settings import Mode, PolicyName, SimSettings
-from simengine.tokenizer import ASSISTANT, SimTokenizer
+from durable_rollouts.errors import TaskFileError
+from durable_rollouts.simengine.scripts import ScriptedTask, load_scripted_tasks, script
+from durable_rollouts.simengine.settings import Mode, PolicyName, SimSettings
+from durable_rollouts.simengine.tokenizer import ASSISTANT, SimTokenizer
 
 SCRIPTED_LOGPROB = -0.01
 """Logprob reported for every scripted token."""
@@ -85,7 +85,7 @@ def load_transcripts(path: str | Path) -> Transcripts:
     Raises:
         TaskFileError: one line naming the file, the line and the field at fault.
     """
-    from envs.tasks import json_objects
+    from durable_rollouts.environments.tasks import json_objects
 
     p = Path(path)
     out: Transcripts = {}

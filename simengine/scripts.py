@@ -2,8 +2,9 @@
 
 Invariant: pure and deterministic. The same task, mode and turn always give the same text, so a rollout
 replayed or retried against the simulated engine produces the same tokens. Every well-formed action is
-rendered by `envs.tool_calls.render_call`, the same format the harness parses; the malformed ones are fixed
-strings that `envs.tool_calls.parse_tool_call` rejects.
+rendered by `environments.tool_calls.render_call`, the same format the harness parses; the malformed ones are
+fixed
+strings that `environments.tool_calls.parse_tool_call` rejects.
 
 The tasks come from a coding task file (the coding plug-in's ``coding_env/data/coding.jsonl``, or any JSONL
 file whose lines carry an ``id`` and the ``reference`` and ``wrong`` file maps): the script reads only those
@@ -16,9 +17,9 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from envs.tool_calls import ToolCall, render_call
-from errors import TaskFileError
-from simengine.settings import Mode
+from durable_rollouts.environments.tool_calls import ToolCall, render_call
+from durable_rollouts.errors import TaskFileError
+from durable_rollouts.simengine.settings import Mode
 
 FileMap = dict[str, str]
 """Relative path -> file content."""
@@ -43,7 +44,7 @@ def load_scripted_tasks(path: str | Path) -> list[ScriptedTask]:
     Raises:
         TaskFileError: one line naming the file, the line and the field at fault.
     """
-    from envs.tasks import json_objects
+    from durable_rollouts.environments.tasks import json_objects
 
     p = Path(path)
     tasks: dict[str, ScriptedTask] = {}

@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from config.paths import REPO_ROOT
+from durable_rollouts.config.paths import TINY_POLICY, resource_path
 
 
 class PolicyName(StrEnum):
@@ -98,7 +98,7 @@ class SimSettings(BaseModel):
 
     model: str = "tiny"
     """Served model name: /v1/models lists it and requests naming another model get 404."""
-    model_dir: Path = REPO_ROOT / "models" / "tiny-policy"
+    model_dir: Path = Field(default_factory=lambda: resource_path(TINY_POLICY))
     """Directory holding ``tokenizer.json`` (the bundled policy's byte-level tokenizer)."""
     max_model_len: int = Field(default=4096, ge=2)
     """Context length: prompts of this many tokens or more are rejected with HTTP 400."""

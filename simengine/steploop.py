@@ -15,9 +15,9 @@ import asyncio
 import contextlib
 from collections.abc import Callable
 
-from simengine.clock import ScaledClock, SimClock
-from simengine.settings import TimingSettings
-from simengine.timing import Seq, StepScheduler
+from durable_rollouts.simengine.clock import ScaledClock, SimClock
+from durable_rollouts.simengine.settings import TimingSettings
+from durable_rollouts.simengine.timing import Seq, StepScheduler
 
 
 class StepLoop:

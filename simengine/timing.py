@@ -61,8 +61,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from simengine.kvcache import BlockPool, block_hashes
-from simengine.settings import TimingSettings
+from durable_rollouts.simengine.kvcache import BlockPool, block_hashes
+from durable_rollouts.simengine.settings import TimingSettings
 
 
 @dataclass(eq=False)

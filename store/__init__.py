@@ -5,7 +5,7 @@ Invariant: every write is idempotent on its key (run id, rollout id and segment 
 retried activity finds what an earlier attempt wrote instead of writing it twice.
 """
 
-from store.open import open_store, store_exists, store_url
-from store.runstore import RunStore, Segment, model_segment, obs_segment
+from durable_rollouts.store.open import open_store, store_exists, store_url
+from durable_rollouts.store.runstore import RunStore, Segment, model_segment, obs_segment
 
 __all__ = ["RunStore", "Segment", "model_segment", "obs_segment", "open_store", "store_exists", "store_url"]

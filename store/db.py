@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from errors import ConfigError, StoreError
+from durable_rollouts.errors import ConfigError, StoreError
 
 Migration = tuple[int, str]
 

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from store.db import Database
+from durable_rollouts.store.db import Database
 
 
 class CallInFlight(Exception):

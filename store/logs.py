@@ -13,7 +13,7 @@ import json
 import time
 from typing import Any
 
-from store.db import Database
+from durable_rollouts.store.db import Database
 
 
 class LogStore:

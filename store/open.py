@@ -11,10 +11,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from config.paths import rollouts_home
-from errors import ConfigError
-from store.db import PostgresDatabase
-from store.runstore import RunStore
+from durable_rollouts.config.paths import rollouts_home
+from durable_rollouts.errors import ConfigError
+from durable_rollouts.store.db import PostgresDatabase
+from durable_rollouts.store.runstore import RunStore
 
 STORE_ENV = "ROLLOUTS_STORE"
 

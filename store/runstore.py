@@ -27,11 +27,11 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from store.db import Database, SqliteDatabase
-from store.gateway_calls import GatewayCallStore
-from store.logs import LogStore
-from store.schema import BASE, MIGRATIONS, SCHEMA_VERSION
-from store.segments import CONTEXT_CACHE, Segment, SegmentStore, model_segment, obs_segment
+from durable_rollouts.store.db import Database, SqliteDatabase
+from durable_rollouts.store.gateway_calls import GatewayCallStore
+from durable_rollouts.store.logs import LogStore
+from durable_rollouts.store.schema import BASE, MIGRATIONS, SCHEMA_VERSION
+from durable_rollouts.store.segments import CONTEXT_CACHE, Segment, SegmentStore, model_segment, obs_segment
 
 TASK_CACHE = 4096
 """Tasks (as their stored JSON text) a store object keeps after reading them."""
@@ -160,7 +160,7 @@ class RunStore(SegmentStore, LogStore, GatewayCallStore):
 
     def get_sandbox(self, rollout_id: str) -> Any:
         """The rollout's current sandbox handle, or None."""
-        from sandboxes import SandboxHandle
+        from durable_rollouts.sandboxes import SandboxHandle
 
         row = self.db.execute(
             "SELECT handle_json FROM sandboxes WHERE rollout_id=?", (rollout_id,)

@@ -23,7 +23,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from store.db import Database
+from durable_rollouts.store.db import Database
 
 CONTEXT_CACHE = 1024
 """Rollouts whose context a store object keeps in memory (see `SegmentStore.token_ids`)."""

@@ -19,14 +19,18 @@ from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
-from config.models import StackConfig
-from config.paths import REPO_ROOT, venv_bin
-from stack.procs import free_port
-from workflows import search_attributes as sa
+from durable_rollouts.config.models import StackConfig
+from durable_rollouts.config.paths import venv_bin
+from durable_rollouts.stack.procs import free_port
+from durable_rollouts.workflows import search_attributes as sa
+from tests import REPO_ROOT
 
-pytest_plugins = ["faults.pytest_plugin", "tests.postgres"]  # the fault kit's fixtures; both store backends
+pytest_plugins = [
+    "durable_rollouts.faults.pytest_plugin",
+    "tests.postgres",
+]  # the fault kit's fixtures; both store backends
 
-MODEL_DIR = REPO_ROOT / "models" / "tiny-policy"
+MODEL_DIR = REPO_ROOT / "engines" / "tiny-policy"
 POLICY_VERSION = "v0"
 
 
@@ -105,10 +109,10 @@ class Engine:
 
 def start_engine(home: Path, **overrides: object) -> Engine:
     """Start a real vLLM engine on the bundled tiny policy and wait until it serves."""
-    from stack import procs
+    from durable_rollouts.stack import procs
 
     if not (MODEL_DIR / "config.json").exists():
-        pytest.fail(f"bundled policy missing at {MODEL_DIR}; run python models/build_tiny_policy.py")
+        pytest.fail(f"bundled policy missing at {MODEL_DIR}; run python engines/build_tiny_policy.py")
     cfg = StackConfig(engine_port=free_port(), model_dir=str(MODEL_DIR), **overrides)  # type: ignore[arg-type]
     url = f"http://127.0.0.1:{cfg.engine_port}"
     pid = procs.spawn("engine", procs.engine_argv(cfg), home, env=procs.engine_env(cfg))
@@ -125,7 +129,7 @@ def start_engine(home: Path, **overrides: object) -> Engine:
 
 @pytest.fixture(scope="session")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
-    from stack import procs
+    from durable_rollouts.stack import procs
 
     eng = start_engine(tmp_path_factory.mktemp("engine"))
     yield eng

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from stack.procs import free_port
-from store import RunStore, open_store
-from store.local_postgres import database_url, local_postgres, postgres_bin
+from durable_rollouts.stack.procs import free_port
+from durable_rollouts.store import RunStore, open_store
+from durable_rollouts.store.local_postgres import database_url, local_postgres, postgres_bin
 
 BACKENDS = ["sqlite", "postgres"]
 _seq = itertools.count()

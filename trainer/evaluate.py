@@ -21,9 +21,9 @@ from typing import Any
 
 import httpx
 
-from contracts.types import SamplingParams
-from engines.client import EngineClient
-from envs.base import Environment, Score, TurnContext
+from durable_rollouts.contracts.types import SamplingParams
+from durable_rollouts.engines.client import EngineClient
+from durable_rollouts.environments.base import Environment, Score, TurnContext
 
 
 class EvalError(RuntimeError):

@@ -32,9 +32,9 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-import metrics
-from records.export import group_record, rollout_record
-from store.runstore import RunStore
+from durable_rollouts import metrics
+from durable_rollouts.records.export import group_record, rollout_record
+from durable_rollouts.store.runstore import RunStore
 
 
 class FeedError(RuntimeError):

@@ -28,16 +28,16 @@ from typing import Any
 
 import torch
 
-from config.load import config_hash
-from config.models import Config
-from config.paths import resolve_repo_path
-from engines.policy import publish
-from store import RunStore, open_store
-from trainer.batch import TensorBatch, to_tensors
-from trainer.feed import FeedGroup, TrainerFeed
-from trainer.loss import clipped_policy_loss, token_logprobs
-from trainer.policy_io import load_policy, save_policy
-from trainer.settings import TrainerSettings
+from durable_rollouts.config.load import config_hash
+from durable_rollouts.config.models import Config
+from durable_rollouts.config.paths import resolve_path
+from durable_rollouts.engines.policy import publish
+from durable_rollouts.store import RunStore, open_store
+from durable_rollouts.trainer.batch import TensorBatch, to_tensors
+from durable_rollouts.trainer.feed import FeedGroup, TrainerFeed
+from durable_rollouts.trainer.loss import clipped_policy_loss, token_logprobs
+from durable_rollouts.trainer.policy_io import load_policy, save_policy
+from durable_rollouts.trainer.settings import TrainerSettings
 
 BEHAVIOUR_LOGPROBS = "processed_logprobs"
 """The logprobs mode the loss's importance ratios assume (after temperature and top-k/top-p, the
@@ -173,7 +173,11 @@ class Loop:
         self.store = open_store(home=self.home)  # $ROLLOUTS_STORE if set, else the home directory
         self.feed = TrainerFeed(self.store, run_id)
         self.urls = [u.rstrip("/") for u in cfg.engine.urls]
-        self.weights_root = resolve_repo_path(ts.weights_root) if ts.weights_root else self.home / "policies"
+        self.weights_root = (
+            resolve_path(ts.weights_root, "trainer.weights_root")
+            if ts.weights_root
+            else self.home / "policies"
+        )
         self.steps: list[StepLog] = []
         self.token_lags: Counter[int] = Counter()
         self.trained_tokens = 0
@@ -195,15 +199,15 @@ class Loop:
         return row
 
     async def evaluate(self, label: str) -> dict[str, Any] | None:
-        from contracts.types import SamplingParams
-        from envs import registry
-        from envs.tasks import load_tasks
-        from trainer.evaluate import accuracy
+        from durable_rollouts.contracts.types import SamplingParams
+        from durable_rollouts.environments import registry
+        from durable_rollouts.environments.tasks import load_tasks
+        from durable_rollouts.trainer.evaluate import accuracy
 
         if self.ts.eval_samples_per_task == 0:
             return None
         env = self.cfg.run.env
-        tasks = load_tasks(resolve_repo_path(self.ts.eval_task_file), env)
+        tasks = load_tasks(resolve_path(self.ts.eval_task_file, "trainer.eval_task_file"), env)
         s = self.cfg.sampling
         sampling = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                                   max_tokens=s.max_tokens, seed=None,
@@ -220,11 +224,11 @@ class Loop:
     async def start_run(self):
         from temporalio.service import RPCError, RPCStatusCode
 
-        from contracts.client import connect
-        from contracts.types import RunInput
-        from envs.fleet import require_worker
-        from errors import ConfigError
-        from workflows.run import RunWorkflow
+        from durable_rollouts.contracts.client import connect
+        from durable_rollouts.contracts.types import RunInput
+        from durable_rollouts.environments.fleet import require_worker
+        from durable_rollouts.errors import ConfigError
+        from durable_rollouts.workflows.run import RunWorkflow
 
         client = self.client
         if client is None:
@@ -243,7 +247,7 @@ class Loop:
         except RPCError as e:
             if e.status != RPCStatusCode.NOT_FOUND:
                 raise
-        try:  # on its environment's queue, once a live worker polls it (envs/fleet.py)
+        try:  # on its environment's queue, once a live worker polls it (environments/fleet.py)
             queue = await require_worker(client, self.cfg.temporal.task_queue, self.cfg.run.env)
         except ConfigError as e:
             raise TrainerError(str(e)) from None

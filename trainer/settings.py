@@ -13,8 +13,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from config.load import ConfigError, _one_line, read_toml
-from config.models import Config
+from durable_rollouts.config.load import ConfigError, _one_line, read_toml
+from durable_rollouts.config.models import Config
 
 
 class TrainerSettings(BaseModel):
@@ -56,7 +56,7 @@ class TrainerSettings(BaseModel):
     """How often to ask the feed again while waiting for groups."""
     stall_timeout_s: float = Field(600.0, gt=0)
     """Fail when no group completes for this long while the run is still going."""
-    eval_task_file: str = Field("environments/math/math_env/data/addition.jsonl", min_length=1)
+    eval_task_file: str = Field("math_env:data/addition.jsonl", min_length=1)
     """Fixed evaluation set (math JSONL; relative paths resolve against the repository)."""
     eval_samples_per_task: int = Field(4, ge=0, le=1000)
     """Answers sampled per evaluation task at the start and at the end (0 skips the evaluations)."""

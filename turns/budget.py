@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from contracts.types import TruncationReason
+from durable_rollouts.contracts.types import TruncationReason
 
 
 @dataclass(frozen=True)

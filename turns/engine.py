@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from contracts.types import SamplingParams
+from durable_rollouts.contracts.types import SamplingParams
 
 
 class Sampled(Protocol):

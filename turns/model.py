@@ -22,16 +22,16 @@ import asyncio
 import logging
 import time
 
-from contracts.activity_io import GenerateInput, PrepareInput
-from contracts.types import SamplingParams, TruncationReason, TurnResult
-from envs import registry
-from envs.base import calling
-from errors import ContextLengthExceeded, EngineUnavailable, RolloutError
-from store import RunStore, Segment, model_segment
-from turns.budget import turn_budget, turn_truncation
-from turns.clock import StoreClock
-from turns.engine import Engine, Sampled
-from turns.step import EnvSteps, stored_task
+from durable_rollouts.contracts.activity_io import GenerateInput, PrepareInput
+from durable_rollouts.contracts.types import SamplingParams, TruncationReason, TurnResult
+from durable_rollouts.environments import registry
+from durable_rollouts.environments.base import calling
+from durable_rollouts.errors import ContextLengthExceeded, EngineUnavailable, RolloutError
+from durable_rollouts.store import RunStore, Segment, model_segment
+from durable_rollouts.turns.budget import turn_budget, turn_truncation
+from durable_rollouts.turns.clock import StoreClock
+from durable_rollouts.turns.engine import Engine, Sampled
+from durable_rollouts.turns.step import EnvSteps, stored_task
 
 log = logging.getLogger(__name__)
 

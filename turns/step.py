@@ -1,9 +1,9 @@
 """The environment's step: a stored model turn in, an observation (stored) or the rollout's end out.
 
 Invariants:
-- Any environment, through the interface (``envs.base``): the turn's text goes to ``parse`` (and an
+- Any environment, through the interface (``environments.base``): the turn's text goes to ``parse`` (and an
   action to ``act``); a rollout that is done without a reward, or truncated and scored, goes to ``score``.
-  Every hook is called through ``envs.base.calling``: an exception of the environment's code fails the
+  Every hook is called through ``environments.base.calling``: an exception of the environment's code fails the
   step as `EnvironmentCodeError` (kind environment), never as infrastructure.
 - Idempotent on (rollout id, turn): what a step decided is recorded with the turn (segment meta ``step``)
   and its observation stored once, so a retried step returns what the first attempt did instead of
@@ -29,15 +29,15 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from contracts.activity_io import EnvStepInput
-from contracts.types import EnvStepResult
-from envs import registry
-from envs.base import Environment, Score, Step, TurnContext, calling
-from errors import StoreError
-from sandboxes.base import BoundSandbox
-from store import RunStore, Segment, model_segment, obs_segment
-from turns.clock import StoreClock
-from turns.engine import Engine
+from durable_rollouts.contracts.activity_io import EnvStepInput
+from durable_rollouts.contracts.types import EnvStepResult
+from durable_rollouts.environments import registry
+from durable_rollouts.environments.base import Environment, Score, Step, TurnContext, calling
+from durable_rollouts.errors import StoreError
+from durable_rollouts.sandboxes.base import BoundSandbox
+from durable_rollouts.store import RunStore, Segment, model_segment, obs_segment
+from durable_rollouts.turns.clock import StoreClock
+from durable_rollouts.turns.engine import Engine
 
 T = TypeVar("T")
 Bound = Callable[[str], Awaitable[BoundSandbox | None]]

@@ -10,7 +10,7 @@ Invariants:
   ``host_timeout_s`` nothing is placed on it, and its rollouts move (workflows/sandbox_steps.py).
 - The host queue's worker runs only sandbox activities and env steps, with this host's daemon; every
   other activity and every workflow runs on the run's own queue, on any worker.
-- A run started on an environment's queue (envs/fleet.py) is placed on the host's queue for that
+- A run started on an environment's queue (environments/fleet.py) is placed on the host's queue for that
   environment (the registered queue plus ``registry.env_part`` of the run's queue), polled only by a host
   that loaded the environment at that version: a host without it never picks the rollout's sandbox work
   up, so the rollout leaves it (``host_timeout_s``) for another, as for a host that is gone.
@@ -28,16 +28,16 @@ import docker
 from temporalio.client import Client
 from temporalio.worker import Worker
 
-from activities.environment import EnvironmentActivities
-from activities.harness import HarnessActivities
-from activities.sandbox import SandboxActivities
-from engines.client import EngineClient
-from envs.registry import env_part, env_queue
-from errors import SandboxNotReady
-from gateway.server import GatewayServer
-from sandboxes import AsyncSandboxBackend, DockerBackend
-from sandboxes.hosts import SandboxHosts, host_queue
-from store import RunStore
+from durable_rollouts.activities.environment import EnvironmentActivities
+from durable_rollouts.activities.harness import HarnessActivities
+from durable_rollouts.activities.sandbox import SandboxActivities
+from durable_rollouts.engines.client import EngineClient
+from durable_rollouts.environments.registry import env_part, env_queue
+from durable_rollouts.errors import SandboxNotReady
+from durable_rollouts.gateway.server import GatewayServer
+from durable_rollouts.sandboxes import AsyncSandboxBackend, DockerBackend
+from durable_rollouts.sandboxes.hosts import SandboxHosts, host_queue
+from durable_rollouts.store import RunStore
 
 log = logging.getLogger(__name__)
 

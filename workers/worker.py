@@ -1,10 +1,11 @@
 """A rollout worker process: polls one task queue and runs every workflow and activity of the project.
 
 It also polls, for each environment it loaded at start, that environment's queue (``registry.env_queue``),
-where `rollouts run` starts the runs of that environment (envs/fleet.py): a worker started before an
+where `rollouts run` starts the runs of that environment (environments/fleet.py): a worker started before an
 environment was installed never gets its work; restart it to take it.
 
-Run as ``python -m workers.worker --address HOST:PORT --task-queue Q`` or ``rollouts worker``; it stops
+Run as ``python -m durable_rollouts.workers.worker --address HOST:PORT --task-queue Q`` or ``rollouts
+worker``; it stops
 cleanly on SIGTERM or SIGINT. With ``--metrics-port P`` it serves the project's ``rollouts_*`` metrics on
 127.0.0.1:P and the Temporal SDK's own ``temporal_*`` metrics on ``--sdk-metrics-port`` (default P + 1);
 without it, no port is bound (see ``metrics``).
@@ -24,25 +25,25 @@ from typing import Any
 from temporalio.client import Client
 from temporalio.worker import Interceptor, UnsandboxedWorkflowRunner, Worker
 
-from activities.dispatch import DispatchActivities
-from activities.environment import EnvironmentActivities
-from activities.harness import HarnessActivities
-from activities.rollout import RolloutActivities
-from activities.sandbox import SandboxActivities
-from contracts.client import connect
-from engines.client import EngineClient
-from envs import registry
-from gateway.server import GatewayServer
-from metrics.serve import ActivitiesInFlight, serve_metrics, temporal_runtime
-from sandboxes import AsyncSandboxBackend, DockerBackend, SandboxError
-from sandboxes.hosts import SandboxHosts
-from sandboxes.pool import SandboxPool
-from sandboxes.reaper import reap_forever
-from store import RunStore, open_store
-from workers.sandbox_host import SandboxHostSpec, build_host_workers, docker_at, registered
-from workflows.group import GroupWorkflow
-from workflows.rollout import RolloutWorkflow
-from workflows.run import RunWorkflow
+from durable_rollouts.activities.dispatch import DispatchActivities
+from durable_rollouts.activities.environment import EnvironmentActivities
+from durable_rollouts.activities.harness import HarnessActivities
+from durable_rollouts.activities.rollout import RolloutActivities
+from durable_rollouts.activities.sandbox import SandboxActivities
+from durable_rollouts.contracts.client import connect
+from durable_rollouts.engines.client import EngineClient
+from durable_rollouts.environments import registry
+from durable_rollouts.gateway.server import GatewayServer
+from durable_rollouts.metrics.serve import ActivitiesInFlight, serve_metrics, temporal_runtime
+from durable_rollouts.sandboxes import AsyncSandboxBackend, DockerBackend, SandboxError
+from durable_rollouts.sandboxes.hosts import SandboxHosts
+from durable_rollouts.sandboxes.pool import SandboxPool
+from durable_rollouts.sandboxes.reaper import reap_forever
+from durable_rollouts.store import RunStore, open_store
+from durable_rollouts.workers.sandbox_host import SandboxHostSpec, build_host_workers, docker_at, registered
+from durable_rollouts.workflows.group import GroupWorkflow
+from durable_rollouts.workflows.rollout import RolloutWorkflow
+from durable_rollouts.workflows.run import RunWorkflow
 
 WORKFLOWS = [RunWorkflow, GroupWorkflow, RolloutWorkflow]
 
@@ -109,7 +110,8 @@ def build_workers(
 ) -> list[Worker]:
     """The worker of ``task_queue``, then one per environment in ``envs`` (name -> ``env_version``; default:
     every environment this process loads) on that environment's queue (``registry.env_queue``), each with
-    every workflow and activity: runs are started on their environment's queue (envs/fleet.py), so this
+    every workflow and activity: runs are started on their environment's queue (environments/fleet.py), so
+    this
     process only gets work of environments it loaded. The activities' objects are shared. Each worker runs
     at most ``max_workflow_tasks`` workflow tasks at once (its workflow-task slots); ``interceptors`` are
     added to every worker's own."""
@@ -214,7 +216,7 @@ def _start_reaper(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="workers.worker", description=__doc__)
+    parser = argparse.ArgumentParser(prog="durable_rollouts.workers.worker", description=__doc__)
     parser.add_argument("--address", default="127.0.0.1:7233")
     parser.add_argument("--task-queue", default="rollouts")
     parser.add_argument("--namespace", default="default")
@@ -283,6 +285,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from stack.procs import run_main
+    from durable_rollouts.stack.procs import run_main
 
     run_main(main)

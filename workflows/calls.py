@@ -15,7 +15,7 @@ from temporalio import workflow
 from temporalio.common import RetryPolicy
 
 with workflow.unsafe.imports_passed_through():
-    from activities.calls import options_of
+    from durable_rollouts.activities.calls import options_of
 
 
 async def call(

@@ -38,14 +38,14 @@ from temporalio.exceptions import (
 from temporalio.exceptions import TimeoutError as WorkflowTimeoutError
 
 with workflow.unsafe.imports_passed_through():
-    from activities.dispatch import DispatchActivities
-    from config.models import Config
-    from contracts.activity_io import ClosedGroupsInput, TerminatedGroupInput
-    from contracts.types import FailureKind, GroupSlot, Outcome
-    from workflows import patches
-    from workflows.calls import call
-    from workflows.patches import NOTICE_CLOSED_GROUPS
-    from workflows.run_end import Account
+    from durable_rollouts.activities.dispatch import DispatchActivities
+    from durable_rollouts.config.models import Config
+    from durable_rollouts.contracts.activity_io import ClosedGroupsInput, TerminatedGroupInput
+    from durable_rollouts.contracts.types import FailureKind, GroupSlot, Outcome
+    from durable_rollouts.workflows import patches
+    from durable_rollouts.workflows.calls import call
+    from durable_rollouts.workflows.patches import NOTICE_CLOSED_GROUPS
+    from durable_rollouts.workflows.run_end import Account
 
 
 OUTSIDE = "web UI or CLI"

@@ -36,11 +36,11 @@ from temporalio.common import SearchAttributePair, TypedSearchAttributes
 from temporalio.exceptions import ChildWorkflowError, TerminatedError
 
 with workflow.unsafe.imports_passed_through():
-    from activities.rollout import RolloutActivities
-    from admission.controller import CANCEL_REASON
-    from config.models import Config
-    from contracts.activity_io import FinalizeGroupInput
-    from contracts.types import (
+    from durable_rollouts.activities.rollout import RolloutActivities
+    from durable_rollouts.admission.controller import CANCEL_REASON
+    from durable_rollouts.config.models import Config
+    from durable_rollouts.contracts.activity_io import FinalizeGroupInput
+    from durable_rollouts.contracts.types import (
         EngineTarget,
         EnvTraits,
         FailureKind,
@@ -53,12 +53,12 @@ with workflow.unsafe.imports_passed_through():
         rollout_id,
         sampling_params,
     )
-    from workflows import search_attributes as sa
-    from workflows.calls import call
-    from workflows.grpo import group_stats
-    from workflows.patches import INFRA_RETRIES, OPS, REVISION
-    from workflows.rollout import RolloutWorkflow
-    from workflows.rollout_record import finalize_rollout_input
+    from durable_rollouts.workflows import search_attributes as sa
+    from durable_rollouts.workflows.calls import call
+    from durable_rollouts.workflows.grpo import group_stats
+    from durable_rollouts.workflows.patches import INFRA_RETRIES, OPS, REVISION
+    from durable_rollouts.workflows.rollout import RolloutWorkflow
+    from durable_rollouts.workflows.rollout_record import finalize_rollout_input
 
 
 def rollout_template(cfg: Config, run_id: str, env: EnvTraits) -> RolloutInput:
@@ -322,7 +322,7 @@ class GroupWorkflow:
         await workflow.wait_condition(workflow.all_handlers_finished)
         if inp.run_workflow_id:
             with workflow.unsafe.imports_passed_through():  # run.py imports this module: resolve late
-                from workflows.run import RunWorkflow
+                from durable_rollouts.workflows.run import RunWorkflow
 
             run = workflow.get_external_workflow_handle_for(RunWorkflow.run, inp.run_workflow_id)
             await run.signal(RunWorkflow.group_done, record)

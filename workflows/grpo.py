@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from contracts.types import RAN_TO_END, GroupResult, Outcome, RolloutResult
+from durable_rollouts.contracts.types import RAN_TO_END, GroupResult, Outcome, RolloutResult
 
 
 def group_stats(

@@ -27,14 +27,19 @@ from typing import Any
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
-    from activities.harness import HarnessActivities
-    from activities.rollout import engine_retry
-    from contracts.harness import GatewayCallInput, GatewayCallResult, HarnessExit, HarnessRunInput
-    from contracts.types import RolloutInput, RolloutRef, RolloutState, TruncationReason
-    from turns.budget import turn_budget, turn_truncation
-    from workflows.calls import call
-    from workflows.patches import HARNESS
-    from workflows.sandbox_steps import SandboxSteps
+    from durable_rollouts.activities.harness import HarnessActivities
+    from durable_rollouts.activities.rollout import engine_retry
+    from durable_rollouts.contracts.harness import (
+        GatewayCallInput,
+        GatewayCallResult,
+        HarnessExit,
+        HarnessRunInput,
+    )
+    from durable_rollouts.contracts.types import RolloutInput, RolloutRef, RolloutState, TruncationReason
+    from durable_rollouts.turns.budget import turn_budget, turn_truncation
+    from durable_rollouts.workflows.calls import call
+    from durable_rollouts.workflows.patches import HARNESS
+    from durable_rollouts.workflows.sandbox_steps import SandboxSteps
 
 Failover = Callable[[RolloutInput, Callable[[RolloutInput, str], Awaitable[Any]]], Awaitable[Any]]
 

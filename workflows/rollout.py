@@ -30,16 +30,16 @@ from temporalio.common import SearchAttributeKey
 from temporalio.exceptions import ActivityError, ApplicationError
 
 with workflow.unsafe.imports_passed_through():
-    from activities.environment import EnvironmentActivities
-    from activities.rollout import RolloutActivities, engine_retry
-    from admission.replicas import replica_order
-    from contracts.activity_io import (
+    from durable_rollouts.activities.environment import EnvironmentActivities
+    from durable_rollouts.activities.rollout import RolloutActivities, engine_retry
+    from durable_rollouts.admission.replicas import replica_order
+    from durable_rollouts.contracts.activity_io import (
         EnvStepInput,
         GenerateInput,
         PrepareInput,
         StoredOutcome,
     )
-    from contracts.types import (
+    from durable_rollouts.contracts.types import (
         EnvStepResult,
         Outcome,
         Phase,
@@ -51,15 +51,15 @@ with workflow.unsafe.imports_passed_through():
         TruncationReason,
         TurnResult,
     )
-    from errors import EngineUnavailable, failure_details, failure_reason, is_error
-    from turns.budget import turn_budget, turn_truncation
-    from workflows import search_attributes as sa
-    from workflows.calls import call
-    from workflows.harness_steps import HarnessSteps
-    from workflows.patches import OPS, TASK_TIMEOUT
-    from workflows.rollout_record import finalize_rollout_input
-    from workflows.sandbox_steps import SandboxSteps
-    from workflows.search_attributes import utc_text, waiting_on
+    from durable_rollouts.errors import EngineUnavailable, failure_details, failure_reason, is_error
+    from durable_rollouts.turns.budget import turn_budget, turn_truncation
+    from durable_rollouts.workflows import search_attributes as sa
+    from durable_rollouts.workflows.calls import call
+    from durable_rollouts.workflows.harness_steps import HarnessSteps
+    from durable_rollouts.workflows.patches import OPS, TASK_TIMEOUT
+    from durable_rollouts.workflows.rollout_record import finalize_rollout_input
+    from durable_rollouts.workflows.sandbox_steps import SandboxSteps
+    from durable_rollouts.workflows.search_attributes import utc_text, waiting_on
 
 T = TypeVar("T")
 OUTAGE_BACKOFF_MAX_S = 30.0

@@ -8,9 +8,9 @@ from typing import Any
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
-    from admission.controller import CANCEL_REASON
-    from contracts.activity_io import FinalizeRolloutInput
-    from contracts.types import RAN_TO_END, Outcome, RolloutInput, RolloutRef, RolloutState
+    from durable_rollouts.admission.controller import CANCEL_REASON
+    from durable_rollouts.contracts.activity_io import FinalizeRolloutInput
+    from durable_rollouts.contracts.types import RAN_TO_END, Outcome, RolloutInput, RolloutRef, RolloutState
 
 
 def finalize_rollout_input(

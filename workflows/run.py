@@ -57,12 +57,12 @@ from temporalio.exceptions import ActivityError, ApplicationError
 from temporalio.workflow import ParentClosePolicy
 
 with workflow.unsafe.imports_passed_through():
-    from activities.dispatch import DispatchActivities
-    from activities.rollout import RolloutActivities
-    from admission import breaker
-    from admission.controller import AdmissionController, Decision
-    from admission.replicas import choose_replica, replica_load
-    from admission.room import (
+    from durable_rollouts.activities.dispatch import DispatchActivities
+    from durable_rollouts.activities.rollout import RolloutActivities
+    from durable_rollouts.admission import breaker
+    from durable_rollouts.admission.controller import AdmissionController, Decision
+    from durable_rollouts.admission.replicas import choose_replica, replica_load
+    from durable_rollouts.admission.room import (
         admission_room,
         cancels_by_group,
         closed_unseen,
@@ -70,8 +70,8 @@ with workflow.unsafe.imports_passed_through():
         newly_complete,
         spend_bucket,
     )
-    from contracts.activity_io import LoadRunInput, TerminatedGroupInput
-    from contracts.types import (
+    from durable_rollouts.contracts.activity_io import LoadRunInput, TerminatedGroupInput
+    from durable_rollouts.contracts.types import (
         DispatchLog,
         FailureKind,
         FleetPoll,
@@ -87,13 +87,18 @@ with workflow.unsafe.imports_passed_through():
         RunState,
         group_id,
     )
-    from workflows import patches
-    from workflows import search_attributes as sa
-    from workflows.calls import call
-    from workflows.closed_groups import ClosedGroups
-    from workflows.group import RUN_CANCEL_REASON, RUN_STOP_REASON, GroupWorkflow, rollout_template
-    from workflows.run_end import cancel_groups
-    from workflows.unreported import record_unreported
+    from durable_rollouts.workflows import patches
+    from durable_rollouts.workflows import search_attributes as sa
+    from durable_rollouts.workflows.calls import call
+    from durable_rollouts.workflows.closed_groups import ClosedGroups
+    from durable_rollouts.workflows.group import (
+        RUN_CANCEL_REASON,
+        RUN_STOP_REASON,
+        GroupWorkflow,
+        rollout_template,
+    )
+    from durable_rollouts.workflows.run_end import cancel_groups
+    from durable_rollouts.workflows.unreported import record_unreported
 
 
 TASK_ID_BATCH = 32

@@ -14,11 +14,11 @@ from collections.abc import Awaitable, Callable
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
-    from activities.rollout import RolloutActivities
-    from contracts.activity_io import TerminatedGroupInput
-    from contracts.types import GroupSlot, Outcome
-    from workflows.calls import call
-    from workflows.group import GroupWorkflow
+    from durable_rollouts.activities.rollout import RolloutActivities
+    from durable_rollouts.contracts.activity_io import TerminatedGroupInput
+    from durable_rollouts.contracts.types import GroupSlot, Outcome
+    from durable_rollouts.workflows.calls import call
+    from durable_rollouts.workflows.group import GroupWorkflow
 
 
 Account = Callable[[TerminatedGroupInput, Outcome, str], Awaitable[None]]

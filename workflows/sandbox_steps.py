@@ -29,11 +29,22 @@ from temporalio import workflow
 from temporalio.exceptions import ActivityError, TimeoutError, TimeoutType
 
 with workflow.unsafe.imports_passed_through():
-    from activities.sandbox import SandboxActivities
-    from contracts.sandbox import SandboxCreated, SandboxPlaceInput, SandboxPlacement, SandboxStepInput
-    from contracts.types import RolloutInput, RolloutRef, RolloutState
-    from errors import SandboxGone, SandboxNotReady, SandboxSlotPending, application_error, is_error
-    from workflows.calls import call
+    from durable_rollouts.activities.sandbox import SandboxActivities
+    from durable_rollouts.contracts.sandbox import (
+        SandboxCreated,
+        SandboxPlaceInput,
+        SandboxPlacement,
+        SandboxStepInput,
+    )
+    from durable_rollouts.contracts.types import RolloutInput, RolloutRef, RolloutState
+    from durable_rollouts.errors import (
+        SandboxGone,
+        SandboxNotReady,
+        SandboxSlotPending,
+        application_error,
+        is_error,
+    )
+    from durable_rollouts.workflows.calls import call
 
 T = TypeVar("T")
 MAX_RECOVERIES = 2

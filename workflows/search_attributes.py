@@ -24,7 +24,7 @@ from datetime import UTC, datetime
 
 from temporalio.common import SearchAttributeIndexedValueType, SearchAttributeKey
 
-from contracts.types import Phase
+from durable_rollouts.contracts.types import Phase
 
 RUN = SearchAttributeKey.for_keyword("RolloutRun")
 GROUP = SearchAttributeKey.for_keyword("RolloutGroup")

@@ -16,14 +16,21 @@ from __future__ import annotations
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
-    from activities.dispatch import DispatchActivities
-    from activities.rollout import RolloutActivities
-    from contracts.activity_io import StoredOutcome, TerminatedGroup, TerminatedGroupInput
-    from contracts.types import GroupInput, GroupResult, GroupSlot, Outcome, RolloutInput, RolloutResult
-    from workflows import patches
-    from workflows.calls import call
-    from workflows.group import close_group, finalize_input, member_input, slot_of
-    from workflows.rollout_record import finalize_rollout_input
+    from durable_rollouts.activities.dispatch import DispatchActivities
+    from durable_rollouts.activities.rollout import RolloutActivities
+    from durable_rollouts.contracts.activity_io import StoredOutcome, TerminatedGroup, TerminatedGroupInput
+    from durable_rollouts.contracts.types import (
+        GroupInput,
+        GroupResult,
+        GroupSlot,
+        Outcome,
+        RolloutInput,
+        RolloutResult,
+    )
+    from durable_rollouts.workflows import patches
+    from durable_rollouts.workflows.calls import call
+    from durable_rollouts.workflows.group import close_group, finalize_input, member_input, slot_of
+    from durable_rollouts.workflows.rollout_record import finalize_rollout_input
 
 
 async def record_unreported(

@@ -24,7 +24,7 @@ from typing import Any
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 REPO = Path(__file__).resolve().parents[2]
-MODEL = REPO / "models" / "tiny-policy"
+MODEL = REPO / "engines" / "tiny-policy"
 CONFIG = REPO / "config" / "examples" / "trl_math.toml"
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from records.models import RECORDS, SCHEMA_DIR, schema_text
+from durable_rollouts.records.record import RECORDS, SCHEMA_DIR, schema_text
 
 
 def main(argv: list[str]) -> int:

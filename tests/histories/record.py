@@ -26,10 +26,10 @@ from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
-from config.paths import venv_bin
-from simengine import SimEngine, SimSettings
+from durable_rollouts.config.paths import venv_bin
+from durable_rollouts.simengine import SimEngine, SimSettings
+from durable_rollouts.workflows import search_attributes as sa
 from tests.integration.support import CODING_TASKS, coding_config, make_config, run_to_end, worker
-from workflows import search_attributes as sa
 
 HERE = Path(__file__).parent
 RANDOM = {"policy": "random", "random_min_tokens": 4, "random_max_tokens": 8}

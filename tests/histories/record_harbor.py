@@ -14,8 +14,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from config.paths import REPO_ROOT
-from simengine import Mode, ModeRule, SimEngine, SimSettings
+from durable_rollouts.simengine import Mode, ModeRule, SimEngine, SimSettings
+from tests import REPO_ROOT
 from tests.histories.record import _save, dev_server, main_of
 from tests.integration.support import make_config, run_to_end, worker
 

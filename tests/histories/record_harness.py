@@ -15,9 +15,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from config.paths import REPO_ROOT
-from envs import registry
-from simengine import Mode, ModeRule, SimEngine, SimSettings
+from durable_rollouts.environments import registry
+from durable_rollouts.simengine import Mode, ModeRule, SimEngine, SimSettings
+from tests import REPO_ROOT
 from tests.histories.record import _save, dev_server, main_of
 from tests.integration.support import run_to_end, worker
 from tests.integration.test_harness import _plugin_site, harness_config

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from sandboxes import DockerBackend
-from sandboxes.base import DEFAULT_IMAGE
+from durable_rollouts.sandboxes import DockerBackend
+from durable_rollouts.sandboxes.base import DEFAULT_IMAGE
 
 
 @pytest.fixture(scope="module")

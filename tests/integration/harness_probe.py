@@ -10,8 +10,8 @@ from typing import ClassVar
 
 from harness_env import MiniSweAgentEnvironment
 
-from envs.base import Task
-from envs.harness import HarnessCommand
+from durable_rollouts.environments.base import Task
+from durable_rollouts.environments.harness_trait import HarnessCommand
 
 PROBE = r"""
 import json, os, socket, sys, urllib.request

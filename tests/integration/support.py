@@ -16,18 +16,18 @@ from jsonschema import Draft202012Validator  # type: ignore[import-untyped]
 from temporalio.client import Client
 from temporalio.worker import Interceptor
 
-from config.load import config_hash, load_config
-from config.models import Config
-from config.paths import REPO_ROOT
-from contracts.types import RunInput, RunProgress
-from engines.client import EngineClient
-from envs.fleet import live_pollers
-from records.export import export_run, iter_run
-from records.models import RECORDS, committed_schema
-from sandboxes import DockerBackend
-from store import RunStore, open_store
-from workers.worker import build_workers
-from workflows.run import RunWorkflow
+from durable_rollouts.config.load import config_hash, load_config
+from durable_rollouts.config.models import Config
+from durable_rollouts.contracts.types import RunInput, RunProgress
+from durable_rollouts.engines.client import EngineClient
+from durable_rollouts.environments.fleet import live_pollers
+from durable_rollouts.records.export import export_run, iter_run
+from durable_rollouts.records.record import RECORDS, committed_schema
+from durable_rollouts.sandboxes import DockerBackend
+from durable_rollouts.store import RunStore, open_store
+from durable_rollouts.workers.worker import build_workers
+from durable_rollouts.workflows.run import RunWorkflow
+from tests import REPO_ROOT
 
 TASKS = REPO_ROOT / "environments" / "math" / "math_env" / "data" / "addition.jsonl"
 CODING_TASKS = REPO_ROOT / "environments" / "coding" / "coding_env" / "data" / "coding.jsonl"
@@ -62,8 +62,8 @@ async def worker(
     """An in-process worker with its own store (``store``: a store URL, e.g. the ``store_url`` fixture's;
     default: the embedded store in ``home``); yields the store. With ``env_queues`` it also polls the
     queue of every environment it loads, as `rollouts worker` does (for runs started as `rollouts run`
-    starts them, envs/fleet.py). ``max_workflow_tasks``: its workflow-task slots; ``interceptors``: added
-    to its own."""
+    starts them, environments/fleet.py). ``max_workflow_tasks``: its workflow-task slots; ``interceptors``:
+    added to its own."""
     opened = open_store(store or home)
     engine = EngineClient()
     envs = None if env_queues else {}

@@ -20,8 +20,8 @@ from temporalio.worker import (
     WorkflowOutboundInterceptor,
 )
 
-from contracts.types import RunProgress
-from simengine import SimEngine, SimSettings
+from durable_rollouts.contracts.types import RunProgress
+from durable_rollouts.simengine import SimEngine, SimSettings
 from tests.integration.support import make_config, run_to_end, worker
 
 

@@ -21,7 +21,7 @@ import httpx
 import pytest
 from temporalio.client import Client
 
-from engines.metrics import parse_metrics
+from durable_rollouts.engines.metrics import parse_metrics
 from tests.conftest import Engine, start_engine
 from tests.integration.support import export, make_config, run_to_end, worker
 
@@ -32,7 +32,7 @@ ROLLOUT_MAX = 400
 
 @pytest.fixture(scope="module")
 def small_kv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
-    from stack import procs
+    from durable_rollouts.stack import procs
 
     eng = start_engine(
         tmp_path_factory.mktemp("small-kv"), max_model_len=512, num_gpu_blocks=BLOCKS, block_size=BLOCK

@@ -21,18 +21,18 @@ import pytest
 from temporalio.client import Client
 from temporalio.testing import WorkflowEnvironment
 
-from config.paths import REPO_ROOT
-from contracts.types import group_id, rollout_id
-from faults import LedgerReport, Planned
-from faults import containers as cfaults
-from faults import process as pfaults
-from faults.chaos import Chaos
-from sandboxes import DockerBackend
-from sandboxes.base import DEFAULT_IMAGE
-from sandboxes.pool import SandboxPool
-from simengine import Mode, ModeRule, SimEngine, SimSettings
-from stack import procs
-from store import RunStore
+from durable_rollouts.contracts.types import group_id, rollout_id
+from durable_rollouts.faults import LedgerReport, Planned
+from durable_rollouts.faults import containers as cfaults
+from durable_rollouts.faults import process as pfaults
+from durable_rollouts.faults.chaos import Chaos
+from durable_rollouts.sandboxes import DockerBackend
+from durable_rollouts.sandboxes.base import DEFAULT_IMAGE
+from durable_rollouts.sandboxes.pool import SandboxPool
+from durable_rollouts.simengine import Mode, ModeRule, SimEngine, SimSettings
+from durable_rollouts.stack import procs
+from durable_rollouts.store import RunStore
+from tests import REPO_ROOT
 from tests.conftest import MODEL_DIR, POLICY_VERSION, Engine
 from tests.integration.support import (
     CODING_TASKS,
@@ -248,7 +248,7 @@ async def test_rollouts_chaos_runs_a_short_schedule_logs_each_fault_and_checks_t
         await start_run(client, cfg, run_id)
         await wait_for_first_command(RunStore(tmp_path), rollout_id(run_id, group_id(0), 0))
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "cli.rollouts", "chaos", run_id,
+            sys.executable, "-m", "durable_rollouts.cli.rollouts", "chaos", run_id,
             "--kinds", "container_kill,container_pause,container_oom,worker_freeze,worker_kill",
             "--seed", "5", "--duration", "12", "--every", "2,3", "--fault-s", "1,3",
             "--log", str(log), "--address", address, "--wait", "200",

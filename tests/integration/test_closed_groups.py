@@ -16,15 +16,15 @@ from temporalio.client import Client, WorkflowHandle
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Replayer
 
-from cli import ops
-from config.paths import venv_bin
-from contracts.types import RunInput
-from faults import LedgerReport
-from simengine import SimEngine, SimSettings
-from store import RunStore
+from durable_rollouts.cli import ops
+from durable_rollouts.config.paths import venv_bin
+from durable_rollouts.contracts.types import RunInput
+from durable_rollouts.faults import LedgerReport
+from durable_rollouts.simengine import SimEngine, SimSettings
+from durable_rollouts.store import RunStore
+from durable_rollouts.workers.worker import WORKFLOWS
 from tests.integration.support import export, make_config, start_run, worker
 from tests.integration.test_ops import never_tasks, running_rollouts, wait_for
-from workers.worker import WORKFLOWS
 
 TERMINATED = "infra: WorkflowTerminated: group terminated (web UI or CLI)"
 

@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 from temporalio.client import Client
 
-from config.paths import REPO_ROOT
-from contracts.types import group_id, rollout_id
-from sandboxes import DockerBackend
-from sandboxes.pool import SandboxPool
-from simengine import Mode, ModeRule, SimEngine, SimSettings
+from durable_rollouts.contracts.types import group_id, rollout_id
+from durable_rollouts.sandboxes import DockerBackend
+from durable_rollouts.sandboxes.pool import SandboxPool
+from durable_rollouts.simengine import Mode, ModeRule, SimEngine, SimSettings
+from tests import REPO_ROOT
 from tests.conftest import Engine
 from tests.integration.support import (
     CODING_TASKS,
@@ -86,7 +86,7 @@ async def test_malformed_calls_become_error_observations_and_the_rollout_carries
         await run_to_end(client, cfg, "malformed-run")
     (rec,), _ = export(store, "malformed-run")
     assert rec["outcome"] == "completed" and rec["reward"] == 1.0
-    tok = AutoTokenizer.from_pretrained(str(REPO_ROOT / "models" / "tiny-policy"))
+    tok = AutoTokenizer.from_pretrained(str(REPO_ROOT / "engines" / "tiny-policy"))
     observations = []
     for turn, nxt in zip(rec["turns"], [*rec["turns"][1:], None], strict=True):
         end = nxt["range"][0] if nxt else len(rec["token_ids"])
@@ -167,8 +167,8 @@ async def test_container_killed_mid_command_is_recovered_by_replay(
 
 
 def test_coding_task_file_errors_name_the_line(tmp_path: Path) -> None:
-    from envs.tasks import load_tasks
-    from errors import TaskFileError
+    from durable_rollouts.environments.tasks import load_tasks
+    from durable_rollouts.errors import TaskFileError
 
     bad = tmp_path / "c.jsonl"
     bad.write_text(json.dumps({"id": "x", "prompt": "p"}) + "\n")
@@ -217,8 +217,8 @@ async def test_cancelled_rollout_is_recorded_and_its_sandbox_destroyed(
 async def test_terminated_rollout_gets_a_failed_record_and_the_reaper_removes_its_sandbox(
     client: Client, docker: DockerBackend, sim: str, task_queue: str, tmp_path: Path, ledger: Any
 ) -> None:
-    from sandboxes import AsyncSandboxBackend
-    from sandboxes.reaper import reap_orphans
+    from durable_rollouts.sandboxes import AsyncSandboxBackend
+    from durable_rollouts.sandboxes.reaper import reap_orphans
 
     run_id = "sleep-terminate"
     rid = rollout_id(run_id, group_id(0), 0)

@@ -13,12 +13,12 @@ import pytest
 from temporalio.client import Client
 from temporalio.testing import WorkflowEnvironment
 
-from contracts.types import group_id, rollout_id
-from sandboxes import DockerBackend
-from sandboxes.pool import SandboxPool
-from simengine import Mode, ModeRule, SimEngine, SimSettings
-from stack import procs
-from store.runstore import RunStore
+from durable_rollouts.contracts.types import group_id, rollout_id
+from durable_rollouts.sandboxes import DockerBackend
+from durable_rollouts.sandboxes.pool import SandboxPool
+from durable_rollouts.simengine import Mode, ModeRule, SimEngine, SimSettings
+from durable_rollouts.stack import procs
+from durable_rollouts.store.runstore import RunStore
 from tests.integration.support import (
     CODING_TASKS,
     assert_no_containers,

@@ -23,11 +23,11 @@ import httpx
 import pytest
 import yaml
 
-from config.paths import REPO_ROOT
-from contracts.client import connect
-from faults.ledger import check_run
-from stack.procs import free_ports
-from store import open_store
+from durable_rollouts.contracts.client import connect
+from durable_rollouts.faults.ledger import check_run
+from durable_rollouts.stack.procs import free_ports
+from durable_rollouts.store import open_store
+from tests import REPO_ROOT
 from tests.integration.support import until
 
 COMPOSE = shutil.which("docker-compose")

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from temporalio.client import Client
 
-from sandboxes import DockerBackend
-from simengine import Mode, SimEngine, SimSettings
+from durable_rollouts.sandboxes import DockerBackend
+from durable_rollouts.simengine import Mode, SimEngine, SimSettings
 from tests.integration.support import (
     CODING_TASKS,
     assert_no_containers,
@@ -163,8 +163,8 @@ async def test_a_slow_scaling_sandbox_pool_delays_rollouts_but_fails_none(
 async def test_generation_waits_for_the_trainer_when_the_queue_limit_is_reached(
     client: Client, task_queue: str, tmp_path: Path
 ) -> None:
+    from durable_rollouts.trainer.feed import TrainerFeed
     from tests.integration.support import start_run
-    from trainer.feed import TrainerFeed
 
     async with SimEngine(SimSettings(policy="random")).serve(port=0) as url:
         cfg = make_config(

@@ -15,10 +15,10 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client
 from temporalio.testing import WorkflowEnvironment
 
-from contracts.types import group_id, rollout_id
-from faults.proxy import Fault, FaultProxy
-from stack import procs
-from store.runstore import RunStore
+from durable_rollouts.contracts.types import group_id, rollout_id
+from durable_rollouts.faults.proxy import Fault, FaultProxy
+from durable_rollouts.stack import procs
+from durable_rollouts.store.runstore import RunStore
 from tests.conftest import Engine
 from tests.integration.support import export, make_config, run_to_end, start_run, worker
 

@@ -22,14 +22,14 @@ import pytest
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client
 
-from contracts.types import group_id, rollout_id
-from faults import Fault, FaultProxy, LedgerReport
-from simengine import SimEngine, SimSettings
-from store import RunStore
+from durable_rollouts.contracts.types import group_id, rollout_id
+from durable_rollouts.faults import Fault, FaultProxy, LedgerReport
+from durable_rollouts.simengine import SimEngine, SimSettings
+from durable_rollouts.store import RunStore
+from durable_rollouts.workflows.rollout import pick_engine
 from tests.conftest import Engine
 from tests.integration.support import export, make_config, run_to_end, start_run, worker
 from tests.integration.test_faults import wait_for_model_turns
-from workflows.rollout import pick_engine
 
 SIM = {"policy": "random", "random_min_tokens": 4, "random_max_tokens": 8, "decode_ms_per_token": 20}
 STALL_S = 2.0

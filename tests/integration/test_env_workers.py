@@ -21,19 +21,19 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client
 from temporalio.service import RPCError, RPCStatusCode
 
-from config.paths import REPO_ROOT
-from envs.registry import env_queue
-from stack import procs
-from store import open_store
+from durable_rollouts.environments.registry import env_queue
+from durable_rollouts.stack import procs
+from durable_rollouts.store import open_store
+from durable_rollouts.workflows.run import RunWorkflow
+from tests import REPO_ROOT
 from tests.integration.support import until_polled
-from workflows.run import RunWorkflow
 
 pytestmark = pytest.mark.integration
 
 TINY = '''
 from typing import ClassVar
 
-from envs.base import Environment, Prompt, Step
+from durable_rollouts.environments.base import Environment, Prompt, Step
 
 
 class TinyEnvironment(Environment):
@@ -65,15 +65,15 @@ def tiny_distribution(site: Path) -> None:
 
 
 def start_worker(name: str, home: Path, address: str, task_queue: str, pythonpath: str) -> int:
-    argv = [sys.executable, "-m", "workers.worker", "--address", address, "--task-queue", task_queue,
-            "--store", str(home)]  # fmt: skip
+    argv = [sys.executable, "-m", "durable_rollouts.workers.worker", "--address", address,
+            "--task-queue", task_queue, "--store", str(home)]  # fmt: skip
     return procs.spawn(name, argv, home, {"PYTHONPATH": pythonpath, "ROLLOUTS_HOME": str(home)})
 
 
 def submit(home: Path, pythonpath: str, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "ROLLOUTS_HOME": str(home), "PYTHONPATH": pythonpath}
     return subprocess.run(
-        [sys.executable, "-m", "cli.rollouts", "run", *args],
+        [sys.executable, "-m", "durable_rollouts.cli.rollouts", "run", *args],
         capture_output=True, text=True, timeout=240, env=env, cwd=REPO_ROOT,
     )  # fmt: skip
 
@@ -103,7 +103,17 @@ async def test_an_environment_installed_while_a_worker_runs_is_refused_then_runs
         port = procs.free_port()
         pids.append(
             procs.spawn(
-                "engine", [sys.executable, "-m", "simengine", "--port", str(port), "--policy", "random"], home
+                "engine",
+                [
+                    sys.executable,
+                    "-m",
+                    "durable_rollouts.simengine",
+                    "--port",
+                    str(port),
+                    "--policy",
+                    "random",
+                ],
+                home,
             )
         )
         url = f"http://127.0.0.1:{port}"

@@ -16,11 +16,11 @@ from math_env import MathEnvironment
 from temporalio.client import Client
 from typer.testing import CliRunner
 
-from cli.progress import ENVIRONMENT_FAILURE_EXIT
-from cli.rollouts import app
-from envs.base import Action, Step, TurnContext
-from sandboxes import DockerBackend
-from simengine import Mode, ModeRule, SimEngine, SimSettings
+from durable_rollouts.cli.progress import ENVIRONMENT_FAILURE_EXIT
+from durable_rollouts.cli.rollouts import app
+from durable_rollouts.environments.base import Action, Step, TurnContext
+from durable_rollouts.sandboxes import DockerBackend
+from durable_rollouts.simengine import Mode, ModeRule, SimEngine, SimSettings
 from tests.conftest import Engine
 from tests.integration.support import (
     CODING_TASKS,

@@ -14,13 +14,13 @@ import httpx
 import pytest
 from temporalio.client import Client
 
-from contracts.types import group_id, rollout_id
-from faults import Fault, FaultProxy, LedgerReport
-from simengine import SimEngine, SimSettings
-from stack.procs import free_port
-from store import RunStore
+from durable_rollouts.contracts.types import group_id, rollout_id
+from durable_rollouts.faults import Fault, FaultProxy, LedgerReport
+from durable_rollouts.simengine import SimEngine, SimSettings
+from durable_rollouts.stack.procs import free_port
+from durable_rollouts.store import RunStore
+from durable_rollouts.trainer.feed import TrainerFeed
 from tests.integration.support import export, make_config, run_to_end, start_run, worker
-from trainer.feed import TrainerFeed
 
 SIM = {"policy": "random", "random_min_tokens": 4, "random_max_tokens": 8, "decode_ms_per_token": 20}
 
@@ -218,8 +218,8 @@ async def test_the_temporal_server_killed_and_restarted_mid_run(
     """A Temporal dev server on its own SQLite file, SIGKILLed mid-run and started again on the same
     file and port: the worker and the client reconnect, the in-flight rollouts continue, the ledger is
     clean."""
-    from contracts.client import connect
-    from stack import procs
+    from durable_rollouts.contracts.client import connect
+    from durable_rollouts.stack import procs
 
     home = tmp_path / "temporal"
     home.mkdir()

@@ -21,12 +21,12 @@ from typing import Any
 import pytest
 from temporalio.client import Client
 
-from config.models import Config
-from config.paths import REPO_ROOT
-from envs import registry
-from sandboxes import DockerBackend
-from sandboxes.images import ImageBuilds
-from simengine import Mode, ModeRule, SimEngine, SimSettings
+from durable_rollouts.config.models import Config
+from durable_rollouts.environments import registry
+from durable_rollouts.sandboxes import DockerBackend
+from durable_rollouts.sandboxes.images import ImageBuilds
+from durable_rollouts.simengine import Mode, ModeRule, SimEngine, SimSettings
+from tests import REPO_ROOT
 from tests.conftest import Engine
 from tests.integration.support import assert_no_containers, export, make_config, run_to_end, worker
 

@@ -23,13 +23,13 @@ import pytest
 from temporalio.client import Client
 from temporalio.testing import WorkflowEnvironment
 
-from config.paths import REPO_ROOT
-from contracts.types import group_id, rollout_id
-from sandboxes import DockerBackend
-from sandboxes.pool import SandboxPool
-from simengine import Mode, ModeRule, SimEngine, SimSettings
-from stack import procs
-from store import RunStore, model_segment, obs_segment
+from durable_rollouts.contracts.types import group_id, rollout_id
+from durable_rollouts.sandboxes import DockerBackend
+from durable_rollouts.sandboxes.pool import SandboxPool
+from durable_rollouts.simengine import Mode, ModeRule, SimEngine, SimSettings
+from durable_rollouts.stack import procs
+from durable_rollouts.store import RunStore, model_segment, obs_segment
+from tests import REPO_ROOT
 from tests.integration.support import assert_no_containers, export, run_to_end, start_run, until, worker
 from tests.integration.test_durability import spawn_worker
 from tests.integration.test_harbor import harbor_base, harbor_config

@@ -25,12 +25,12 @@ import httpx
 import pytest
 from temporalio.client import Client
 
-from config.models import Config
-from config.paths import REPO_ROOT
-from contracts.types import group_id, rollout_id
-from envs import registry
-from sandboxes import DockerBackend
-from simengine import Mode, ModeRule, SimEngine, SimSettings
+from durable_rollouts.config.models import Config
+from durable_rollouts.contracts.types import group_id, rollout_id
+from durable_rollouts.environments import registry
+from durable_rollouts.sandboxes import DockerBackend
+from durable_rollouts.simengine import Mode, ModeRule, SimEngine, SimSettings
+from tests import REPO_ROOT
 from tests.conftest import Engine
 from tests.integration.support import assert_no_containers, export, make_config, run_to_end, worker
 
@@ -176,7 +176,7 @@ async def test_mini_swe_agent_solves_a_harbor_task_through_the_gateway(
 async def test_a_harness_sandbox_reaches_its_own_gateway_and_nothing_else(
     client: Client, docker: DockerBackend, sim: str, dataset: Path, task_queue: str, tmp_path: Path
 ) -> None:
-    from sandboxes.base import gateway_dir
+    from durable_rollouts.sandboxes.base import gateway_dir
     from tests.integration.harness_probe import ProbeEnvironment
 
     # Rollout 0's probe aims at rollout 1's gateway socket (a host path) and the Temporal server's port.

@@ -18,9 +18,11 @@ from typing import Any
 import pytest
 from temporalio.client import Client
 
-from contracts.types import group_id, rollout_id
-from faults import Fault, FaultProxy
-from simengine import SimEngine, SimSettings
+from durable_rollouts.contracts.types import group_id, rollout_id
+from durable_rollouts.faults import Fault, FaultProxy
+from durable_rollouts.simengine import SimEngine, SimSettings
+from durable_rollouts.trainer.feed import TrainerFeed
+from durable_rollouts.workflows.rollout import pick_engine
 from tests.integration.support import (
     assert_schema_valid,
     export,
@@ -29,8 +31,6 @@ from tests.integration.support import (
     run_to_end,
     worker,
 )
-from trainer.feed import TrainerFeed
-from workflows.rollout import pick_engine
 
 SIM = {"policy": "random", "random_min_tokens": 2, "random_max_tokens": 4, "decode_ms_per_token": 5}
 SIZE = 3

@@ -20,8 +20,8 @@ import pytest
 from temporalio.client import Client
 from temporalio.service import RPCError
 
-from config.paths import REPO_ROOT
-from simengine import SimEngine, SimSettings
+from durable_rollouts.simengine import SimEngine, SimSettings
+from tests import REPO_ROOT
 from tests.integration.support import make_config, start_run, worker
 from tests.integration.test_ops import never_tasks, running_rollouts, wait_for
 
@@ -80,8 +80,8 @@ def _interrupt(
 ) -> tuple[bool, int | None, float, str]:
     """Start ``rollouts ARGV``, SIGINT it ``at`` s later: (running then, exit status, s to return, stderr)."""
     env = {**os.environ, "ROLLOUTS_HOME": str(home), "COLUMNS": "160"}
-    proc = subprocess.Popen([sys.executable, "-m", "cli.rollouts", *argv], cwd=REPO_ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-m", "durable_rollouts.cli.rollouts", *argv], cwd=REPO_ROOT,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     started = time.monotonic()
     while time.monotonic() - started < at or not _ready(proc.pid, connected and at > 1):
         if time.monotonic() - started > 90:
@@ -143,7 +143,7 @@ async def test_every_long_running_command_returns_at_once_on_ctrl_c_under_load(
                 assert await live(), "the run ended during the rounds: the interrupts met no live run"
                 for name in FINISH:  # their command lines are good: left alone, they end well
                     env = {**os.environ, "ROLLOUTS_HOME": str(tmp_path)}
-                    argv = [sys.executable, "-m", "cli.rollouts", *commands[name]]
+                    argv = [sys.executable, "-m", "durable_rollouts.cli.rollouts", *commands[name]]
                     done = await asyncio.to_thread(
                         subprocess.run,
                         argv,

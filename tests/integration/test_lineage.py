@@ -18,10 +18,10 @@ import pytest
 from math_env import MathEnvironment
 from temporalio.client import Client
 
-from cli.reproduce import reproduce
-from config.load import config_hash
-from config.paths import venv_bin
-from stack import procs
+from durable_rollouts.cli.reproduce import reproduce
+from durable_rollouts.config.load import config_hash
+from durable_rollouts.config.paths import venv_bin
+from durable_rollouts.stack import procs
 from tests.conftest import POLICY_VERSION, Engine
 from tests.integration.support import export, make_config, run_to_end, worker
 

@@ -21,12 +21,12 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.service import RPCError
 from temporalio.worker import Replayer
 
-from contracts.types import group_id, rollout_id
-from simengine import SimEngine, SimSettings
+from durable_rollouts.contracts.types import group_id, rollout_id
+from durable_rollouts.simengine import SimEngine, SimSettings
+from durable_rollouts.workers.worker import WORKFLOWS
+from durable_rollouts.workflows.group import GroupWorkflow
+from durable_rollouts.workflows.rollout import RolloutWorkflow
 from tests.integration.support import export, make_config, run_to_end, worker
-from workers.worker import WORKFLOWS
-from workflows.group import GroupWorkflow
-from workflows.rollout import RolloutWorkflow
 
 GROUPS, SIZE = 24, 4
 SETTINGS = SimSettings(policy="random", random_min_tokens=5, random_max_tokens=40, decode_ms_per_token=10)

@@ -13,9 +13,11 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client
 from transformers import AutoTokenizer
 
-from config.load import load_config
-from config.paths import REPO_ROOT
-from contracts.types import group_id, rollout_id
+from durable_rollouts.config.load import load_config
+from durable_rollouts.contracts.types import group_id, rollout_id
+from durable_rollouts.workflows.rollout import pick_engine
+from durable_rollouts.workflows.run import RunWorkflow
+from tests import REPO_ROOT
 from tests.conftest import MODEL_DIR, POLICY_VERSION, Engine, free_port
 from tests.integration.support import (
     assert_schema_valid,
@@ -26,8 +28,6 @@ from tests.integration.support import (
     start_run,
     worker,
 )
-from workflows.rollout import pick_engine
-from workflows.run import RunWorkflow
 
 
 def assert_consistent(rec: dict) -> None:
@@ -223,7 +223,7 @@ async def test_resubmitting_a_run_id_attaches_instead_of_duplicating(
     async with worker(client, task_queue, tmp_path):
         first = await start_run(client, cfg, "once")
         await first.result()
-        from cli.rollouts import _submit
+        from durable_rollouts.cli.rollouts import _submit
 
         await _submit(cfg, "h", "once", wait=False, upload=lambda: None)  # the run exists: it attaches
         progress = await client.get_workflow_handle("once").query(RunWorkflow.progress)

@@ -18,10 +18,10 @@ import pytest
 from prometheus_client import REGISTRY
 from temporalio.testing import WorkflowEnvironment
 
-from contracts.client import connect
-from metrics.serve import serve_metrics, temporal_runtime
-from simengine import SimEngine, SimSettings
-from stack.procs import free_port, wait_until
+from durable_rollouts.contracts.client import connect
+from durable_rollouts.metrics.serve import serve_metrics, temporal_runtime
+from durable_rollouts.simengine import SimEngine, SimSettings
+from durable_rollouts.stack.procs import free_port, wait_until
 from tests.integration.support import export, make_config, run_to_end, worker
 
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"

@@ -20,13 +20,14 @@ from pathlib import Path
 import pytest
 from temporalio.client import Client
 
-from cli import ops
-from config.models import Config
-from config.paths import REPO_ROOT
-from sandboxes import DockerBackend
-from simengine import Mode, SimEngine, SimSettings
-from stack import procs
-from store.runstore import RunStore
+from durable_rollouts.cli import ops
+from durable_rollouts.config.models import Config
+from durable_rollouts.sandboxes import DockerBackend
+from durable_rollouts.simengine import Mode, SimEngine, SimSettings
+from durable_rollouts.stack import procs
+from durable_rollouts.store.runstore import RunStore
+from durable_rollouts.workflows.rollout import RolloutWorkflow
+from tests import REPO_ROOT
 from tests.integration.support import (
     CODING_TASKS,
     assert_no_containers,
@@ -36,7 +37,6 @@ from tests.integration.support import (
     start_run,
     worker,
 )
-from workflows.rollout import RolloutWorkflow
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 
@@ -44,7 +44,7 @@ CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 def sim_engine(home: Path, name: str, turn_ms: float) -> tuple[int, str]:
     """A simulated engine in its own process (so it can be frozen): random policy, ``turn_ms`` a call."""
     port = procs.free_port()
-    argv = [sys.executable, "-m", "simengine", "--port", str(port), "--policy", "random",
+    argv = [sys.executable, "-m", "durable_rollouts.simengine", "--port", str(port), "--policy", "random",
             "--prefill-ms", str(turn_ms)]  # fmt: skip
     pid = procs.spawn(name, argv, home)
     url = f"http://127.0.0.1:{port}"
@@ -83,7 +83,7 @@ def never_tasks(tmp: Path) -> str:
 def cli(client: Client, home: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     """The real ``rollouts`` command against the test's server and store."""
     address = client.service_client.config.target_host
-    argv = [sys.executable, "-m", "cli.rollouts", *args]
+    argv = [sys.executable, "-m", "durable_rollouts.cli.rollouts", *args]
     if args[0] in ("stuck", "cancel", "retry", "terminate", "top", "status"):
         argv += ["--address", address]
     env = {**os.environ, "ROLLOUTS_HOME": str(home)}
@@ -240,7 +240,7 @@ async def test_cancel_retry_and_terminate_on_a_live_run_keep_the_books_whole(
             gone = await asyncio.to_thread(cli, client, tmp_path, "stuck", "no-such-run")
             assert gone.returncode == 2 and "no run" in gone.stderr, gone.stderr
             top = subprocess.Popen(  # the live view, for a few refreshes, then Ctrl-C
-                [sys.executable, "-m", "cli.rollouts", "top", run_id, "--interval", "0.5",
+                [sys.executable, "-m", "durable_rollouts.cli.rollouts", "top", run_id, "--interval", "0.5",
                  "--address", client.service_client.config.target_host],
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT,
             )  # fmt: skip

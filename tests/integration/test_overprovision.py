@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from temporalio.client import Client
 
-from simengine import SimEngine, SimSettings
+from durable_rollouts.simengine import SimEngine, SimSettings
+from durable_rollouts.trainer.feed import TrainerFeed
+from durable_rollouts.workflows.run import RunWorkflow
 from tests.integration.support import export, make_config, start_run, worker
-from trainer.feed import TrainerFeed
-from workflows.run import RunWorkflow
 
 # Random-policy turns of 24-48 tokens at 40 ms a token: a group runs for a second or two.
 SLOW = {"policy": "random", "random_min_tokens": 24, "random_max_tokens": 48, "decode_ms_per_token": 40}

@@ -12,11 +12,11 @@ import pytest
 from temporalio.client import Client
 from temporalio.service import RPCError
 
-from contracts.types import group_id, rollout_id
-from simengine import SimEngine, SimSettings
-from store.runstore import RunStore
+from durable_rollouts.contracts.types import group_id, rollout_id
+from durable_rollouts.simengine import SimEngine, SimSettings
+from durable_rollouts.store.runstore import RunStore
+from durable_rollouts.workflows.rollout import RolloutWorkflow
 from tests.integration.support import export, make_config, start_run, worker
-from workflows.rollout import RolloutWorkflow
 
 
 async def publish(store: RunStore, url: str, version: str) -> None:

@@ -17,9 +17,9 @@ from typing import Any
 import httpx
 import pytest
 
-from engines.client import _parse_generation
-from engines.policy import PolicyError, publish, rescore
-from store.runstore import RunStore, Segment
+from durable_rollouts.engines.client import _parse_generation
+from durable_rollouts.engines.policy import PolicyError, publish, rescore
+from durable_rollouts.store.runstore import RunStore, Segment
 from tests.conftest import MODEL_DIR, Engine, start_engine
 
 # "What is 12+30?" through the bundled chat template.
@@ -33,7 +33,7 @@ MAX_TOKENS = 200
 
 @pytest.fixture(scope="module")
 def eng(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
-    from stack import procs
+    from durable_rollouts.stack import procs
 
     engine = start_engine(tmp_path_factory.mktemp("policy-engine"))
     try:

@@ -1,7 +1,7 @@
 """The reasoning-gym plug-in (environments/reasoning_gym, entry point ``reasoning_gym``) through the pipeline.
 
 Real Temporal, an in-process worker, the simulated engine playing the plug-in's transcripts. The tasks are
-made and stored the way ``rollouts run`` does at submit (``envs.tasks.load_tasks`` of the spec, then
+made and stored the way ``rollouts run`` does at submit (``environments.tasks.load_tasks`` of the spec, then
 ``put_tasks``), so the worker reads them from the store only. Every reward is checked against
 ``score_answer`` recomputed here from the exported record alone: its sampled tokens decoded, the answer taken
 with reasoning-gym's own ``extract_answer``, the dataset re-created with reasoning-gym's ``create_dataset``
@@ -22,10 +22,10 @@ from rgym_env import ReasoningGymEnvironment
 from rgym_env.transcripts import SPEC, write
 from temporalio.client import Client
 
-from config.models import Config
-from envs.tasks import load_tasks
-from simengine import Mode, ModeRule, SimEngine, SimSettings
-from simengine.tokenizer import SimTokenizer
+from durable_rollouts.config.models import Config
+from durable_rollouts.environments.tasks import load_tasks
+from durable_rollouts.simengine import Mode, ModeRule, SimEngine, SimSettings
+from durable_rollouts.simengine.tokenizer import SimTokenizer
 from tests.integration.support import (
     assert_schema_valid,
     export,

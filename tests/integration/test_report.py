@@ -20,12 +20,13 @@ from pathlib import Path
 import pytest
 from temporalio.client import Client
 
-from contracts.types import group_id
-from records.timing import COMPONENTS, turn_times
-from reports import PLOTS, write_report
-from sandboxes import DockerBackend
-from simengine import Mode, ModeRule, SimEngine, SimSettings
-from store.runstore import RunStore
+from durable_rollouts.contracts.types import group_id
+from durable_rollouts.records.report import PLOTS, write_report
+from durable_rollouts.records.timing import COMPONENTS, turn_times
+from durable_rollouts.sandboxes import DockerBackend
+from durable_rollouts.simengine import Mode, ModeRule, SimEngine, SimSettings
+from durable_rollouts.store.runstore import RunStore
+from durable_rollouts.trainer.feed import TrainerFeed
 from tests.conftest import POLICY_VERSION, Engine
 from tests.integration.support import (
     CODING_TASKS,
@@ -38,7 +39,6 @@ from tests.integration.support import (
     run_to_end,
     worker,
 )
-from trainer.feed import TrainerFeed
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 FLAGS = [

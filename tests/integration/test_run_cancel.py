@@ -13,12 +13,14 @@ import pytest
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureError
 from temporalio.exceptions import CancelledError
 
-from cli import ops
-from contracts.types import group_id, rollout_id
-from faults import LedgerReport
-from sandboxes import DockerBackend
-from simengine import Mode, ModeRule, SimEngine, SimSettings
-from store import RunStore
+from durable_rollouts.cli import ops
+from durable_rollouts.contracts.types import group_id, rollout_id
+from durable_rollouts.faults import LedgerReport
+from durable_rollouts.sandboxes import DockerBackend
+from durable_rollouts.simengine import Mode, ModeRule, SimEngine, SimSettings
+from durable_rollouts.store import RunStore
+from durable_rollouts.workflows.group import RUN_CANCEL_REASON
+from durable_rollouts.workflows.run import RunWorkflow
 from tests.integration.support import (
     CODING_TASKS,
     assert_no_containers,
@@ -29,8 +31,6 @@ from tests.integration.support import (
     wait_for_first_command,
     worker,
 )
-from workflows.group import RUN_CANCEL_REASON
-from workflows.run import RunWorkflow
 
 
 async def _cancel_and_wait(client: Client, run_id: str, store: RunStore | None = None) -> None:

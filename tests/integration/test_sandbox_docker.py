@@ -14,7 +14,7 @@ import uuid
 import docker.errors
 import pytest
 
-from sandboxes import (
+from durable_rollouts.sandboxes import (
     DEFAULT_IMAGE,
     AsyncSandboxBackend,
     DockerBackend,

@@ -28,13 +28,13 @@ import docker
 import pytest
 from temporalio.client import Client
 
-from contracts.types import group_id
-from faults.ledger import check_run
-from sandboxes import DockerBackend
-from sandboxes.base import DEFAULT_IMAGE
-from simengine import Mode, ModeRule, SimEngine, SimSettings
-from stack import procs
-from store import RunStore, open_store
+from durable_rollouts.contracts.types import group_id
+from durable_rollouts.faults.ledger import check_run
+from durable_rollouts.sandboxes import DockerBackend
+from durable_rollouts.sandboxes.base import DEFAULT_IMAGE
+from durable_rollouts.simengine import Mode, ModeRule, SimEngine, SimSettings
+from durable_rollouts.stack import procs
+from durable_rollouts.store import RunStore, open_store
 from tests.integration.support import CODING_TASKS, coding_config, export, start_run, until
 from tests.postgres import drop_database, new_database
 

@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from sandboxes import DockerBackend
+from durable_rollouts.sandboxes import DockerBackend
 from tests.integration.test_sandbox_docker import SMALL, backend, run_id, sandbox, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]

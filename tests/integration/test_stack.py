@@ -21,16 +21,16 @@ from pathlib import Path
 
 import pytest
 
-from config.models import StackConfig
-from config.paths import resolve_repo_path
-from stack import procs, stack
-from workflows.search_attributes import DEFINITIONS
+from durable_rollouts.config.models import StackConfig
+from durable_rollouts.config.paths import resolve_path
+from durable_rollouts.stack import procs, stack
+from durable_rollouts.workflows.search_attributes import DEFINITIONS
 
 pytestmark = pytest.mark.integration
 
-HAVE_MODEL = (resolve_repo_path(StackConfig().model_dir) / "config.json").is_file()
-HAVE_WORKER = importlib.util.find_spec("workers.worker") is not None
-needs_model = pytest.mark.skipif(not HAVE_MODEL, reason="models/tiny-policy not built yet")
+HAVE_MODEL = (resolve_path(StackConfig().model_dir) / "config.json").is_file()
+HAVE_WORKER = importlib.util.find_spec("durable_rollouts.workers.worker") is not None
+needs_model = pytest.mark.skipif(not HAVE_MODEL, reason="engines/tiny-policy not built yet")
 needs_worker = pytest.mark.skipif(not HAVE_WORKER, reason="workers/worker.py not written yet")
 
 
@@ -57,7 +57,7 @@ def home(tmp_path: Path) -> Iterator[Path]:
 
 
 def _cli(home: Path, *args: str, timeout: float = 400) -> subprocess.CompletedProcess[str]:
-    code = "from cli.stack import stack_app; stack_app()"
+    code = "from durable_rollouts.cli.stack import stack_app; stack_app()"
     env = {**os.environ, "ROLLOUTS_HOME": str(home), "COLUMNS": "200"}
     return subprocess.run(
         [sys.executable, "-c", code, *args],
@@ -133,8 +133,8 @@ def test_up_registers_search_attributes_missing_from_an_existing_database(home: 
 def test_detached_stack_outlives_the_process_that_started_it(home: Path) -> None:
     cfg = _config()
     code = (
-        "import sys; from pathlib import Path; from config.models import StackConfig; "
-        "from stack import stack; cfg = StackConfig.model_validate_json(sys.argv[1]); "
+        "import sys; from pathlib import Path; from durable_rollouts.config.models import StackConfig; "
+        "from durable_rollouts.stack import stack; cfg = StackConfig.model_validate_json(sys.argv[1]); "
         "stack.up(cfg, Path(sys.argv[2]), True, ('temporal',))"
     )
     res = subprocess.run(

@@ -21,10 +21,10 @@ from swe_env import SweBenchTask, SweEnvironment, SweTask
 from swe_env.transcripts import SWEBENCH, TASKS, write
 from temporalio.client import Client
 
-from config.models import Config
-from config.paths import REPO_ROOT
-from sandboxes import DockerBackend
-from simengine import Mode, ModeRule, SimEngine, SimSettings
+from durable_rollouts.config.models import Config
+from durable_rollouts.sandboxes import DockerBackend
+from durable_rollouts.simengine import Mode, ModeRule, SimEngine, SimSettings
+from tests import REPO_ROOT
 from tests.conftest import Engine
 from tests.integration.support import SANDBOX, assert_no_containers, export, make_config, run_to_end, worker
 

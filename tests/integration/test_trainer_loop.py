@@ -14,17 +14,17 @@ import httpx
 import pytest
 from temporalio.client import Client
 
-from engines.policy import publish, weights_hash
+from durable_rollouts.engines.policy import publish, weights_hash
+from durable_rollouts.trainer.feed import TrainerFeed
+from durable_rollouts.trainer.loop import Loop
+from durable_rollouts.trainer.settings import TrainerSettings
 from tests.conftest import MODEL_DIR, Engine, start_engine
 from tests.integration.support import export, make_config, run_to_end, worker
-from trainer.feed import TrainerFeed
-from trainer.loop import Loop
-from trainer.settings import TrainerSettings
 
 
 @pytest.fixture(scope="module")
 def eng(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
-    from stack import procs
+    from durable_rollouts.stack import procs
 
     engine = start_engine(tmp_path_factory.mktemp("trainer-engine"))
     try:

@@ -24,12 +24,12 @@ import pytest
 from temporalio.client import Client
 from temporalio.testing import WorkflowEnvironment
 
-from config.paths import REPO_ROOT
-from contracts.types import group_id, rollout_id
-from faults import LedgerReport
-from simengine import SimEngine, SimSettings
-from stack import procs
-from store import RunStore
+from durable_rollouts.contracts.types import group_id, rollout_id
+from durable_rollouts.faults import LedgerReport
+from durable_rollouts.simengine import SimEngine, SimSettings
+from durable_rollouts.stack import procs
+from durable_rollouts.store import RunStore
+from tests import REPO_ROOT
 from tests.integration.support import export, worker
 
 HISTORIES = "tests/histories/0.2.0"

@@ -13,14 +13,17 @@ import re
 import tomllib
 from pathlib import Path
 
-from activities.calls import options_of
-from config.paths import REPO_ROOT
-from envs import registry
+from durable_rollouts.activities.calls import options_of
+from durable_rollouts.environments import registry
+from tests import REPO_ROOT
 
-PACKAGES: list[str] = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
-    "packages"
-]
-OUTSIDE_ENVS = [p for p in PACKAGES if p != "envs"] + ["bench"]
+NAMESPACE = "durable_rollouts"
+SETUPTOOLS = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+DOTTED: list[str] = SETUPTOOLS["packages"]
+"""Every package the core installs, by its import name (``durable_rollouts.records.report``, ...)."""
+PACKAGES: list[str] = sorted({d.split(".")[1] for d in DOTTED if d.count(".") >= 1})
+"""The core's top-level packages (``records``, ...), each a folder at the repository's top level."""
+OUTSIDE_ENVS = [p for p in PACKAGES if p != "environments"] + ["bench"]
 PLUGINS: dict[str, list[str]] = {
     str(f.parent.relative_to(REPO_ROOT)): tomllib.loads(f.read_text())["tool"]["setuptools"]["packages"]
     for f in sorted((REPO_ROOT / "environments").glob("*/pyproject.toml"))
@@ -28,8 +31,17 @@ PLUGINS: dict[str, list[str]] = {
 """The environment plug-ins (environments/NAME/, each its own distribution) and their packages."""
 
 
+def _folders(package: str) -> list[Path]:
+    """The folders of a top-level package and its subpackages (not the plug-in distributions that sit
+    under ``environments/``, which are not packages of the core)."""
+    if package == "bench":
+        return [REPO_ROOT / "bench"]
+    names = [d for d in DOTTED if d == f"{NAMESPACE}.{package}" or d.startswith(f"{NAMESPACE}.{package}.")]
+    return [REPO_ROOT.joinpath(*d.split(".")[1:]) for d in names]
+
+
 def _sources(packages: list[str]) -> list[Path]:
-    return [f for p in packages for f in sorted((REPO_ROOT / p).rglob("*.py"))]
+    return [f for p in packages for folder in _folders(p) for f in sorted(folder.glob("*.py"))]
 
 
 def test_no_environment_name_is_compared_outside_the_environments() -> None:
@@ -45,7 +57,7 @@ def test_no_environment_name_is_compared_outside_the_environments() -> None:
         for n, line in enumerate(f.read_text().splitlines(), start=1)
         if compared.search(line)
     ]
-    assert not hits, "environment names compared outside envs/:\n" + "\n".join(hits)
+    assert not hits, "environment names compared outside environments/:\n" + "\n".join(hits)
 
 
 def test_the_core_imports_no_plug_in_package() -> None:
@@ -59,7 +71,7 @@ def test_the_core_imports_no_plug_in_package() -> None:
         for m in _imported(node)
         if m.split(".")[0] in plugins
     ]
-    assert not hits, "plug-in packages imported by the core (go through envs.registry):\n" + "\n".join(hits)
+    assert not hits, "plug-in packages imported by the core (use environments.registry):\n" + "\n".join(hits)
 
 
 def _imported(node: ast.AST) -> list[str]:
@@ -84,7 +96,8 @@ def _package_imports() -> dict[str, dict[str, str]]:
                 else:
                     continue
                 for m in mods:
-                    top = m.split(".")[0]
+                    parts = m.split(".")
+                    top = parts[1] if parts[0] == NAMESPACE and len(parts) > 1 else parts[0]
                     if top in graph and top != p:
                         graph[p].setdefault(top, f"{f.relative_to(REPO_ROOT)}:{node.lineno}")
     return graph
@@ -120,9 +133,9 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("the embedded stack; the example trainer", {"stack", "trainer"}),
     ("the workflows (deterministic orchestration)", {"workflows"}),
     ("the activities", {"activities"}),
-    ("the engine client; the model gateway; run reports", {"engines", "gateway", "reports"}),
-    ("a turn; records; the simulated engine", {"turns", "records", "simengine"}),
-    ("admission policy; environments; metrics; the run store", {"admission", "envs", "metrics", "store"}),
+    ("the engine client; the model gateway", {"engines", "gateway"}),
+    ("a turn; records and run reports; the simulated engine", {"turns", "records", "simengine"}),
+    ("admission; environments; metrics; the run store", {"admission", "environments", "metrics", "store"}),
     ("the data crossing Temporal", {"contracts"}),
     ("configuration", {"config"}),
     ("sandboxes", {"sandboxes"}),
@@ -203,7 +216,7 @@ def test_admission_is_pure_policy_below_the_workflows_and_imports_no_temporal() 
     assert not temporal, f"admission imports temporalio: {temporal}"
 
 
-TURNS_BELOW = {"contracts", "errors", "config", "sandboxes", "store", "envs"}
+TURNS_BELOW = {"contracts", "errors", "config", "sandboxes", "store", "environments"}
 """What ``turns`` may import: the data, the store and the environments. Not ``engines`` (it declares the
 engine it needs, ``turns.engine``; the engine client computes its window through ``turns.budget``), nor
 anything that runs on Temporal (``activities``, ``workflows``, ``workers``)."""
@@ -219,7 +232,7 @@ def test_turns_sit_below_engines_activities_and_workflows_and_import_no_temporal
 
 
 def test_workflows_name_no_activity_by_string_and_every_activity_declares_its_options() -> None:
-    from workers.worker import build_worker  # noqa: F401  (imports every activity module)
+    from durable_rollouts.workers.worker import build_worker  # noqa: F401  (imports every activity module)
 
     by_string = re.compile(r"execute_(local_)?activity\(\s*['\"]|\.signal\(\s*['\"]")
     hits = [
@@ -229,10 +242,10 @@ def test_workflows_name_no_activity_by_string_and_every_activity_declares_its_op
         if by_string.search(line)
     ]
     assert not hits, hits
-    from activities.dispatch import DispatchActivities
-    from activities.environment import EnvironmentActivities
-    from activities.rollout import RolloutActivities
-    from activities.sandbox import SandboxActivities
+    from durable_rollouts.activities.dispatch import DispatchActivities
+    from durable_rollouts.activities.environment import EnvironmentActivities
+    from durable_rollouts.activities.rollout import RolloutActivities
+    from durable_rollouts.activities.sandbox import SandboxActivities
 
     for cls in (RolloutActivities, EnvironmentActivities, SandboxActivities, DispatchActivities):
         for name, fn in vars(cls).items():

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from config.models import Config
-from trainer.settings import TrainerSettings
+from durable_rollouts.config.models import Config
+from durable_rollouts.trainer.settings import TrainerSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 LINK = re.compile(r"\]\(([^)\s]+)\)")

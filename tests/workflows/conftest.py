@@ -24,8 +24,8 @@ from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
-from config.paths import venv_bin
-from workflows import search_attributes as sa
+from durable_rollouts.config.paths import venv_bin
+from durable_rollouts.workflows import search_attributes as sa
 
 
 async def start_env() -> WorkflowEnvironment:

@@ -23,8 +23,8 @@ from temporalio import activity
 from temporalio.client import Client
 from temporalio.worker import Worker
 
-from activities.closed_groups import closed_among, unended_members
-from contracts.activity_io import (
+from durable_rollouts.activities.closed_groups import closed_among, unended_members
+from durable_rollouts.contracts.activity_io import (
     ClosedGroupsInput,
     EnvStepInput,
     FinalizeGroupInput,
@@ -37,8 +37,8 @@ from contracts.activity_io import (
     TerminatedGroup,
     TerminatedGroupInput,
 )
-from contracts.sandbox import SandboxCreated
-from contracts.types import (
+from durable_rollouts.contracts.sandbox import SandboxCreated
+from durable_rollouts.contracts.types import (
     RAN_TO_END,
     EngineReading,
     EngineTarget,
@@ -55,10 +55,10 @@ from contracts.types import (
     SandboxStepInput,
     TurnResult,
 )
-from workflows.group import GroupWorkflow
-from workflows.patches import REVISION
-from workflows.rollout import RolloutWorkflow
-from workflows.run import RunWorkflow
+from durable_rollouts.workflows.group import GroupWorkflow
+from durable_rollouts.workflows.patches import REVISION
+from durable_rollouts.workflows.rollout import RolloutWorkflow
+from durable_rollouts.workflows.run import RunWorkflow
 
 WORKFLOWS = [RunWorkflow, GroupWorkflow, RolloutWorkflow]
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 from temporalio.client import Client
 from temporalio.exceptions import ApplicationError
 
-from config.models import Config, RolloutConfig, RunConfig
-from contracts.activity_io import GenerateInput
-from contracts.types import RunInput, RunProgress
-from workflows.run import RunWorkflow
+from durable_rollouts.config.models import Config, RolloutConfig, RunConfig
+from durable_rollouts.contracts.activity_io import GenerateInput
+from durable_rollouts.contracts.types import RunInput, RunProgress
+from durable_rollouts.workflows.run import RunWorkflow
 
 from .fakes import Fakes, fake_worker
 

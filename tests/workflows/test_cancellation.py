@@ -9,13 +9,20 @@ from temporalio import activity
 from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.exceptions import ApplicationError
 
-from admission.controller import CANCEL_REASON
-from contracts.activity_io import FinalizeRolloutInput, GenerateInput, StoredOutcome
-from contracts.sandbox import SandboxCreated, SandboxStepInput
-from contracts.types import EnvTraits, GroupInput, GroupResult, Outcome, RolloutResult, TurnResult
-from sandboxes.base import SandboxSpec
-from workflows.group import GroupWorkflow
-from workflows.rollout import RolloutWorkflow
+from durable_rollouts.admission.controller import CANCEL_REASON
+from durable_rollouts.contracts.activity_io import FinalizeRolloutInput, GenerateInput, StoredOutcome
+from durable_rollouts.contracts.sandbox import SandboxCreated, SandboxStepInput
+from durable_rollouts.contracts.types import (
+    EnvTraits,
+    GroupInput,
+    GroupResult,
+    Outcome,
+    RolloutResult,
+    TurnResult,
+)
+from durable_rollouts.sandboxes.base import SandboxSpec
+from durable_rollouts.workflows.group import GroupWorkflow
+from durable_rollouts.workflows.rollout import RolloutWorkflow
 
 from .fakes import Fakes, fake_worker, rollout_input, wait_for
 

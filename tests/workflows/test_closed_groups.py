@@ -27,16 +27,16 @@ from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Replayer
 
-from config.models import AdmissionSection, Config, RolloutConfig, RunConfig
-from contracts.activity_io import (
+from durable_rollouts.config.models import AdmissionSection, Config, RolloutConfig, RunConfig
+from durable_rollouts.contracts.activity_io import (
     FinalizeRolloutInput,
     GenerateInput,
     StoredOutcome,
     TerminatedGroup,
     TerminatedGroupInput,
 )
-from contracts.types import Outcome, RunInput, RunProgress, group_id, rollout_id
-from workflows.run import RunWorkflow
+from durable_rollouts.contracts.types import Outcome, RunInput, RunProgress, group_id, rollout_id
+from durable_rollouts.workflows.run import RunWorkflow
 
 from .fakes import WORKFLOWS, Fakes, fake_worker, wait_for
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client
 
-from contracts.types import Outcome, RolloutResult
-from workflows.rollout import RolloutWorkflow
+from durable_rollouts.contracts.types import Outcome, RolloutResult
+from durable_rollouts.workflows.rollout import RolloutWorkflow
 
 from .fakes import Fakes, fake_worker, rollout_input
 

@@ -18,8 +18,8 @@ from temporalio.client import Client
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker._workflow_instance import _WorkflowInstanceImpl
 
-from config.models import AdmissionSection, Config, RolloutConfig, RunConfig
-from contracts.types import (
+from durable_rollouts.config.models import AdmissionSection, Config, RolloutConfig, RunConfig
+from durable_rollouts.contracts.types import (
     EngineTarget,
     Outcome,
     RolloutInput,
@@ -30,8 +30,8 @@ from contracts.types import (
     group_id,
     rollout_id,
 )
-from workflows.rollout import RolloutWorkflow, rollout_replicas
-from workflows.run import RunWorkflow
+from durable_rollouts.workflows.rollout import RolloutWorkflow, rollout_replicas
+from durable_rollouts.workflows.run import RunWorkflow
 
 from .fakes import Fakes, fake_worker, rollout_input
 

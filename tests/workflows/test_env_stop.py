@@ -13,11 +13,11 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.exceptions import ApplicationError
 from temporalio.worker import Replayer
 
-from config.models import Config, RolloutConfig, RunConfig
-from contracts.activity_io import EnvStepInput, GenerateInput
-from contracts.types import Outcome, RunInput, RunProgress, group_id
-from workflows.group import RUN_STOP_REASON
-from workflows.run import RunWorkflow
+from durable_rollouts.config.models import Config, RolloutConfig, RunConfig
+from durable_rollouts.contracts.activity_io import EnvStepInput, GenerateInput
+from durable_rollouts.contracts.types import Outcome, RunInput, RunProgress, group_id
+from durable_rollouts.workflows.group import RUN_STOP_REASON
+from durable_rollouts.workflows.run import RunWorkflow
 
 from .fakes import WORKFLOWS, Fakes, fake_worker
 

@@ -15,16 +15,24 @@ from pathlib import Path
 import pytest
 from temporalio.client import Client
 
-from config.models import Config
-from contracts.types import EnvTraits, GroupInput, GroupResult, Outcome
-from engines.client import Generation
-from envs import registry
-from envs.base import Action, Environment, Prompt, SandboxPlan, Step, Task, TurnContext
-from errors import SandboxPathError
-from sandboxes.base import ExecResult, SandboxHandle, SandboxSpec
-from store import RunStore
-from workers.worker import build_worker
-from workflows.group import GroupWorkflow
+from durable_rollouts.config.models import Config
+from durable_rollouts.contracts.types import EnvTraits, GroupInput, GroupResult, Outcome
+from durable_rollouts.engines.client import Generation
+from durable_rollouts.environments import registry
+from durable_rollouts.environments.base import (
+    Action,
+    Environment,
+    Prompt,
+    SandboxPlan,
+    Step,
+    Task,
+    TurnContext,
+)
+from durable_rollouts.errors import SandboxPathError
+from durable_rollouts.sandboxes.base import ExecResult, SandboxHandle, SandboxSpec
+from durable_rollouts.store import RunStore
+from durable_rollouts.workers.worker import build_worker
+from durable_rollouts.workflows.group import GroupWorkflow
 
 from .fakes import rollout_input
 

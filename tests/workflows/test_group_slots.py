@@ -7,8 +7,8 @@ import pytest
 from temporalio.api.enums.v1 import EventType
 from temporalio.testing import WorkflowEnvironment
 
-from config.models import AdmissionSection, Config, RolloutConfig, RunConfig
-from contracts.types import RunInput, group_id
+from durable_rollouts.config.models import AdmissionSection, Config, RolloutConfig, RunConfig
+from durable_rollouts.contracts.types import RunInput, group_id
 
 from .fakes import Fakes
 from .test_breaker import run

@@ -12,11 +12,18 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.exceptions import ApplicationError
 from temporalio.worker import Replayer
 
-from config.models import Config, GroupConfig, RolloutConfig, RunConfig
-from contracts.activity_io import GenerateInput
-from contracts.types import EnvStepResult, GroupInput, GroupResult, Outcome, RunInput, RunProgress
-from workflows.group import GroupWorkflow
-from workflows.run import RunWorkflow
+from durable_rollouts.config.models import Config, GroupConfig, RolloutConfig, RunConfig
+from durable_rollouts.contracts.activity_io import GenerateInput
+from durable_rollouts.contracts.types import (
+    EnvStepResult,
+    GroupInput,
+    GroupResult,
+    Outcome,
+    RunInput,
+    RunProgress,
+)
+from durable_rollouts.workflows.group import GroupWorkflow
+from durable_rollouts.workflows.run import RunWorkflow
 
 from .fakes import WORKFLOWS, Fakes, fake_worker, rollout_input
 

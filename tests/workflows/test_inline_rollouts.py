@@ -16,16 +16,16 @@ from temporalio.client import Client, WorkflowHandle, WorkflowHistory
 from temporalio.service import RPCError
 from temporalio.worker import Replayer
 
-from admission.controller import CANCEL_REASON
-from cli import ops
-from config.models import Config, GroupConfig, RolloutConfig
-from contracts.types import EnvTraits, GroupInput, GroupResult, Outcome
-from engines.client import Generation
-from store import RunStore
-from workers.worker import build_worker
-from workflows.group import GroupWorkflow, inline_members
-from workflows.patches import REVISION
-from workflows.rollout import RolloutWorkflow
+from durable_rollouts.admission.controller import CANCEL_REASON
+from durable_rollouts.cli import ops
+from durable_rollouts.config.models import Config, GroupConfig, RolloutConfig
+from durable_rollouts.contracts.types import EnvTraits, GroupInput, GroupResult, Outcome
+from durable_rollouts.engines.client import Generation
+from durable_rollouts.store import RunStore
+from durable_rollouts.workers.worker import build_worker
+from durable_rollouts.workflows.group import GroupWorkflow, inline_members
+from durable_rollouts.workflows.patches import REVISION
+from durable_rollouts.workflows.rollout import RolloutWorkflow
 
 from .fakes import rollout_input
 from .test_environment_failures import PARSES, FakeEngine, records, test_environments

@@ -8,10 +8,17 @@ from typing import Any
 from temporalio.client import Client
 from temporalio.exceptions import ApplicationError
 
-from contracts.activity_io import EnvStepInput, GenerateInput
-from contracts.types import EngineTarget, EnvTraits, Outcome, RolloutInput, RolloutResult, SandboxStepInput
-from sandboxes.base import SandboxSpec
-from workflows.rollout import RolloutWorkflow, rollout_replicas
+from durable_rollouts.contracts.activity_io import EnvStepInput, GenerateInput
+from durable_rollouts.contracts.types import (
+    EngineTarget,
+    EnvTraits,
+    Outcome,
+    RolloutInput,
+    RolloutResult,
+    SandboxStepInput,
+)
+from durable_rollouts.sandboxes.base import SandboxSpec
+from durable_rollouts.workflows.rollout import RolloutWorkflow, rollout_replicas
 
 from .fakes import Fakes, fake_worker, rollout_input
 

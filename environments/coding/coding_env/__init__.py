@@ -1,7 +1,8 @@
 """The coding environment: a task, a hardened sandbox, tools, and a reward from hidden tests.
 
 The harness renders the first prompt once (system message with the tool format, user message with the
-task), then every model turn is parsed as one tool call (see ``envs.tool_calls``) and its result comes back
+task), then every model turn is parsed as one tool call (see ``environments.tool_calls``) and its result
+comes back
 as a ``tool`` message. Reward = fraction of hidden tests passed, computed after ``submit()`` by running the
 hidden tests in the sandbox against a copy of the submitted files.
 
@@ -19,10 +20,10 @@ import shlex
 import xml.etree.ElementTree as ET
 
 from coding_env.tasks import CodingTask
-from envs.base import Prompt, SandboxPlan, Task, TurnContext
-from envs.tool_calls import TOOLS
-from envs.tool_env import ToolCallEnvironment
-from sandboxes.base import SandboxSpec
+from durable_rollouts.environments.base import Prompt, SandboxPlan, Task, TurnContext
+from durable_rollouts.environments.tool_calls import TOOLS
+from durable_rollouts.environments.tool_env import ToolCallEnvironment
+from durable_rollouts.sandboxes.base import SandboxSpec
 
 ENV_VERSION = "coding-v1"
 """Version of the harness's behaviour (system prompt, tool-call format, observations); every record carries it

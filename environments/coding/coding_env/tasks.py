@@ -24,7 +24,7 @@ from pathlib import Path, PurePosixPath
 
 from pydantic import ConfigDict, Field, ValidationInfo, field_validator
 
-from envs.base import Task
+from durable_rollouts.environments.base import Task
 
 FileMap = dict[str, str]
 """Relative path -> file content."""

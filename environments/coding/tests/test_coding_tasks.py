@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from coding_env.tasks import CodingTask, load_task_file
 
-from envs.tool_calls import ToolCall, render_call
-from errors import TaskFileError
+from durable_rollouts.environments.tool_calls import ToolCall, render_call
+from durable_rollouts.errors import TaskFileError
 
 BUNDLED = Path(__file__).resolve().parents[1] / "coding_env" / "data" / "coding.jsonl"
 

@@ -1,7 +1,7 @@
 """Harbor task directories (Terminal-Bench 2.0, Harbor's SWE adapters) as a durable-rollouts environment.
 
 A plug-in in its own distribution (``durable-rollouts-harbor``), registered under the entry-point group
-``durable_rollouts.environments`` as ``harbor``; it uses only the core's public API.
+``environments`` as ``harbor``; it uses only the core's public API.
 
 How one rollout goes (``run.env = "harbor"``, ``run.task_file`` a Harbor dataset: `harbor_env.tasks`):
 
@@ -15,7 +15,7 @@ How one rollout goes (``run.env = "harbor"``, ``run.task_file`` a Harbor dataset
    (a tmpfs: it also stays below the memory limit). ``/logs``, ``/tests`` and ``/solution`` are small
    writable tmpfs folders. Same hardening as every sandbox: no network, no capabilities, non-root.
 3. ``prompt``: the tool format, ``Task id: <name>``, the instruction (``instruction.md``), the working
-   directory. Every turn is one tool call (``envs.tool_calls``: bash, write_file, read_file, submit),
+   directory. Every turn is one tool call (``environments.tool_calls``: bash, write_file, read_file, submit),
    recorded with the turn before it runs. ``[agent].timeout_sec`` is the rollout's wall-clock limit from
    its sandbox's creation (``SandboxPlan.timeout_s``: truncated, reason ``timeout``; the run's
    ``rollout.timeout_s`` still applies when shorter), and caps each bash command's limit.
@@ -34,12 +34,12 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, cast
 
-from envs.base import Prompt, SandboxPlan, Score, Task, TurnContext
-from envs.tool_env import ToolCallEnvironment
-from errors import EnvironmentFailure, TaskFileError
+from durable_rollouts.environments.base import Prompt, SandboxPlan, Score, Task, TurnContext
+from durable_rollouts.environments.tool_env import ToolCallEnvironment
+from durable_rollouts.errors import EnvironmentFailure, TaskFileError
+from durable_rollouts.sandboxes.base import ImageBuild, SandboxSpec
 from harbor_env import verifier
 from harbor_env.tasks import HarborTask, load_dataset
-from sandboxes.base import ImageBuild, SandboxSpec
 
 __all__ = ["HarborEnvironment", "HarborTask", "image_tag", "load_dataset"]
 

@@ -30,8 +30,8 @@ from typing import Any
 
 from pydantic import ConfigDict, Field
 
-from envs.base import Task
-from errors import TaskFileError
+from durable_rollouts.environments.base import Task
+from durable_rollouts.errors import TaskFileError
 from harbor_env import config as cfgmod
 
 MAX_TASK_BYTES = 64 * 1024 * 1024

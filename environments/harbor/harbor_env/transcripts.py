@@ -2,7 +2,8 @@
 
 ``harbor-transcripts -o transcripts.jsonl DATASET`` (or ``python -m harbor_env.transcripts``) writes one line
 ``{"task_id", "mode", "turns"}`` per task and mode, which ``SimSettings(transcripts=...)`` (``python -m
-simengine --transcripts ...``) plays through its scripted policy, as tool calls through the harness:
+durable_rollouts.simengine --transcripts ...``) plays through its scripted policy, as tool calls through the
+harness:
 
 - ``reference``: what Harbor's oracle agent does. ``solution/`` is uploaded to ``/solution`` (per file, a
   bash call writing its base64, in chunks when large, then one decoding it), ``/solution/solve.sh`` is made
@@ -11,7 +12,8 @@ simengine --transcripts ...``) plays through its scripted policy, as tool calls 
 - ``wrong``: ``solution/wrong.sh`` the same way when the task has one (an extra file Harbor ignores), else
   nothing at all; then submit. Scores below 1.0 on a task that is not already solved.
 
-Invariant: deterministic (same dataset, same file); every turn is rendered by ``envs.tool_calls.render_call``.
+Invariant: deterministic (same dataset, same file); every turn is rendered by
+``environments.tool_calls.render_call``.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from envs.tool_calls import ToolCall, render_call
+from durable_rollouts.environments.tool_calls import ToolCall, render_call
 from harbor_env.tasks import HarborTask, load_dataset
 
 MODES = ("reference", "wrong")

@@ -22,8 +22,8 @@ import secrets
 import shlex
 import tarfile
 
-from envs.base import Sandbox, Score
-from errors import EnvironmentFailure
+from durable_rollouts.environments.base import Sandbox, Score
+from durable_rollouts.errors import EnvironmentFailure
 
 REWARD_MARK = "harbor-reward-file: "
 TESTS_DIR = "/tests"

@@ -11,7 +11,7 @@ import pytest
 from harbor_paths import MakeTask
 from typer.testing import CliRunner
 
-from cli.rollouts import app
+from durable_rollouts.cli.rollouts import app
 
 BAD = [
     ("no-toml", {"drop": ("task.toml",)}, "task.toml: missing"),

@@ -13,9 +13,9 @@ from harbor_env.tasks import HarborTask, dockerfile_workdir, load_dataset, strip
 from harbor_env.verifier import parse_reward
 from harbor_paths import EXAMPLES, MakeTask
 
-from envs import registry
-from errors import EnvironmentFailure, TaskFileError
-from sandboxes.base import SandboxSpec
+from durable_rollouts.environments import registry
+from durable_rollouts.errors import EnvironmentFailure, TaskFileError
+from durable_rollouts.sandboxes.base import SandboxSpec
 
 
 def test_the_plugin_is_registered_by_entry_point() -> None:

@@ -1,7 +1,7 @@
 """mini-swe-agent, unchanged, as the agent of Harbor task directories (``run.env = "mini-swe-agent"``).
 
 A plug-in in its own distribution (``durable-rollouts-harness``) using the core's harness trait
-(``envs.harness``) and the harbor plug-in's tasks, image builds and verifier:
+(``environments.harness_trait``) and the harbor plug-in's tasks, image builds and verifier:
 
 - Tasks: Harbor task directories, read at submit as the harbor plug-in reads them.
 - Sandbox: the harbor plug-in's plan (its task image, limits, seed, /logs /tests /solution), with one
@@ -22,9 +22,9 @@ from typing import Any, ClassVar
 
 from harbor_env import HarborEnvironment, HarborTask, load_dataset
 
-from envs.base import SandboxPlan, Score, Task, TurnContext
-from envs.harness import HarnessCommand, HarnessEnvironment
-from sandboxes.base import SandboxSpec
+from durable_rollouts.environments.base import SandboxPlan, Score, Task, TurnContext
+from durable_rollouts.environments.harness_trait import HarnessCommand, HarnessEnvironment
+from durable_rollouts.sandboxes.base import SandboxSpec
 
 __all__ = ["HARNESS_IMAGE", "MiniSweAgentEnvironment"]
 

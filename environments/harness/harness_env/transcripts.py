@@ -20,7 +20,7 @@ from harbor_env.tasks import HarborTask, load_dataset
 from harbor_env.transcripts import MODES
 from harbor_env.transcripts import turns as harbor_turns
 
-from envs.tool_calls import parse_tool_call
+from durable_rollouts.environments.tool_calls import parse_tool_call
 
 SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
 

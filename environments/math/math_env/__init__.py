@@ -11,8 +11,8 @@ from typing import Any
 
 from pydantic import ConfigDict, Field
 
-from envs.base import Environment, Prompt, Step, Task, TurnContext, until_end
-from errors import TaskFileError
+from durable_rollouts.environments.base import Environment, Prompt, Step, Task, TurnContext, until_end
+from durable_rollouts.errors import TaskFileError
 
 ENV_VERSION = "math-v1"
 """Version of the environment's behaviour (prompt rendering, RETRY_PROMPT, turn rules); every record carries

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from math_env import verify
 
-from envs.tasks import load_tasks
-from errors import TaskFileError
+from durable_rollouts.environments.tasks import load_tasks
+from durable_rollouts.errors import TaskFileError
 
 BUNDLED = Path(__file__).resolve().parents[1] / "math_env" / "data" / "addition.jsonl"
 

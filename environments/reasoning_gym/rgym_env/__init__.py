@@ -1,9 +1,9 @@
 """The reasoning-gym environment: one question from a procedural generator, scored by its ``score_answer``.
 
 A plug-in, as a user writes one: its own distribution (``durable-rollouts-reasoning-gym``), registered under
-the entry-point group ``durable_rollouts.environments`` as ``reasoning_gym``, using only the core's public
-API (``envs.base``, ``errors``). reasoning-gym itself (PyPI ``reasoning-gym``, pinned) is imported lazily:
-listing the environments does not import it.
+the entry-point group ``environments`` as ``reasoning_gym``, using only the core's public
+API (``environments.base``, ``errors``). reasoning-gym itself (PyPI ``reasoning-gym``, pinned) is imported
+lazily: listing the environments does not import it.
 
 How one rollout goes:
 
@@ -32,8 +32,8 @@ from typing import Any, ClassVar, cast
 
 from pydantic import ConfigDict, Field, JsonValue
 
-from envs.base import Environment, Prompt, Step, Task, TurnContext, until_end
-from errors import EnvironmentFailure, TaskFileError
+from durable_rollouts.environments.base import Environment, Prompt, Step, Task, TurnContext, until_end
+from durable_rollouts.errors import EnvironmentFailure, TaskFileError
 
 __all__ = ["ReasoningGymEnvironment", "RgTask", "extract", "score_entry"]
 

@@ -32,7 +32,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from errors import TaskFileError
+from durable_rollouts.errors import TaskFileError
 
 MAX_SIZE = 100_000
 """Most entries one generator may contribute."""

@@ -2,7 +2,7 @@
 
 ``python -m rgym_env.transcripts -o transcripts.jsonl --spec SPEC`` (or ``rgym-transcripts``) writes one
 line ``{"task_id", "mode", "turns"}`` per task and mode, which ``SimSettings(transcripts=...)`` (or
-``python -m simengine --transcripts ...``) plays through its scripted policy:
+``python -m durable_rollouts.simengine --transcripts ...``) plays through its scripted policy:
 
 - ``reference``: a line of working, then the oracle answer as ``<answer>ANSWER</answer>``. Scores what
   ``score_answer`` gives the oracle answer (1.0 for the generators here).

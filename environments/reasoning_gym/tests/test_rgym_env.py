@@ -8,8 +8,8 @@ from rgym_env import ReasoningGymEnvironment, RgTask, extract, score_entry
 from rgym_env.datasets import dataset
 from rgym_env.transcripts import SPEC, turns
 
-from envs.base import Step, TurnContext
-from errors import EnvironmentFailure
+from durable_rollouts.environments.base import Step, TurnContext
+from durable_rollouts.errors import EnvironmentFailure
 
 ENV = ReasoningGymEnvironment()
 TASKS = [t for t in ENV.load_tasks(SPEC) if isinstance(t, RgTask)]

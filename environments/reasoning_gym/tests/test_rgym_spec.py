@@ -11,7 +11,7 @@ from rgym_env import ReasoningGymEnvironment, RgTask
 from rgym_env.datasets import dataset
 from rgym_env.transcripts import SPEC
 
-from errors import TaskFileError
+from durable_rollouts.errors import TaskFileError
 
 GOOD = """
 [[generators]]

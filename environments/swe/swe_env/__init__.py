@@ -1,8 +1,8 @@
 """The SWE environment: fix a bug in a repository baked into the task's own image; hidden tests score it.
 
 A plug-in, as a user writes one: it lives in its own distribution (``durable-rollouts-swe``), registers
-itself under the entry-point group ``durable_rollouts.environments`` as ``swe`` and uses only the core's
-public API (``envs.base``, ``envs.tool_calls``, ``errors``).
+itself under the entry-point group ``environments`` as ``swe`` and uses only the core's
+public API (``environments.base``, ``environments.tool_calls``, ``errors``).
 
 How one rollout goes:
 
@@ -10,7 +10,8 @@ How one rollout goes:
    the repository (``repo_dir`` in the image) into the workdir, then runs the task's setup commands.
 2. ``prompt``: a system message with the tool format, a user message with ``Task id: <id>``, the problem
    statement and the visible files.
-3. ``parse`` + ``act``: every model turn is one tool call (``envs.tool_calls``: bash, write_file, read_file,
+3. ``parse`` + ``act``: every model turn is one tool call (``environments.tool_calls``: bash, write_file,
+read_file,
    submit); ``parse`` turns it into an action (recorded with the turn), ``act`` runs it in the sandbox and
    its result is the observation (a ``tool`` message). ``submit`` ends the rollout; a malformed call is
    an error observation and the rollout carries on.
@@ -41,10 +42,10 @@ import shlex
 import xml.etree.ElementTree as ET
 from typing import Any, ClassVar, cast
 
-from envs.base import Prompt, Sandbox, SandboxPlan, Task, TurnContext
-from envs.tool_env import ToolCallEnvironment
-from errors import EnvironmentFailure
-from sandboxes.base import SandboxSpec
+from durable_rollouts.environments.base import Prompt, Sandbox, SandboxPlan, Task, TurnContext
+from durable_rollouts.environments.tool_env import ToolCallEnvironment
+from durable_rollouts.errors import EnvironmentFailure
+from durable_rollouts.sandboxes.base import SandboxSpec
 from swe_env import swebench
 from swe_env.swebench import SweBenchTask
 from swe_env.tasks import DEFAULT_TEST_COMMAND, SweTask

@@ -35,8 +35,8 @@ from typing import Any
 
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from envs.base import Task
-from errors import TaskFileError
+from durable_rollouts.environments.base import Task
+from durable_rollouts.errors import TaskFileError
 from swe_env import unidiff
 
 DEFAULT_SWEBENCH_COMMAND = "python3 -m pytest -rA -p no:cacheprovider {tests}"

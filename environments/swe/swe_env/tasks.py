@@ -4,7 +4,7 @@ Invariant: a task that validates can be set up and scored without guessing: its 
 repository directory is absolute, every path is relative and stays inside the repository, the hidden tests
 are named ``test_*.py`` and are neither visible files nor touched by a patch, a JUnit-scored test command
 writes its report to ``{junit}``, and the patches only touch visible files. A bad task file is reported in
-one line naming the file, the line and the field (`envs.base.Environment.load_tasks`).
+one line naming the file, the line and the field (`environments.base.Environment.load_tasks`).
 
 Schema of a line (see the package README for a full example)::
 
@@ -25,7 +25,7 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from envs.base import Task
+from durable_rollouts.environments.base import Task
 
 FileMap = dict[str, str]
 """Path relative to the repository -> file content."""

@@ -2,7 +2,7 @@
 
 ``python -m swe_env.transcripts -o transcripts.jsonl [--tasks FILE]`` (or ``swe-transcripts``) writes one
 line ``{"task_id", "mode", "turns"}`` per task and mode, which ``SimSettings(transcripts=...)`` (or
-``python -m simengine --transcripts ...``) plays through its scripted policy:
+``python -m durable_rollouts.simengine --transcripts ...``) plays through its scripted policy:
 
 - ``reference``: look at the first file of the fix (bash ``cat``), write every file of ``reference``,
   submit. Scores 1.0.
@@ -16,7 +16,7 @@ applies the instance's entry of a breaking-patches file (``{instance_id: diff}``
 (scores 0.0). A row without an entry gets no ``wrong`` transcript.
 
 Invariant: deterministic (same tasks, same file), and every turn is rendered by
-``envs.tool_calls.render_call``, the format ``SweEnvironment.parse`` reads.
+``environments.tool_calls.render_call``, the format ``SweEnvironment.parse`` reads.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from envs.tool_calls import ToolCall, render_call
+from durable_rollouts.environments.tool_calls import ToolCall, render_call
 from swe_env import SweBenchTask, SweEnvironment, SweTask
 from swe_env.swebench import APPLIER
 

@@ -15,9 +15,9 @@ import pytest
 from swe_env import SweEnvironment, SweTask
 from swe_env.transcripts import TASKS
 
-from envs.base import SandboxPlan, TurnContext
-from sandboxes import AsyncSandboxBackend, DockerBackend, SandboxHandle
-from sandboxes.base import DEFAULT_IMAGE, ExecResult, SandboxSpec
+from durable_rollouts.environments.base import SandboxPlan, TurnContext
+from durable_rollouts.sandboxes import AsyncSandboxBackend, DockerBackend, SandboxHandle
+from durable_rollouts.sandboxes.base import DEFAULT_IMAGE, ExecResult, SandboxSpec
 
 PACKAGE = Path(__file__).resolve().parents[1]
 SPEC = SandboxSpec(memory_mb=512, workdir_size_mb=64, tmp_size_mb=64, command_timeout_s=30)
@@ -25,7 +25,7 @@ SPEC = SandboxSpec(memory_mb=512, workdir_size_mb=64, tmp_size_mb=64, command_ti
 
 
 class BoundSandbox:
-    """A Docker sandbox bound to its container: the environment's `envs.base.Sandbox`."""
+    """A Docker sandbox bound to its container: the environment's `environments.base.Sandbox`."""
 
     def __init__(self, backend: AsyncSandboxBackend, handle: SandboxHandle) -> None:
         self.backend = backend

@@ -17,8 +17,8 @@ from swe_env import SweBenchTask, SweEnvironment
 from swe_env.swebench import resolved
 from swe_env.transcripts import SWEBENCH, turns
 
-from envs.base import Step, TurnContext
-from sandboxes import DockerBackend
+from durable_rollouts.environments.base import Step, TurnContext
+from durable_rollouts.sandboxes import DockerBackend
 
 Setup = Callable[..., Awaitable[TurnContext]]
 

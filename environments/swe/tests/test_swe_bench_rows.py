@@ -12,7 +12,7 @@ from swe_env.swebench import resolved, statuses
 from swe_env.transcripts import BREAKING, SWEBENCH, load_breaking, transcripts
 from swe_env.unidiff import PatchError, apply, touched
 
-from errors import TaskFileError
+from durable_rollouts.errors import TaskFileError
 
 ROWS = [json.loads(line) for line in SWEBENCH.read_text().splitlines()]
 

@@ -15,9 +15,9 @@ import pytest
 from swe_env import SweEnvironment, SweTask
 from swe_env.transcripts import turns
 
-from envs.base import Step, TurnContext
-from sandboxes import DockerBackend
-from sandboxes.base import SandboxSpec
+from durable_rollouts.environments.base import Step, TurnContext
+from durable_rollouts.sandboxes import DockerBackend
+from durable_rollouts.sandboxes.base import SandboxSpec
 
 Setup = Callable[..., Awaitable[TurnContext]]
 """The ``sandbox_for`` fixture: (task, key[, spec]) -> a context bound to a set-up sandbox."""

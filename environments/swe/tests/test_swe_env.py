@@ -16,10 +16,10 @@ import pytest
 from swe_env import SweEnvironment, SweTask, reward_from_junit
 from swe_env.transcripts import TASKS, transcripts, turns, write
 
-from envs import registry
-from envs.base import Prompt, SandboxPlan, Step, TurnContext
-from errors import EnvironmentFailure, SandboxPathError, TaskFileError
-from sandboxes.base import ExecResult, SandboxSpec
+from durable_rollouts.environments import registry
+from durable_rollouts.environments.base import Prompt, SandboxPlan, Step, TurnContext
+from durable_rollouts.errors import EnvironmentFailure, SandboxPathError, TaskFileError
+from durable_rollouts.sandboxes.base import ExecResult, SandboxSpec
 
 REPORT = '<testsuites><testsuite tests="{n}" failures="{f}" errors="0" skipped="0"/></testsuites>'
 
@@ -260,7 +260,7 @@ def test_reward_from_junit_sums_suites() -> None:
 def test_transcripts_cover_every_task_in_both_modes_and_load_in_the_simulated_engine(
     env: SweEnvironment, tasks: list[SweTask], tmp_path: Path
 ) -> None:
-    from simengine.policies import load_transcripts
+    from durable_rollouts.simengine.policies import load_transcripts
 
     loaded = load_transcripts(write(tmp_path / "t.jsonl", TASKS))
     assert set(loaded) == {(t.id, mode) for t in tasks for mode in ("reference", "wrong")}

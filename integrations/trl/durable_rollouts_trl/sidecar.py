@@ -33,7 +33,7 @@ class SidecarError(RuntimeError):
 
 class Sidecar:
     def __init__(self, home: str, store_url: str | None) -> None:
-        from store import open_store
+        from durable_rollouts.store import open_store
 
         self.home = Path(home)
         self.store = open_store(store_url or self.home)
@@ -43,7 +43,7 @@ class Sidecar:
 
     # -- helpers -------------------------------------------------------------------------------------
     def _client(self, address: str, namespace: str) -> Any:
-        from contracts.client import connect
+        from durable_rollouts.contracts.client import connect
 
         key = (address, namespace)
         if key not in self._clients:
@@ -54,19 +54,19 @@ class Sidecar:
         return self._clients[key]
 
     def _config(self, config: str | None, overrides: list[str]) -> Any:
-        from config.load import ConfigError, load_config
-        from config.paths import resolve_repo_path
+        from durable_rollouts.config.load import ConfigError, load_config
+        from durable_rollouts.config.paths import resolve_path
 
         try:
             cfg = load_config(Path(config) if config else None, overrides)
         except ConfigError as e:
             raise SidecarError(str(e)) from None
-        path = resolve_repo_path(cfg.run.task_file)
+        path = resolve_path(cfg.run.task_file, "run.task_file")
         return cfg.model_copy(update={"run": cfg.run.model_copy(update={"task_file": str(path)})})
 
     # -- operations ----------------------------------------------------------------------------------
     def op_hello(self) -> dict[str, Any]:
-        import store
+        from durable_rollouts import store
 
         return {"core": str(Path(store.__file__).parent.parent), "store": self.store.location}
 
@@ -75,7 +75,7 @@ class Sidecar:
 
     def op_settings(self, config: str | None, overrides: list[str]) -> dict[str, Any]:
         """The run config as JSON (its sampling settings and engines) and its tasks."""
-        from envs.tasks import load_tasks
+        from durable_rollouts.environments.tasks import load_tasks
 
         cfg = self._config(config, overrides)
         return {"config": cfg.model_dump(mode="json"), "tasks": load_tasks(cfg.run.task_file, cfg.run.env)}
@@ -87,12 +87,12 @@ class Sidecar:
         polls it); attach when it exists. ``tasks``: these tasks instead of the task file's."""
         from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
 
-        from config.load import config_hash
-        from contracts.types import RunInput
-        from envs.fleet import require_worker
-        from envs.tasks import load_tasks
-        from errors import ConfigError
-        from workflows.run import RunWorkflow
+        from durable_rollouts.config.load import config_hash
+        from durable_rollouts.contracts.types import RunInput
+        from durable_rollouts.environments.fleet import require_worker
+        from durable_rollouts.environments.tasks import load_tasks
+        from durable_rollouts.errors import ConfigError
+        from durable_rollouts.workflows.run import RunWorkflow
 
         cfg = self._config(config, overrides)
         client = self._client(cfg.temporal.address, cfg.temporal.namespace)
@@ -136,14 +136,14 @@ class Sidecar:
         return run_id
 
     def op_records(self, run_id: str) -> list[dict[str, Any]]:
-        from records.export import iter_run
+        from durable_rollouts.records.export import iter_run
 
         return list(iter_run(self.store, run_id))
 
     def op_take(
         self, run_id: str, n: int, current: str, max_lag: int, drop_zero_variance: bool, logprob_mode: str
     ) -> dict[str, Any]:
-        from trainer.feed import FeedError, TrainerFeed
+        from durable_rollouts.trainer.feed import FeedError, TrainerFeed
 
         try:
             batch = TrainerFeed(self.store, run_id).take(
@@ -163,7 +163,7 @@ class Sidecar:
         return self.store.put_offpolicy_evidence(run_id, batch_id, record)
 
     def op_ledger(self, run_id: str) -> dict[str, Any]:
-        from trainer.feed import TrainerFeed
+        from durable_rollouts.trainer.feed import TrainerFeed
 
         led = TrainerFeed(self.store, run_id).ledger()
         out = {k: getattr(led, k).__dict__ for k in ("generated", "consumed", "discarded", "waiting")}
@@ -180,10 +180,10 @@ class Sidecar:
     def op_evaluate(self, config: str | None, overrides: list[str], samples_per_task: int, seed: int) -> Any:
         """Accuracy on the run's tasks (math) through the first engine at the run's sampling settings
         (trainer/evaluate.py)."""
-        from contracts.types import SamplingParams
-        from envs import registry
-        from envs.tasks import load_tasks
-        from trainer.evaluate import accuracy
+        from durable_rollouts.contracts.types import SamplingParams
+        from durable_rollouts.environments import registry
+        from durable_rollouts.environments.tasks import load_tasks
+        from durable_rollouts.trainer.evaluate import accuracy
 
         cfg = self._config(config, overrides)
         s = cfg.sampling
@@ -203,7 +203,7 @@ class Sidecar:
         return res.as_dict()
 
     def op_publish(self, urls: list[str], version: str, weights_dir: str) -> dict[str, Any]:
-        from engines.policy import PolicyError, publish
+        from durable_rollouts.engines.policy import PolicyError, publish
 
         t0 = time.monotonic()
         try:

@@ -34,8 +34,9 @@ SCRIPT = textwrap.dedent(
     b.close()
     mine = {m: getattr(sys.modules[m], "OWNER", None) for m in ("config", "metrics", "store", "trainer")}
     print(json.dumps({"hello": hello, "policies": policies, "mine": mine,
-                      "core_loaded_here": [m for m in ("store.runstore", "trainer.feed", "config.load")
-                                           if m in sys.modules]}))
+                      "core_loaded_here": [m for m in ("durable_rollouts.store.runstore",
+                                                       "durable_rollouts.trainer.feed",
+                                                       "durable_rollouts.config.load") if m in sys.modules]}))
     """
 )
 

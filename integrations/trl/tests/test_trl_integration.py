@@ -32,15 +32,15 @@ from durable_rollouts_trl.samples import Sampling
 from durable_rollouts_trl.worker import DurableRolloutWorker
 from trl_support import MODEL_DIR, REPO, group_advantage, overrides
 
-from engines.policy import publish
-from envs import registry
+from durable_rollouts.engines.policy import publish
+from durable_rollouts.environments import registry
 from tests.conftest import Engine, start_engine
 from tests.integration.support import export, until_polled, worker
 
 
 @pytest.fixture(scope="module")
 def eng(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
-    from stack import procs
+    from durable_rollouts.stack import procs
 
     engine = start_engine(tmp_path_factory.mktemp("trl-engine"))
     try:
@@ -141,7 +141,7 @@ async def test_async_grpo_trainer_with_the_durable_worker(
         assert [{k: e[k] for k in ev} for e, ev in zip(kept, w.evidence, strict=True)] == w.evidence
         consumed = {m["batch_id"] for m in store.feed_marks("trl-async").values() if m["state"] == "consumed"}
         assert {e["batch_id"] for e in kept} == consumed
-        from trainer.feed import TrainerFeed
+        from durable_rollouts.trainer.feed import TrainerFeed
 
         books = TrainerFeed(store, "trl-async").ledger().check()
         assert books.generated.records == 24 and books.consumed.records >= 16
@@ -228,9 +228,9 @@ async def test_a_rollout_worker_sigkilled_mid_loop_loses_and_repeats_no_sample(
 ) -> None:
     """The async trainer keeps training through a SIGKILL of the rollout worker process (a second one
     starts): every generated rollout recorded once, none handed to TRL twice, the feed's books balance."""
-    from stack import procs
-    from store.runstore import RunStore
-    from trainer.feed import TrainerFeed
+    from durable_rollouts.stack import procs
+    from durable_rollouts.store.runstore import RunStore
+    from durable_rollouts.trainer.feed import TrainerFeed
 
     home, run_id = tmp_path / "home", "trl-kill"
     address = _address(client)

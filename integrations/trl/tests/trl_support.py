@@ -8,7 +8,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[3]
 TASKS = REPO / "environments" / "math" / "math_env" / "data" / "addition.jsonl"
-MODEL_DIR = REPO / "models" / "tiny-policy"
+MODEL_DIR = REPO / "engines" / "tiny-policy"
 
 
 def overrides(engine_url: str, address: str, task_queue: str, **run: Any) -> list[str]:

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 from temporalio.testing import ActivityEnvironment
 
-from activities import heartbeat
+from durable_rollouts.activities import heartbeat
 
 
 async def slow() -> str:

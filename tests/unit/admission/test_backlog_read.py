@@ -16,7 +16,7 @@ from temporalio.api.workflowservice.v1 import (
     GetWorkflowExecutionHistoryReverseResponse,
 )
 
-from activities.dispatch import own_wait, queue_backlog, read_backlog
+from durable_rollouts.activities.dispatch import own_wait, queue_backlog, read_backlog
 
 
 class Service:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from admission import breaker
-from contracts.types import BreakerState
+from durable_rollouts.admission import breaker
+from durable_rollouts.contracts.types import BreakerState
 
 
 def test_consecutive_failures_of_one_kind_open_it_and_a_success_closes_it() -> None:
@@ -43,8 +43,8 @@ def test_disabled_it_never_opens() -> None:
 
 def test_environment_failures_are_not_infra_failures_and_never_trip_it() -> None:
     """A buggy environment (every member failing in its own code) does not look like a flaky cluster."""
-    from contracts.types import Outcome, RolloutResult
-    from workflows.group import close_group
+    from durable_rollouts.contracts.types import Outcome, RolloutResult
+    from durable_rollouts.workflows.group import close_group
 
     bug = "environment: ZeroDivisionError: division by zero"
     members = [RolloutResult(rollout_id=f"r/g0/{i}", sample_index=i, outcome=Outcome.FAILED, reason=bug)

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from admission.controller import (
+from durable_rollouts.admission.controller import (
     AdmissionConfig,
     AdmissionController,
     AdmissionState,

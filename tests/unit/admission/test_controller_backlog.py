@@ -7,8 +7,8 @@ flight (as many as the cap), how many ended since the previous poll, and the run
 
 from __future__ import annotations
 
-from admission.backlog import CAUSE
-from admission.controller import AdmissionController, Decision, QueueBacklog
+from durable_rollouts.admission.backlog import CAUSE
+from durable_rollouts.admission.controller import AdmissionController, Decision, QueueBacklog
 from tests.unit.admission.test_controller_probe import cfg, flight, reading
 
 

@@ -9,7 +9,13 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from admission.controller import AdmissionConfig, AdmissionController, Decision, EngineReading, Inflight
+from durable_rollouts.admission.controller import (
+    AdmissionConfig,
+    AdmissionController,
+    Decision,
+    EngineReading,
+    Inflight,
+)
 
 
 def cfg(**overrides) -> AdmissionConfig:
@@ -257,7 +263,7 @@ def test_probe_cap_stays_in_bounds_and_nothing_is_admitted_during_a_storm(bounds
 def test_readings_carry_the_generation_token_counter_summed_and_zero_when_absent():
     from pathlib import Path
 
-    from engines.metrics import parse_metrics
+    from durable_rollouts.engines.metrics import parse_metrics
 
     sample = (Path(__file__).parents[1] / "data" / "vllm_metrics_sample.txt").read_text()
     assert parse_metrics(sample, url="u", engine_id="e", at=0.0).generation_tokens_total == 0.0

@@ -17,14 +17,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from admission.controller import (
+from durable_rollouts.admission.controller import (
     AdmissionConfig,
     AdmissionController,
     Decision,
     EngineReading,
     Inflight,
 )
-from contracts.types import AdmissionState
+from durable_rollouts.contracts.types import AdmissionState
 from tests.unit.admission.test_controller_probe import cfg, flight
 from tests.unit.admission.test_controller_probe import reading as probe_reading
 

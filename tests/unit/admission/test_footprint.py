@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-from admission.controller import AdmissionController, Decision
+from durable_rollouts.admission.controller import AdmissionController, Decision
 from tests.unit.admission.test_controller_probe import cfg, flight
 from tests.unit.admission.test_controller_ramp import reading
 

@@ -8,7 +8,7 @@ from collections import Counter
 from hypothesis import given
 from hypothesis import strategies as st
 
-from admission.replicas import choose_replica, replica_order
+from durable_rollouts.admission.replicas import choose_replica, replica_order
 
 URLS = [f"http://r{i}:8000" for i in range(4)]
 

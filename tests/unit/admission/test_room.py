@@ -7,15 +7,15 @@ from collections import Counter
 
 import pytest
 
-from admission.replicas import replica_load
-from admission.room import (
+from durable_rollouts.admission.replicas import replica_load
+from durable_rollouts.admission.room import (
     cancels_by_group,
     inflight_view,
     running_members,
     sandbox_room,
     take_tokens,
 )
-from contracts.types import GroupCounts, GroupSlot, PoolStatus
+from durable_rollouts.contracts.types import GroupCounts, GroupSlot, PoolStatus
 
 
 def test_token_bucket_refills_at_its_rate_up_to_its_burst() -> None:

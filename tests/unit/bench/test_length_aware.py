@@ -22,8 +22,8 @@ from bench.length_aware import (
     Outcome,
     Plan,
 )
-from simengine import PolicyName, SimSettings
-from simengine.policies import heavy_tail_length
+from durable_rollouts.simengine import PolicyName, SimSettings
+from durable_rollouts.simengine.policies import heavy_tail_length
 
 ON = LengthAwareConfig(enabled=True)
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from bench.stale_queue import RUN, Fleet, Trainer, Workload, run_all
-from store.runstore import RunStore
-from trainer.feed import TrainerFeed
+from durable_rollouts.store.runstore import RunStore
+from durable_rollouts.trainer.feed import TrainerFeed
 
 WORKLOAD = Workload(group_size=2, median_tokens=48, task_tokens=(32, 64), system_tokens=32, seed=3)
 FLEET = Fleet(replicas=2, kv_blocks=512, block_size=16, max_num_seqs=16)

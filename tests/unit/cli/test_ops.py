@@ -12,11 +12,11 @@ from urllib.parse import parse_qs, urlparse
 import pytest
 from rich.console import Console
 
-from cli import ops, top
-from contracts.types import Outcome, RolloutResult, RunProgress, SandboxCreated
-from store.runstore import SCHEMA_VERSION, RunStore
-from workflows import search_attributes as sa
-from workflows.group import close_group, slot_of
+from durable_rollouts.cli import ops, top
+from durable_rollouts.contracts.types import Outcome, RolloutResult, RunProgress, SandboxCreated
+from durable_rollouts.store.runstore import SCHEMA_VERSION, RunStore
+from durable_rollouts.workflows import search_attributes as sa
+from durable_rollouts.workflows.group import close_group, slot_of
 
 
 @pytest.mark.parametrize(

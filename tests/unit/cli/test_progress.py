@@ -9,16 +9,16 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from cli.progress import (
+from durable_rollouts.cli.progress import (
     ENVIRONMENT_FAILURE_EXIT,
     environment_failure_exit,
     failure_causes,
     summary_table,
     wait_verdict,
 )
-from config.models import Config, RunConfig
-from contracts.types import RunProgress
-from store import RunStore
+from durable_rollouts.config.models import Config, RunConfig
+from durable_rollouts.contracts.types import RunProgress
+from durable_rollouts.store import RunStore
 
 REASONS = {
     "environment: ZeroDivisionError: division by zero": 3,
@@ -166,7 +166,7 @@ class _Handle:
 def test_run_wait_exits_non_zero_for_a_stopped_run(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
-    import cli.rollouts as cli
+    import durable_rollouts.cli.rollouts as cli
 
     for final, code in (
         (progress(), 0),

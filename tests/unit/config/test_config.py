@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from cli.rollouts import app
-from config.load import ConfigError, load_config
-from config.paths import REPO_ROOT
+from durable_rollouts.cli.rollouts import app
+from durable_rollouts.config.load import ConfigError, load_config
+from tests import REPO_ROOT
 
 EXAMPLES = sorted((REPO_ROOT / "config" / "examples").glob("*.toml"))
 
@@ -21,7 +21,7 @@ def test_examples_exist() -> None:
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_every_committed_toml_parses(path: Path) -> None:
     if "[trainer]" in path.read_text():  # a closed-loop config: run sections plus the trainer's
-        from trainer.settings import load_loop_config
+        from durable_rollouts.trainer.settings import load_loop_config
 
         cfg, trainer = load_loop_config(path)
         assert trainer.lr > 0

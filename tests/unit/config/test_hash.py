@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 
-from config.load import config_hash
-from config.models import Config
+from durable_rollouts.config.load import config_hash
+from durable_rollouts.config.models import Config
 
 
 def test_the_stored_json_hashes_like_the_config_it_was_dumped_from() -> None:

@@ -9,9 +9,14 @@ from pathlib import Path
 
 from temporalio.contrib.pydantic import pydantic_data_converter
 
-from contracts.activity_io import EnvStepInput, FinalizeRolloutInput, GenerateInput, PrepareInput
-from contracts.sandbox import SandboxStepInput
-from contracts.types import EnvTraits, RolloutRef
+from durable_rollouts.contracts.activity_io import (
+    EnvStepInput,
+    FinalizeRolloutInput,
+    GenerateInput,
+    PrepareInput,
+)
+from durable_rollouts.contracts.sandbox import SandboxStepInput
+from durable_rollouts.contracts.types import EnvTraits, RolloutRef
 from tests.workflows.fakes import rollout_input
 
 HISTORIES = Path(__file__).parents[2] / "histories" / "0.2.0"

@@ -7,7 +7,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engines.metrics import fetch_reading, parse_metrics
+from durable_rollouts.engines.metrics import fetch_reading, parse_metrics
 
 SAMPLE = (Path(__file__).parents[1] / "data" / "vllm_metrics_sample.txt").read_text()
 URL = "http://127.0.0.1:8000"

@@ -5,9 +5,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from contracts.types import SamplingParams
-from engines.client import EngineClient
-from errors import ContextLengthExceeded, EngineBadReply, EngineBadRequest, EngineUnavailable
+from durable_rollouts.contracts.types import SamplingParams
+from durable_rollouts.engines.client import EngineClient
+from durable_rollouts.errors import ContextLengthExceeded, EngineBadReply, EngineBadRequest, EngineUnavailable
 
 SAMPLING = SamplingParams(
     temperature=1.0, top_p=1.0, top_k=-1, max_tokens=4, seed=1, logprob_mode="processed"

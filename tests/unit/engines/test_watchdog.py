@@ -13,13 +13,13 @@ from typing import Any
 import httpx
 import pytest
 
-from contracts.types import SamplingParams
-from engines.client import EngineClient, Generation
-from engines.watchdog import PROBE_FRACTION, progress_counter, watching
-from errors import EngineStalled, EngineUnavailable
-from faults import Fault, FaultProxy
-from simengine import SimEngine, SimSettings
-from simengine.settings import TimingSettings
+from durable_rollouts.contracts.types import SamplingParams
+from durable_rollouts.engines.client import EngineClient, Generation
+from durable_rollouts.engines.watchdog import PROBE_FRACTION, progress_counter, watching
+from durable_rollouts.errors import EngineStalled, EngineUnavailable
+from durable_rollouts.faults import Fault, FaultProxy
+from durable_rollouts.simengine import SimEngine, SimSettings
+from durable_rollouts.simengine.settings import TimingSettings
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from faults import Fault, FaultProxy, check_store, schedule
-from store import RunStore
+from durable_rollouts.faults import Fault, FaultProxy, check_store, schedule
+from durable_rollouts.store import RunStore
 
 BODY = b'{"ok": true, "pad": "' + b"x" * 4000 + b'"}'
 
@@ -184,7 +184,7 @@ def test_rollouts_ledger_prints_one_line_per_violation_and_exits_1(
 ) -> None:
     from typer.testing import CliRunner
 
-    from cli.rollouts import app
+    from durable_rollouts.cli.rollouts import app
 
     monkeypatch.setenv("ROLLOUTS_HOME", str(tmp_path))
     store = _store(tmp_path)
@@ -209,7 +209,7 @@ def test_rollouts_ledger_prints_one_line_per_violation_and_exits_1(
 
 def _sleeper(home: Path, name: str = "worker") -> int:
     """A stand-in component: started as the stack starts its own (own session, pid file, log)."""
-    from stack import procs
+    from durable_rollouts.stack import procs
 
     return procs.spawn(
         name, [sys.executable, "-c", "import time; time.sleep(600)"], home, {"CHAOS_MARK": "1"}
@@ -221,8 +221,8 @@ def _state(pid: int) -> str:
 
 
 def test_process_faults_freeze_kill_and_restart_the_same_command(tmp_path: Path) -> None:
-    from faults import process
-    from stack import procs
+    from durable_rollouts.faults import process
+    from durable_rollouts.stack import procs
 
     pid = _sleeper(tmp_path)
     try:
@@ -246,7 +246,7 @@ def test_process_faults_freeze_kill_and_restart_the_same_command(tmp_path: Path)
 
 
 def test_a_pid_file_whose_start_time_differs_is_never_signalled(tmp_path: Path) -> None:
-    from faults import process
+    from durable_rollouts.faults import process
 
     (tmp_path / "pids").mkdir()
     process.pid_file(tmp_path, "engine").write_text(f"{os.getpid()} 1\n")  # our pid, another start time
@@ -254,9 +254,9 @@ def test_a_pid_file_whose_start_time_differs_is_never_signalled(tmp_path: Path) 
 
 
 async def test_the_injector_logs_each_fault_with_its_time_and_clears_it(tmp_path: Path) -> None:
-    from faults.chaos import Chaos
-    from faults.schedule import Planned
-    from stack import procs
+    from durable_rollouts.faults.chaos import Chaos
+    from durable_rollouts.faults.schedule import Planned
+    from durable_rollouts.stack import procs
 
     pid = _sleeper(tmp_path)
     log = tmp_path / "chaos.jsonl"
@@ -291,7 +291,7 @@ def test_rollouts_chaos_refuses_bad_input_in_one_line(
 ) -> None:
     from typer.testing import CliRunner
 
-    from cli.rollouts import app
+    from durable_rollouts.cli.rollouts import app
 
     monkeypatch.setenv("ROLLOUTS_HOME", str(tmp_path))
     _store(tmp_path)

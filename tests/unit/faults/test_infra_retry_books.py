@@ -9,12 +9,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from contracts.types import Outcome, RolloutResult
-from faults import check_store
-from records.export import group_record, rollout_record
-from store import RunStore
-from trainer.feed import TrainerFeed
-from workflows.group import close_group, finalize_input
+from durable_rollouts.contracts.types import Outcome, RolloutResult
+from durable_rollouts.faults import check_store
+from durable_rollouts.records.export import group_record, rollout_record
+from durable_rollouts.store import RunStore
+from durable_rollouts.trainer.feed import TrainerFeed
+from durable_rollouts.workflows.group import close_group, finalize_input
 
 RUN = "retried"
 INFRA = "infra: EngineUnavailable: connection refused"

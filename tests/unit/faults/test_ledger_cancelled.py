@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from faults import check_store
-from store import RunStore
+from durable_rollouts.faults import check_store
+from durable_rollouts.store import RunStore
 
 RUN = "cancelled-run"
 

@@ -9,17 +9,17 @@ from typing import Any
 
 import pytest
 
-from contracts.harness import GatewayCallInput
-from contracts.types import RolloutRef, SamplingParams, TruncationReason
-from engines.client import Generation
-from errors import ContextLengthExceeded
-from gateway import chat
-from gateway.turn import GatewayTurns, sequence_starts
-from simengine.tokenizer import SimTokenizer
-from store import RunStore
-from store.gateway_calls import CallInFlight
+from durable_rollouts.contracts.harness import GatewayCallInput
+from durable_rollouts.contracts.types import RolloutRef, SamplingParams, TruncationReason
+from durable_rollouts.engines.client import Generation
+from durable_rollouts.errors import ContextLengthExceeded
+from durable_rollouts.gateway import chat
+from durable_rollouts.gateway.turn import GatewayTurns, sequence_starts
+from durable_rollouts.simengine.tokenizer import SimTokenizer
+from durable_rollouts.store import RunStore
+from durable_rollouts.store.gateway_calls import CallInFlight
 
-MODEL_DIR = Path(__file__).resolve().parents[3] / "models" / "tiny-policy"
+MODEL_DIR = Path(__file__).resolve().parents[3] / "engines" / "tiny-policy"
 RID = "run/g000000/0"
 REF = RolloutRef(
     run_id="run",

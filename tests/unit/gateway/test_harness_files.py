@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from errors import SandboxFileError, SandboxPathError
-from gateway.harness import read_kept
-from sandboxes.base import ExecResult
-from store import RunStore
+from durable_rollouts.errors import SandboxFileError, SandboxPathError
+from durable_rollouts.gateway.harness import read_kept
+from durable_rollouts.sandboxes.base import ExecResult
+from durable_rollouts.store import RunStore
 
 
 class CopyingSandbox:

@@ -12,11 +12,11 @@ from typing import Any
 import aiohttp
 import pytest
 
-from contracts.harness import GatewayCallInput
-from gateway.server import GatewayServer, gateway_key
-from gateway.turn import GatewayTurns
-from sandboxes.base import GATEWAY_ROOT_ENV, gateway_dir
-from store import RunStore
+from durable_rollouts.contracts.harness import GatewayCallInput
+from durable_rollouts.gateway.server import GatewayServer, gateway_key
+from durable_rollouts.gateway.turn import GatewayTurns
+from durable_rollouts.sandboxes.base import GATEWAY_ROOT_ENV, gateway_dir
+from durable_rollouts.store import RunStore
 from tests.unit.gateway.test_gateway import REF, RID, SAMPLING, ScriptedEngine
 
 CALL = '<tool_call>{"name": "bash", "arguments": {"command": "ls"}}</tool_call>'

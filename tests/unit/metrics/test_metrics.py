@@ -8,10 +8,10 @@ from pathlib import Path
 
 from prometheus_client import REGISTRY
 
-import metrics
-from activities.rollout import RolloutActivities
-from contracts.activity_io import FinalizeRolloutInput
-from contracts.types import (
+from durable_rollouts import metrics
+from durable_rollouts.activities.rollout import RolloutActivities
+from durable_rollouts.contracts.activity_io import FinalizeRolloutInput
+from durable_rollouts.contracts.types import (
     DispatchLog,
     EngineReading,
     FleetPoll,
@@ -20,10 +20,10 @@ from contracts.types import (
     RolloutState,
     SamplingParams,
 )
-from engines.client import EngineClient
-from metrics.serve import serve_metrics
-from sandboxes.pool import PoolStatus
-from store import RunStore, Segment
+from durable_rollouts.engines.client import EngineClient
+from durable_rollouts.metrics.serve import serve_metrics
+from durable_rollouts.sandboxes.pool import PoolStatus
+from durable_rollouts.store import RunStore, Segment
 
 SAMPLING = SamplingParams(
     temperature=1.0, top_p=1.0, top_k=-1, max_tokens=8, seed=1, logprob_mode="processed_logprobs"

@@ -13,13 +13,13 @@ import coding_env
 import math_env
 import pytest
 
-from activities.rollout import RolloutActivities
-from cli.reproduce import ReproduceError, Reproduction, reproduce
-from config.load import config_hash, load_config
-from contracts.activity_io import FinalizeRolloutInput
-from contracts.types import Outcome, RolloutState, SamplingParams
-from records.export import rollout_record, versions_in_order
-from store.runstore import RunStore, Segment
+from durable_rollouts.activities.rollout import RolloutActivities
+from durable_rollouts.cli.reproduce import ReproduceError, Reproduction, reproduce
+from durable_rollouts.config.load import config_hash, load_config
+from durable_rollouts.contracts.activity_io import FinalizeRolloutInput
+from durable_rollouts.contracts.types import Outcome, RolloutState, SamplingParams
+from durable_rollouts.records.export import rollout_record, versions_in_order
+from durable_rollouts.store.runstore import RunStore, Segment
 
 RUN = "lin"
 SAMPLING = SamplingParams(

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from jsonschema import Draft202012Validator  # type: ignore[import-untyped]
 
-from records.export import export_run, group_record, iter_run, rollout_record
-from records.models import (
+from durable_rollouts.records.export import export_run, group_record, iter_run, rollout_record
+from durable_rollouts.records.record import (
     RECORDS,
     ROLLOUT_OPTIONAL,
     SCHEMA_DIR,
@@ -26,8 +26,8 @@ from records.models import (
     committed_schema,
     schema_text,
 )
-from records.schema.__main__ import main as schema_main
-from store.runstore import RunStore, Segment
+from durable_rollouts.records.schema.__main__ import main as schema_main
+from durable_rollouts.store.runstore import RunStore, Segment
 
 RUN = "rec"
 SAMPLING = {
@@ -93,7 +93,9 @@ def validators() -> dict[str, Draft202012Validator]:
 def test_the_committed_schemas_are_what_the_models_generate() -> None:
     for kind in RECORDS:
         path = SCHEMA_DIR / f"{kind}.json"
-        assert path.read_text() == schema_text(kind), f"{path} is stale: run python -m records.schema"
+        assert path.read_text() == schema_text(kind), (
+            f"{path} is stale: run python -m durable_rollouts.records.schema"
+        )
         Draft202012Validator.check_schema(committed_schema(kind))
     assert schema_main(["--check"]) == 0
     assert committed_schema("rollout")["properties"]["schema_version"]["const"] == SCHEMA_VERSION
@@ -162,7 +164,7 @@ def test_a_record_that_breaks_the_model_is_not_exported(store: RunStore) -> None
 def test_the_sampling_record_declares_every_sampling_parameter() -> None:
     """A new sampling parameter must be declared here too, or export would reject every record."""
     for name in (
-        "contracts.types",
+        "durable_rollouts.contracts.types",
         "workflows.types",
     ):  # the activity types' module, before and after the move
         try:

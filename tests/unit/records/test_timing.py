@@ -17,10 +17,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from rich.console import Console
 
-from cli.progress import run_totals, time_table
-from records.export import iter_run, rollout_times
-from records.timing import COMPONENTS, Totals, rollout_time, totals_by_env, turn_times
-from store.runstore import RunStore, Segment
+from durable_rollouts.cli.progress import run_totals, time_table
+from durable_rollouts.records.export import iter_run, rollout_times
+from durable_rollouts.records.timing import COMPONENTS, Totals, rollout_time, totals_by_env, turn_times
+from durable_rollouts.store.runstore import RunStore, Segment
 
 RUN = "tim"
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_tokens": 8, "seed": 1}
@@ -135,7 +135,7 @@ def test_the_trainer_wait_is_the_feed_mark_time_minus_the_group_record_time(stor
     assert 0.0 <= waits["g0"] <= time.time() - before + 1.0
     rec, _, group = list(iter_run(store, RUN))
     assert rec["time"]["trainer_wait_s"] == waits["g0"] == group["trainer_wait_s"]
-    from records.export import rollout_record
+    from durable_rollouts.records.export import rollout_record
 
     assert rollout_record(store, store.rollout(f"{RUN}/g0/0"))["time"]["trainer_wait_s"] == waits["g0"]  # type: ignore[arg-type]
     assert next(t for _, t in rollout_times(store, RUN)) == rec["time"]
@@ -174,8 +174,8 @@ async def test_the_env_step_records_disjoint_env_reward_and_transfer_times(tmp_p
     (plus the model call's own write handed over), and a scoring afterwards adds its times beside them."""
     from temporalio.testing import ActivityEnvironment
 
-    from activities.environment import EnvironmentActivities
-    from contracts.activity_io import EnvStepInput
+    from durable_rollouts.activities.environment import EnvironmentActivities
+    from durable_rollouts.contracts.activity_io import EnvStepInput
 
     store = RunStore(tmp_path)
     store.put_tasks(RUN, [{"id": "t1", "prompt": "1+1", "answer": "2"}])

@@ -10,10 +10,10 @@ import threading
 
 import pytest
 
-from errors import SandboxSlotPending
-from sandboxes.hosts import SandboxHosts, host_queue
-from sandboxes.pool import SandboxPoolConfig
-from store import RunStore, open_store
+from durable_rollouts.errors import SandboxSlotPending
+from durable_rollouts.sandboxes.hosts import SandboxHosts, host_queue
+from durable_rollouts.sandboxes.pool import SandboxPoolConfig
+from durable_rollouts.store import RunStore, open_store
 
 CFG = SandboxPoolConfig(placement="hosts", max_size=100, host_timeout_s=10.0)
 

@@ -5,7 +5,7 @@ import re
 import pytest
 from pydantic import ValidationError
 
-from sandboxes import (
+from durable_rollouts.sandboxes import (
     DockerBackend,
     SandboxNotReady,
     SandboxPathError,
@@ -13,7 +13,7 @@ from sandboxes import (
     container_name,
     validate_relative_path,
 )
-from sandboxes._docker_exec import RawExec, exec_result, parse_status
+from durable_rollouts.sandboxes._docker_exec import RawExec, exec_result, parse_status
 
 pytestmark = pytest.mark.timeout(10)
 

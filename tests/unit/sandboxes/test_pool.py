@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
-from sandboxes.pool import SandboxPool, SandboxPoolConfig, SandboxSlotPending
-from store import RunStore, open_store
+from durable_rollouts.sandboxes.pool import SandboxPool, SandboxPoolConfig, SandboxSlotPending
+from durable_rollouts.store import RunStore, open_store
 
 CFG = SandboxPoolConfig(initial_size=2, max_size=3, scale_up_latency_s=10.0)
 

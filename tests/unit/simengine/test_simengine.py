@@ -17,19 +17,19 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from config.paths import REPO_ROOT
-from contracts.types import SamplingParams
-from engines.client import EngineClient, Generation
-from engines.metrics import parse_metrics
-from envs.tool_calls import ToolCall, ToolCallError, parse_tool_call
-from errors import ContextLengthExceeded, EngineBadRequest, EngineUnavailable
-from simengine import SCRIPTED_LOGPROB, Mode, ModeRule, PolicyName, SimEngine, SimSettings
-from simengine.scheduler import PrefixCache, Scheduler
-from simengine.scripts import load_scripted_tasks
+from durable_rollouts.contracts.types import SamplingParams
+from durable_rollouts.engines.client import EngineClient, Generation
+from durable_rollouts.engines.metrics import parse_metrics
+from durable_rollouts.environments.tool_calls import ToolCall, ToolCallError, parse_tool_call
+from durable_rollouts.errors import ContextLengthExceeded, EngineBadRequest, EngineUnavailable
+from durable_rollouts.simengine import SCRIPTED_LOGPROB, Mode, ModeRule, PolicyName, SimEngine, SimSettings
+from durable_rollouts.simengine.scheduler import PrefixCache, Scheduler
+from durable_rollouts.simengine.scripts import load_scripted_tasks
+from tests import REPO_ROOT
 
 pytestmark = pytest.mark.timeout(60)
 
-MODEL_DIR = REPO_ROOT / "models" / "tiny-policy"
+MODEL_DIR = REPO_ROOT / "engines" / "tiny-policy"
 TASKS = REPO_ROOT / "environments" / "coding" / "coding_env" / "data" / "coding.jsonl"
 SAMPLING = SamplingParams(
     temperature=1.0, top_p=1.0, top_k=-1, max_tokens=2048, seed=None, logprob_mode="processed_logprobs"
@@ -343,7 +343,17 @@ def test_prefix_cache_counts_leading_full_blocks() -> None:
 
 
 def test_cli_serves_until_sigterm(tmp_path: Any) -> None:
-    argv = [sys.executable, "-m", "simengine", "--port", "0", "--tasks", str(TASKS), "--mode", "wrong"]
+    argv = [
+        sys.executable,
+        "-m",
+        "durable_rollouts.simengine",
+        "--port",
+        "0",
+        "--tasks",
+        str(TASKS),
+        "--mode",
+        "wrong",
+    ]
     with subprocess.Popen(
         argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=tmp_path
     ) as proc:

@@ -15,14 +15,14 @@ from typing import Any
 import httpx
 import pytest
 
-from contracts.types import SamplingParams
-from engines.client import EngineClient
-from engines.metrics import parse_metrics
-from simengine import PolicyName, SimEngine, SimSettings, TimingSettings
-from simengine.clock import PacedClock
-from simengine.policies import heavy_tail_length
-from simengine.steploop import StepLoop
-from simengine.timing import Seq, StepScheduler
+from durable_rollouts.contracts.types import SamplingParams
+from durable_rollouts.engines.client import EngineClient
+from durable_rollouts.engines.metrics import parse_metrics
+from durable_rollouts.simengine import PolicyName, SimEngine, SimSettings, TimingSettings
+from durable_rollouts.simengine.clock import PacedClock
+from durable_rollouts.simengine.policies import heavy_tail_length
+from durable_rollouts.simengine.steploop import StepLoop
+from durable_rollouts.simengine.timing import Seq, StepScheduler
 
 pytestmark = pytest.mark.timeout(60)
 

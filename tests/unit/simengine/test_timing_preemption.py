@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from simengine.settings import TimingSettings
-from simengine.timing import Seq, StepScheduler
+from durable_rollouts.simengine.settings import TimingSettings
+from durable_rollouts.simengine.timing import Seq, StepScheduler
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -12,14 +12,20 @@ from pathlib import Path
 
 import pytest
 
-from config.paths import REPO_ROOT
-from errors import TaskFileError
-from simengine import Mode, ModeRule, SimSettings
-from simengine.policies import PolicyError, PolicyRequest, ScriptedPolicy, load_transcripts, make_policy
-from simengine.scripts import load_scripted_tasks, script
-from simengine.tokenizer import SimTokenizer
+from durable_rollouts.errors import TaskFileError
+from durable_rollouts.simengine import Mode, ModeRule, SimSettings
+from durable_rollouts.simengine.policies import (
+    PolicyError,
+    PolicyRequest,
+    ScriptedPolicy,
+    load_transcripts,
+    make_policy,
+)
+from durable_rollouts.simengine.scripts import load_scripted_tasks, script
+from durable_rollouts.simengine.tokenizer import SimTokenizer
+from tests import REPO_ROOT
 
-MODEL_DIR = REPO_ROOT / "models" / "tiny-policy"
+MODEL_DIR = REPO_ROOT / "engines" / "tiny-policy"
 CODING = REPO_ROOT / "environments" / "coding" / "coding_env" / "data" / "coding.jsonl"
 LINES = [
     {"task_id": "repo-a", "mode": "reference", "turns": ["first <tool_call>x</tool_call>", "submit"]},

@@ -8,11 +8,11 @@ import sys
 
 import pytest
 
-from config.paths import REPO_ROOT
+from tests import REPO_ROOT
 
 
 def _run(body: str) -> subprocess.CompletedProcess[str]:
-    code = f"import sys\nfrom stack.procs import run_main\n{body}\n"
+    code = f"import sys\nfrom durable_rollouts.stack.procs import run_main\n{body}\n"
     argv = [sys.executable, "-c", code]
     return subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
 

@@ -10,10 +10,11 @@ import sys
 
 import pytest
 
-from config.paths import REPO_ROOT
+from tests import REPO_ROOT
 
 PRELUDE = (
-    "import sys, time\nfrom stack import interrupt\ninterrupt.install()\nfrom stack.procs import run_main\n"
+    "import sys, time\nfrom durable_rollouts.stack import interrupt\ninterrupt.install()\n"
+    "from durable_rollouts.stack.procs import run_main\n"
 )
 
 

@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from stack.procs import StackError, check_logprob_mode
+from durable_rollouts.stack.procs import StackError, check_logprob_mode
 
 REPLY: dict[str, tuple[int, bytes]] = {}
 ASKED: list[str] = []

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from cli.stack import stack_app
-from config.models import StackConfig
-from stack import procs, stack
+from durable_rollouts.cli.stack import stack_app
+from durable_rollouts.config.models import StackConfig
+from durable_rollouts.stack import procs, stack
 
 
 @pytest.fixture
@@ -107,7 +107,7 @@ def test_wait_until_times_out_and_returns_elapsed() -> None:
 
 
 def test_argv_builders() -> None:
-    from workflows.search_attributes import DEFINITIONS
+    from durable_rollouts.workflows.search_attributes import DEFINITIONS
 
     argv = procs.temporal_argv(Path("/h"), 1234, 5678)
     assert argv[1:3] == ["server", "start-dev"]
@@ -128,7 +128,7 @@ def test_argv_builders() -> None:
     assert env["HF_HUB_OFFLINE"] == env["VLLM_SERVER_DEV_MODE"] == "1"
     assert procs.worker_argv("a:1", "q")[1:] == [
         "-m",
-        "workers.worker",
+        "durable_rollouts.workers.worker",
         "--address",
         "a:1",
         "--task-queue",

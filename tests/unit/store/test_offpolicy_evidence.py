@@ -3,7 +3,7 @@ batch stands (a retried report changes nothing), runs do not see each other's, o
 
 from __future__ import annotations
 
-from store import RunStore
+from durable_rollouts.store import RunStore
 
 
 def test_evidence_is_kept_once_per_batch_in_order(any_store: RunStore) -> None:

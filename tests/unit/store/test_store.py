@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-import store.runstore as runstore
-import store.segments as segments
-from store import RunStore, open_store
-from store.runstore import SCHEMA_VERSION, Segment
+import durable_rollouts.store.runstore as runstore
+import durable_rollouts.store.segments as segments
+from durable_rollouts.store import RunStore, open_store
+from durable_rollouts.store.runstore import SCHEMA_VERSION, Segment
 
 
 def seg(name: str, start: int, ids: list[int], kind: str = "model") -> Segment:
@@ -206,7 +206,7 @@ def test_migrations_are_versioned_and_applied_once(store_url: str) -> None:
 
 
 def test_a_store_of_the_previous_schema_is_migrated_and_its_json_segments_still_read(tmp_path: Path) -> None:
-    from store.schema import BASE, MIGRATIONS
+    from durable_rollouts.store.schema import BASE, MIGRATIONS
 
     old = sqlite3.connect(tmp_path / "store.sqlite")  # as release 0.2.0 wrote it: schema 1, JSON blob files
     old.executescript(BASE + MIGRATIONS[0][1] + "PRAGMA user_version=1;")
@@ -241,8 +241,8 @@ def test_a_store_whose_version_a_previous_release_wrote_back_migrates_again_and_
 
 
 def test_the_store_url_picks_the_backend(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from errors import ConfigError
-    from store.db import PostgresDatabase, SqliteDatabase, redact
+    from durable_rollouts.errors import ConfigError
+    from durable_rollouts.store.db import PostgresDatabase, SqliteDatabase, redact
 
     monkeypatch.setenv("ROLLOUTS_HOME", str(tmp_path / "home"))
     monkeypatch.delenv("ROLLOUTS_STORE", raising=False)
@@ -265,9 +265,9 @@ def test_tasks_uploaded_at_submit_are_what_a_worker_on_another_host_loads(
 ) -> None:
     from typer.testing import CliRunner
 
-    import cli.rollouts as cli
-    from activities.rollout import RolloutActivities
-    from contracts.activity_io import LoadRunInput
+    import durable_rollouts.cli.rollouts as cli
+    from durable_rollouts.activities.rollout import RolloutActivities
+    from durable_rollouts.contracts.activity_io import LoadRunInput
 
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text(
@@ -277,7 +277,7 @@ def test_tasks_uploaded_at_submit_are_what_a_worker_on_another_host_loads(
 
     async def submit(cfg: object, cfg_hash: str, rid: str, wait: bool, upload: Callable[[], object]) -> None:
         submitted.append(rid)
-        upload()  # what the real one does once a live worker can take the run (envs/fleet.py)
+        upload()  # what the real one does once a live worker can take the run (environments/fleet.py)
 
     monkeypatch.setattr(cli, "_submit", submit)
     monkeypatch.setenv("ROLLOUTS_HOME", str(tmp_path / "elsewhere"))
@@ -303,7 +303,7 @@ def test_tasks_uploaded_at_submit_are_what_a_worker_on_another_host_loads(
 
 
 def test_the_store_url_of_a_config_stays_out_of_the_run_it_submits() -> None:
-    from config.load import config_hash, load_config
+    from durable_rollouts.config.load import config_hash, load_config
 
     cfg = load_config(None, ['store.url="postgresql://u:secret@db/rollouts"'])
     assert cfg.store.url == "postgresql://u:secret@db/rollouts"
@@ -316,7 +316,7 @@ def test_a_lost_postgres_connection_is_a_retryable_store_error_and_the_next_call
 ) -> None:
     import psycopg
 
-    from errors import StoreError
+    from durable_rollouts.errors import StoreError
     from tests.postgres import drop_database, new_database
 
     url = new_database(postgres_server, "lost-connection")

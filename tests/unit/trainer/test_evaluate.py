@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from contracts.types import SamplingParams
-from envs.base import Environment, Prompt, Score, Step, Task, TurnContext
-from simengine import PolicyName, SimEngine, SimSettings
-from trainer.evaluate import EvalError, accuracy
+from durable_rollouts.contracts.types import SamplingParams
+from durable_rollouts.environments.base import Environment, Prompt, Score, Step, Task, TurnContext
+from durable_rollouts.simengine import PolicyName, SimEngine, SimSettings
+from durable_rollouts.trainer.evaluate import EvalError, accuracy
 
 
 class JudgedTask(Task):

@@ -19,8 +19,8 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from store.runstore import RunStore, Segment
-from trainer.feed import Count, FeedError, TrainerFeed
+from durable_rollouts.store.runstore import RunStore, Segment
+from durable_rollouts.trainer.feed import Count, FeedError, TrainerFeed
 
 RUN = "run"
 
@@ -334,7 +334,7 @@ def test_books_that_do_not_balance_are_reported(tmp_path: Path) -> None:
 def test_cli_takes_a_batch_and_shows_the_books(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from typer.testing import CliRunner
 
-    from cli.rollouts import app
+    from durable_rollouts.cli.rollouts import app
 
     monkeypatch.setenv("ROLLOUTS_HOME", str(tmp_path))
     store = RunStore(tmp_path)

@@ -16,9 +16,9 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from store.runstore import RunStore
+from durable_rollouts.store.runstore import RunStore
+from durable_rollouts.trainer.feed import Count, TrainerFeed
 from tests.unit.trainer.test_feed import RUN, publish, put_group, put_member
-from trainer.feed import Count, TrainerFeed
 
 
 def write_group(store: RunStore, gid: str, lengths: list[int], version: str, upto: int | None = None) -> None:

@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from store.runstore import RunStore
+from durable_rollouts.store.runstore import RunStore
+from durable_rollouts.trainer.feed import TrainerFeed
 from tests.unit.trainer.test_feed import RUN, publish, put_group, put_member
-from trainer.feed import TrainerFeed
 
 
 def _declare(store: RunStore, gid: str, mode: str) -> None:

@@ -18,18 +18,18 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from config.load import ConfigError
-from config.paths import REPO_ROOT
-from engines.policy import weights_hash
-from store.runstore import RunStore
-from trainer.batch import BatchError, to_tensors
-from trainer.feed import TrainerFeed
-from trainer.loop import Optimiser, next_version, train_step
-from trainer.loss import clipped_policy_loss, token_logprobs
-from trainer.policy_io import PolicyIOError, load_policy, save_policy
-from trainer.settings import TrainerSettings, load_loop_config
+from durable_rollouts.config.load import ConfigError
+from durable_rollouts.engines.policy import weights_hash
+from durable_rollouts.store.runstore import RunStore
+from durable_rollouts.trainer.batch import BatchError, to_tensors
+from durable_rollouts.trainer.feed import TrainerFeed
+from durable_rollouts.trainer.loop import Optimiser, next_version, train_step
+from durable_rollouts.trainer.loss import clipped_policy_loss, token_logprobs
+from durable_rollouts.trainer.policy_io import PolicyIOError, load_policy, save_policy
+from durable_rollouts.trainer.settings import TrainerSettings, load_loop_config
+from tests import REPO_ROOT
 
-MODEL = REPO_ROOT / "models" / "tiny-policy"
+MODEL = REPO_ROOT / "engines" / "tiny-policy"
 EXAMPLE = REPO_ROOT / "config" / "examples" / "grpo_loop.toml"
 
 
@@ -287,8 +287,8 @@ def fake_engine() -> Iterator[str]:
 
 
 def test_stack_records_the_bundled_policy_as_published_v0_once(tmp_path: Path, fake_engine: str) -> None:
-    from config.models import StackConfig
-    from stack.stack import _register_policy
+    from durable_rollouts.config.models import StackConfig
+    from durable_rollouts.stack.stack import _register_policy
 
     cfg = StackConfig(model_dir=str(MODEL))
     store = RunStore(tmp_path)
@@ -303,9 +303,9 @@ def test_stack_records_the_bundled_policy_as_published_v0_once(tmp_path: Path, f
 
 
 def test_stack_refuses_a_v0_bound_to_other_weights(tmp_path: Path, fake_engine: str) -> None:
-    from config.models import StackConfig
-    from stack.procs import StackError
-    from stack.stack import _register_policy
+    from durable_rollouts.config.models import StackConfig
+    from durable_rollouts.stack.procs import StackError
+    from durable_rollouts.stack.stack import _register_policy
 
     RunStore(tmp_path).put_policy("v0", "0" * 64, "/elsewhere", [])
     with pytest.raises(StackError, match="immutable"):

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from config.paths import REPO_ROOT
-from contracts.types import TruncationReason
+from durable_rollouts.contracts.types import TruncationReason
+from durable_rollouts.turns.budget import Budget, turn_budget, turn_truncation
+from tests import REPO_ROOT
 from tests.unit.test_architecture import PACKAGES
-from turns.budget import Budget, turn_budget, turn_truncation
 
 TOKEN_BUDGET, CONTEXT_LENGTH = TruncationReason.TOKEN_BUDGET, TruncationReason.CONTEXT_LENGTH
 

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from contracts.activity_io import EnvStepInput, GenerateInput, PrepareInput
-from contracts.types import RolloutRef, SamplingParams, TruncationReason
-from errors import ContextLengthExceeded, EngineUnavailable
-from store import RunStore, model_segment, obs_segment
-from turns.model import ModelTurns, call_model
-from turns.step import EnvSteps
+from durable_rollouts.contracts.activity_io import EnvStepInput, GenerateInput, PrepareInput
+from durable_rollouts.contracts.types import RolloutRef, SamplingParams, TruncationReason
+from durable_rollouts.errors import ContextLengthExceeded, EngineUnavailable
+from durable_rollouts.store import RunStore, model_segment, obs_segment
+from durable_rollouts.turns.model import ModelTurns, call_model
+from durable_rollouts.turns.step import EnvSteps
 
 RUN = "turns"
 REF = RolloutRef(

@@ -6,11 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from contracts.activity_io import EnvStepInput
-from contracts.types import RolloutRef
-from envs.base import Environment, Prompt, Step, Task, TurnContext
-from store import RunStore, Segment, model_segment, obs_segment
-from turns.step import EnvSteps
+from durable_rollouts.contracts.activity_io import EnvStepInput
+from durable_rollouts.contracts.types import RolloutRef
+from durable_rollouts.environments.base import Environment, Prompt, Step, Task, TurnContext
+from durable_rollouts.store import RunStore, Segment, model_segment, obs_segment
+from durable_rollouts.turns.step import EnvSteps
 
 RUN = "steps"
 
@@ -48,7 +48,7 @@ class Engine:
 def _stored_turn(tmp_path: Path, monkeypatch: Any, index: int) -> tuple[RunStore, CountingEnv, EnvStepInput]:
     """A store holding member ``index``'s prompt and its first model turn, the counting environment
     registered, and the input of that turn's step."""
-    from envs import registry
+    from durable_rollouts.environments import registry
 
     store = RunStore(tmp_path)
     store.put_tasks(RUN, [{"id": "t1"}])

@@ -7,7 +7,7 @@ import importlib.util
 import os
 from pathlib import Path
 
-from workers.worker import WORKFLOWS, cache_workflow_bytecode
+from durable_rollouts.workers.worker import WORKFLOWS, cache_workflow_bytecode
 
 
 def _caches() -> list[Path]:

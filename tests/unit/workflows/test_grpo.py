@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from contracts.types import Outcome, RolloutResult
-from workflows.grpo import group_stats
+from durable_rollouts.contracts.types import Outcome, RolloutResult
+from durable_rollouts.workflows.grpo import group_stats
 
 
 def member(i: int, outcome: Outcome = Outcome.COMPLETED, reward: float | None = None) -> RolloutResult:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from workflows import patches
-from workflows.patches import PATCHES, SUPPORTED_FROM, Patch, stage
+from durable_rollouts.workflows import patches
+from durable_rollouts.workflows.patches import PATCHES, SUPPORTED_FROM, Patch, stage
 
 WORKFLOWS = Path(patches.__file__).parent
 

@@ -15,7 +15,7 @@ from temporalio.client import WorkflowHistory
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Replayer
 
-from workers.worker import WORKFLOWS
+from durable_rollouts.workers.worker import WORKFLOWS
 
 HISTORIES = sorted((Path(__file__).parents[2] / "histories").glob("*/*.json"))
 

@@ -6,7 +6,7 @@ one task has reward variance. This script builds all of that from scratch in a f
 
 * ``environments/math/math_env/data/addition.jsonl``: 200 two-digit + two-digit addition tasks
   (``{"id", "prompt", "answer"}``; the math plug-in's bundled task file).
-* ``models/tiny-policy/``: a Hugging Face model directory holding
+* ``engines/tiny-policy/``: a Hugging Face model directory holding
 
   - a byte-level tokenizer (every byte is one token, its id equal to the byte's value) with seven
     special tokens and a minimal chat template ``<|role|>content<|end|>`` ... ``<|assistant|>``;
@@ -18,7 +18,7 @@ one task has reward variance. This script builds all of that from scratch in a f
 Everything is seeded and runs single-threaded with deterministic algorithms, so two runs on the same
 machine produce the same files. Usage::
 
-    python models/build_tiny_policy.py [--out models/tiny-policy] \
+    python engines/build_tiny_policy.py [--out engines/tiny-policy] \
         [--tasks-out environments/math/math_env/data/addition.jsonl]
 """
 
@@ -37,7 +37,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, BatchEncoding, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_OUT = REPO_ROOT / "models" / "tiny-policy"
+DEFAULT_OUT = Path(__file__).resolve().parent / "tiny-policy"
 DEFAULT_TASKS_OUT = REPO_ROOT / "environments" / "math" / "math_env" / "data" / "addition.jsonl"
 
 PAD, BOS, END = "<|pad|>", "<|bos|>", "<|end|>"

@@ -1,6 +1,6 @@
 """The tool-call environments (bundled coding, the swe and harbor plug-ins) share one parse/act/replay
-(`envs.tool_env`): the same observations, a turn's bash command claimed once per turn in its sandbox (so a
-retried step whose worker died mid-command is not run twice), every changing action redone on replay."""
+(`environments.tool_env`): the same observations, a turn's bash command claimed once per turn in its sandbox
+(so a retried step whose worker died mid-command is not run twice), every changing action redone on replay."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 
-from envs import registry
-from envs.base import Environment, Step, Task, TurnContext
-from envs.tool_env import READ_LIMIT, ToolCallEnvironment
-from errors import EnvironmentFailure, SandboxPathError
-from sandboxes.base import ExecResult
+from durable_rollouts.environments import registry
+from durable_rollouts.environments.base import Environment, Step, Task, TurnContext
+from durable_rollouts.environments.tool_env import READ_LIMIT, ToolCallEnvironment
+from durable_rollouts.errors import EnvironmentFailure, SandboxPathError
+from durable_rollouts.sandboxes.base import ExecResult
 
 NAMES = ["coding", "swe", "harbor"]
 

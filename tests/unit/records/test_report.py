@@ -1,4 +1,4 @@
-"""The run report (reports/): every required plot present with its SVG, self-contained (no external
+"""The run report (records/report/): every required plot present with its SVG, self-contained (no external
 resource of any kind), well-formed (the page parses as XML), honest when a plot has nothing to show, and
 ``rollouts report`` failing in one line on bad input.
 
@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from cli.rollouts import app
-from reports import PLOTS, ReportError, load, render, write_report
-from reports.render import reason_label
-from reports.svg import nice_ticks
-from store.runstore import RunStore, Segment
+from durable_rollouts.cli.rollouts import app
+from durable_rollouts.records.report import PLOTS, ReportError, load, render, write_report
+from durable_rollouts.records.report.render import reason_label
+from durable_rollouts.records.report.svg import nice_ticks
+from durable_rollouts.store.runstore import RunStore, Segment
 
 RUN = "rep"
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_tokens": 8, "seed": 1}

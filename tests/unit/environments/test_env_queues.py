@@ -1,4 +1,5 @@
-"""Environment queues (envs/registry.py, envs/fleet.py): a worker polls one queue per environment it loads,
+"""Environment queues (environments/registry.py, environments/fleet.py): a worker polls one queue per
+environment it loads,
 named by the run's queue, the environment and its env_version; a broken environment is not advertised; a
 sandbox host's queue for a run carries the run's environment part."""
 
@@ -13,13 +14,13 @@ import math_env as math
 import pytest
 from temporalio.testing import ActivityEnvironment
 
-from activities.sandbox import SandboxActivities
-from contracts.sandbox import SandboxPlaceInput
-from envs import registry
-from errors import ConfigError
-from sandboxes.hosts import SandboxHosts, host_queue
-from sandboxes.pool import SandboxPoolConfig
-from store import RunStore
+from durable_rollouts.activities.sandbox import SandboxActivities
+from durable_rollouts.contracts.sandbox import SandboxPlaceInput
+from durable_rollouts.environments import registry
+from durable_rollouts.errors import ConfigError
+from durable_rollouts.sandboxes.hosts import SandboxHosts, host_queue
+from durable_rollouts.sandboxes.pool import SandboxPoolConfig
+from durable_rollouts.store import RunStore
 
 
 def test_an_environment_queue_names_the_queue_the_environment_and_its_version() -> None:

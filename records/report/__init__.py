@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from reports.data import ReportError, RunData, load
-from reports.render import PLOTS, render
-from store.runstore import RunStore
+from durable_rollouts.records.report.data import ReportError, RunData, load
+from durable_rollouts.records.report.render import PLOTS, render
+from durable_rollouts.store.runstore import RunStore
 
 
 def write_report(store: RunStore, run_id: str, path: Path) -> RunData:

@@ -15,9 +15,9 @@ from collections import Counter, defaultdict
 from html import escape
 from statistics import mean
 
-from records.timing import COMPONENTS, totals_by_env
-from reports import svg
-from reports.data import RunData
+from durable_rollouts.records.report import svg
+from durable_rollouts.records.report.data import RunData
+from durable_rollouts.records.timing import COMPONENTS, totals_by_env
 
 PLOTS = {
     "time-by-env": "Time decomposition by environment",

@@ -1,8 +1,8 @@
 """The export records as typed models: the contract trainers read, one JSON object per line.
 
 The committed JSON Schemas ``records/schema/rollout.json`` and ``records/schema/group.json`` are generated
-from these models (``python -m records.schema``; a unit test fails when they differ). Every line carries
-``schema_version`` (:data:`SCHEMA_VERSION`); the format before it had none and is version 1.
+from these models (``python -m durable_rollouts.records.schema``; a unit test fails when they differ). Every
+line carries ``schema_version`` (:data:`SCHEMA_VERSION`); the format before it had none and is version 1.
 
 Invariants: unknown keys are rejected (nothing a workflow happens to store leaks into the contract); the
 optional fields of a rollout are written only where the rollout has them (the exporter dumps with
@@ -12,6 +12,7 @@ meaning, and any change to these models bumps :data:`SCHEMA_VERSION` and regener
 
 from __future__ import annotations
 
+import importlib.resources
 import json
 from pathlib import Path
 from typing import Any, Literal
@@ -291,7 +292,7 @@ def schema_text(kind: str) -> str:
     return json.dumps(json_schema(kind), indent=2) + "\n"
 
 
-SCHEMA_DIR = Path(__file__).parent / "schema"
+SCHEMA_DIR = Path(str(importlib.resources.files("durable_rollouts.records.schema")))
 """Where the committed schemas live (package data: ``records/schema/{rollout,group}.json``)."""
 
 

@@ -8,7 +8,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from envs.tool_calls import CLOSE_TAG, OPEN_TAG, TOOLS, ToolCall, ToolCallError, parse_tool_call, render_call
+from durable_rollouts.environments.tool_calls import (
+    CLOSE_TAG,
+    OPEN_TAG,
+    TOOLS,
+    ToolCall,
+    ToolCallError,
+    parse_tool_call,
+    render_call,
+)
 
 
 def _call(name: str, **arguments: str) -> ToolCall:

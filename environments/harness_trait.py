@@ -28,7 +28,7 @@ from abc import abstractmethod
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from envs.base import Environment, Prompt, Step, Task, TurnContext
+from durable_rollouts.environments.base import Environment, Prompt, Step, Task, TurnContext
 
 __all__ = ["HarnessCommand", "HarnessEnvironment"]
 

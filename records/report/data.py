@@ -11,8 +11,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from records.timing import rollout_time
-from store.runstore import RunStore
+from durable_rollouts.records.timing import rollout_time
+from durable_rollouts.store.runstore import RunStore
 
 
 class ReportError(ValueError):

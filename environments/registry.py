@@ -1,7 +1,7 @@
 """The environment registry: environments are found by name through Python entry points.
 
 Invariant: the core never names an environment. ``run.env`` is looked up here, among the entry points of
-the group ``durable_rollouts.environments`` of every installed distribution (the core registers none; the
+the group ``environments`` of every installed distribution (the core registers none; the
 plug-ins under ``environments/`` register ``math``, ``coding``, ``swe``, ...; a user's own package registers
 its own the same way, in its ``pyproject.toml``)::
 
@@ -14,7 +14,7 @@ Entry points are read once per process, so a worker knows the environments insta
 advertises each environment it loaded by polling that environment's task queue (`env_queue`: the run's queue
 plus the name and ``env_version``), and `rollouts run` starts a run on the queue of its environment at the
 version the submitter sees: so a run's workflows and activities only ever go to workers that can load its
-environment at its version, and submission refuses a run no live worker can take (envs/fleet.py).
+environment at its version, and submission refuses a run no live worker can take (environments/fleet.py).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from __future__ import annotations
 import functools
 from importlib.metadata import EntryPoint, entry_points
 
-from envs.base import Environment
-from errors import ConfigError
+from durable_rollouts.environments.base import Environment
+from durable_rollouts.errors import ConfigError
 
 GROUP = "durable_rollouts.environments"
 ENV_QUEUE_MARK = "@env-"

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from errors import TaskFileError
+from durable_rollouts.errors import TaskFileError
 
 
 def json_objects(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -44,8 +44,8 @@ def load_tasks(path: str | Path, env: str) -> list[dict[str, Any]]:
         ConfigError: no environment of that name is installed.
         EnvironmentCodeError: the environment's own ``load_tasks`` raised (a bug in its code).
     """
-    from envs import registry
-    from envs.base import calling
+    from durable_rollouts.environments import registry
+    from durable_rollouts.environments.base import calling
 
     environment = registry.get(env)
     with calling(environment, "load_tasks", str(path)):

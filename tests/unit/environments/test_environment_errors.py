@@ -1,4 +1,4 @@
-"""The environment boundary (``envs.base.calling``) and how a failure's reason names its cause."""
+"""The environment boundary (``environments.base.calling``) and how a failure's reason names its cause."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from temporalio.exceptions import ApplicationError
 
-from envs import registry
-from envs.base import Environment, Prompt, Step, Task, TurnContext, calling
-from errors import (
+from durable_rollouts.environments import registry
+from durable_rollouts.environments.base import Environment, Prompt, Step, Task, TurnContext, calling
+from durable_rollouts.errors import (
     EnvironmentCodeError,
     EnvironmentFailure,
     SandboxGone,
@@ -111,7 +111,7 @@ def test_a_load_tasks_that_raises_at_submit_is_one_line_naming_the_environment(
 ) -> None:
     from typer.testing import CliRunner
 
-    from cli.rollouts import app
+    from durable_rollouts.cli.rollouts import app
 
     eps = {
         **registry.installed(),

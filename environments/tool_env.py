@@ -2,7 +2,8 @@
 
 `ToolCallEnvironment` holds the ``parse``, ``act`` and ``replay`` hooks that such environments share (the
 bundled coding environment and the swe and harbor plug-ins): one call per turn in the format of
-`envs.tool_calls`; ``bash`` runs in the sandbox once per turn (a retried step whose worker died mid-command
+`environments.tool_calls`; ``bash`` runs in the sandbox once per turn (a retried step whose worker died
+mid-command
 gets the first run's result, through the sandbox's ``once_key``), ``write_file`` and ``read_file`` go
 through the sandbox's checked file API, ``submit`` ends the rollout to be scored by the subclass's
 ``score``. A subclass supplies the task model, ``prompt``, ``sandbox`` and ``score``.
@@ -19,10 +20,10 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from contracts.types import TruncationReason
-from envs.base import Action, Environment, Sandbox, Step, TurnContext, until_end
-from envs.tool_calls import ToolCallError, parse_tool_call
-from errors import EnvironmentFailure, SandboxFileError, SandboxPathError
+from durable_rollouts.contracts.types import TruncationReason
+from durable_rollouts.environments.base import Action, Environment, Sandbox, Step, TurnContext, until_end
+from durable_rollouts.environments.tool_calls import ToolCallError, parse_tool_call
+from durable_rollouts.errors import EnvironmentFailure, SandboxFileError, SandboxPathError
 
 READ_LIMIT = 16384
 """Most bytes ``read_file`` shows the model."""

@@ -15,11 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from config import proctree
-from config.models import StackConfig
-from config.proctree import Record
-from faults import process
-from stack import procs, stack
+from durable_rollouts.config.models import StackConfig
+from durable_rollouts.faults import process
+from durable_rollouts.stack import procs, proctree, stack
+from durable_rollouts.stack.proctree import Record
 
 PARENT = (
     "import subprocess, sys, time; "

@@ -23,8 +23,8 @@ from temporalio.api.taskqueue.v1 import TaskQueue
 from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
 from temporalio.client import Client
 
-from envs import registry
-from errors import ConfigError
+from durable_rollouts.environments import registry
+from durable_rollouts.errors import ConfigError
 
 LIVE_POLLER_S = 90.0
 """A poller seen this recently is a live worker (an idle worker re-polls at least once a minute)."""

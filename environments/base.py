@@ -3,7 +3,7 @@
 An environment owns everything task-specific about a rollout; the pipeline owns everything else (the model
 calls, the token bookkeeping, durability, sandboxes' lifecycle, records). A new environment subclasses
 `Environment`, declares its task model, and is registered under the entry-point group
-``durable_rollouts.environments`` of its own package (see ``envs.registry`` and the README, "Write your own
+``environments`` of its own package (see ``environments.registry`` and the README, "Write your own
 environment"); nothing in the core changes.
 
 How the pipeline drives an environment, per rollout:
@@ -52,10 +52,10 @@ from typing import Any, ClassVar, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-import errors
-from contracts.types import TruncationReason
-from errors import EnvironmentCodeError, RolloutError, TaskFileError
-from sandboxes.base import ExecResult, ImageBuild, SandboxSpec
+from durable_rollouts import errors
+from durable_rollouts.contracts.types import TruncationReason
+from durable_rollouts.errors import EnvironmentCodeError, RolloutError, TaskFileError
+from durable_rollouts.sandboxes.base import ExecResult, ImageBuild, SandboxSpec
 
 Message = dict[str, str]
 """One chat message: ``{"role": ..., "content": ...}``."""
@@ -198,7 +198,7 @@ class Environment(ABC):
     (one activity per turn instead of two)."""
     harness: ClassVar[bool] = False
     """Its agent is a harness program run in the sandbox, its model calls served by the rollout's gateway
-    (``envs.harness.HarnessEnvironment``); the turn hooks are then not used."""
+    (``environments.harness_trait.HarnessEnvironment``); the turn hooks are then not used."""
     observation_role: ClassVar[str] = "user"
     """Chat role of observation messages (``tool`` for tool results)."""
     retryable_errors: ClassVar[tuple[type[BaseException], ...]] = ()
@@ -212,7 +212,7 @@ class Environment(ABC):
         Raises:
             TaskFileError: one line naming the file, the line and the field at fault.
         """
-        from envs.tasks import json_objects
+        from durable_rollouts.environments.tasks import json_objects
 
         p = Path(path)
         tasks: list[Task] = []
