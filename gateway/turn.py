@@ -31,7 +31,7 @@ from durable_rollouts.store.gateway_calls import GatewayCall
 from durable_rollouts.turns.budget import turn_budget
 from durable_rollouts.turns.clock import StoreClock
 from durable_rollouts.turns.engine import Engine as TurnEngine
-from durable_rollouts.turns.model import ModelTurns, call_model
+from durable_rollouts.turns.model import ModelTurns, call_model, sampled_segment
 
 
 class Engine(TurnEngine, Protocol):
@@ -130,14 +130,10 @@ class GatewayTurns:
         if isinstance(gen, TruncationReason):
             return gen
         await self.checks.refuse_unknown_versions(url, gen.policy_versions, timed)
-        meta = {
-            "engine": url, "finish_reason": gen.finish_reason, "queue_s": queued_s + gen.queue_s,
-            "model_s": gen.model_s, "attempt": attempt, "logprob_mode": served, "gateway_call": inp.index,
-            "transfer_s": timed.seconds, "gateway_s": time.monotonic() - t0 - gen.model_s,
-        }  # fmt: skip
-        seg = Segment(
-            name=model_segment(inp.index), kind="model", turn=inp.index, start=len(tokens),
-            token_ids=gen.token_ids, logprobs=gen.logprobs, policy_versions=gen.policy_versions, meta=meta,
+        seg = sampled_segment(
+            gen, name=model_segment(inp.index), turn=inp.index, start=len(tokens), engine_url=url,
+            served=served, attempt=attempt, queued_s=queued_s, transfer_s=timed.seconds,
+            gateway_call=inp.index, gateway_s=time.monotonic() - t0 - gen.model_s,
         )  # fmt: skip
         return await asyncio.to_thread(self.store.put_segment, rid, seg)
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Any
 
 from durable_rollouts.contracts.activity_io import GenerateInput, PrepareInput
 from durable_rollouts.contracts.types import SamplingParams, TruncationReason, TurnResult
@@ -64,6 +65,44 @@ async def call_model(
     except ContextLengthExceeded as e:
         log.info("%s: %s", request_id, e)
         return TruncationReason.CONTEXT_LENGTH
+
+
+def sampled_segment(
+    gen: Sampled,
+    *,
+    name: str,
+    turn: int,
+    start: int,
+    engine_url: str,
+    served: str | None,
+    attempt: int,
+    queued_s: float,
+    transfer_s: float,
+    **meta: Any,
+) -> Segment:
+    """The ``model`` segment of one model call's sampled tokens, as every sampled segment is stored (a tool
+    harness's turn and a gateway call alike): the tokens, their logprobs and policy versions as the engine
+    returned them (never re-tokenized), and where and how they were sampled in ``meta``; ``meta`` adds a
+    caller's own keys (the gateway's call index and its time)."""
+    return Segment(
+        name=name,
+        kind="model",
+        turn=turn,
+        start=start,
+        token_ids=gen.token_ids,
+        logprobs=gen.logprobs,
+        policy_versions=gen.policy_versions,
+        meta={
+            "engine": engine_url,
+            "finish_reason": gen.finish_reason,
+            "queue_s": queued_s + gen.queue_s,
+            "model_s": gen.model_s,
+            "attempt": attempt,
+            "transfer_s": transfer_s,
+            "logprob_mode": served,
+            **meta,
+        },
+    )
 
 
 class ModelTurns:
@@ -155,25 +194,10 @@ class ModelTurns:
         if isinstance(gen, TruncationReason):
             return _no_turn(inp, len(context), gen)
         await self.refuse_unknown_versions(inp.engine_url, gen.policy_versions, timed)
-        meta = {
-            "engine": inp.engine_url,
-            "finish_reason": gen.finish_reason,
-            "queue_s": queued_s + gen.queue_s,
-            "model_s": gen.model_s,
-            "attempt": attempt,
-            "transfer_s": timed.seconds,
-            "logprob_mode": served,
-        }
-        seg = Segment(
-            name=name,
-            kind="model",
-            turn=inp.turn,
-            start=len(context),
-            token_ids=gen.token_ids,
-            logprobs=gen.logprobs,
-            policy_versions=gen.policy_versions,
-            meta=meta,
-        )
+        seg = sampled_segment(
+            gen, name=name, turn=inp.turn, start=len(context), engine_url=inp.engine_url, served=served,
+            attempt=attempt, queued_s=queued_s, transfer_s=timed.seconds,
+        )  # fmt: skip
         before = timed.seconds
         seg = await timed(self.store.put_segment, rid, seg)
         return seg, timed.seconds - before

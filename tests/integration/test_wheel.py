@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -52,9 +53,25 @@ print(json.dumps({
 """
 
 
+def _clean_copy(dest: Path) -> Path:
+    """The files a clean clone has (tracked, or new and not ignored), copied: a build from it sees no
+    leftovers of earlier builds (``build/``, ``*.egg-info``) and writes none into the checkout."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO_ROOT, capture_output=True, check=True,
+    ).stdout.decode().split("\0")  # fmt: skip
+    for name in filter(None, listed):
+        source = REPO_ROOT / name
+        if source.is_file() and not source.is_symlink():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, dest / name)
+    return dest
+
+
 def _build_wheels(dest: Path) -> list[Path]:
-    """The core's wheel and the math plug-in's, built from the repository without build isolation."""
-    for source in (REPO_ROOT, REPO_ROOT / "environments" / "math"):
+    """The core's wheel and the math plug-in's, built from a clean copy without build isolation."""
+    tree = _clean_copy(dest.parent / "tree")
+    for source in (tree, tree / "environments" / "math"):
         built = subprocess.run(
             [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(dest),
              str(source)],
