@@ -29,7 +29,14 @@ import typer
 
 from durable_rollouts.cli.common import fail, run_store, temporal_client
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Durable rollout generation for agent RL.")
+# Help texts print as written: no rich markup, which took `[stack]` in "a [stack] table" for a style and
+# dropped it. Set here, on the root, it holds for every sub-command and sub-app (typer passes it down).
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    rich_markup_mode=None,
+    help="Durable rollout generation for agent RL.",
+)
 
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
