@@ -161,26 +161,26 @@ def summary_table(
 
 
 def time_table(run_id: str, totals: dict[str, Totals]) -> Table:
-    """Per environment: summed seconds of each time component and its share of the summed wall time."""
+    """Per environment (a column each, ``all`` when there are several): summed seconds of each time
+    component and its share of the summed wall time (a row each), so the table reads at 80 columns."""
     from durable_rollouts.records.timing import COMPONENTS
 
     table = Table(title=f"run {run_id}: where the time went")
-    table.add_column("env")
-    table.add_column("rollouts", justify="right")
-    table.add_column("wall", justify="right")
-    for k in (*COMPONENTS, "other_s"):
-        table.add_column(k.removesuffix("_s"), justify="right")
-    table.add_column("trainer wait (mean)", justify="right")
-    for env, t in totals.items():
-        shares = t.shares()
-        vals = {**t.seconds, "other_s": t.other_s}
-        cells = [
-            f"{vals[k]:.1f}s" + (f" {shares[k]:.0%}" if shares[k] is not None else "")
-            for k in (*COMPONENTS, "other_s")
-        ]
-        wait = t.mean_trainer_wait_s
-        wall = f"{t.wall_s:.1f}s" if t.timed else "-"
-        table.add_row(env, str(t.rollouts), wall, *cells, "-" if wait is None else f"{wait:.1f}s")
+    table.add_column("summed over rollouts")  # wraps first where columns are short of room
+    for env in totals:  # its name whole; one too long for the terminal folds rather than ending in "…"
+        table.add_column(env, justify="right", overflow="fold", min_width=len(env))
+    table.add_row("rollouts", *(str(t.rollouts) for t in totals.values()))
+    table.add_row("wall", *(f"{t.wall_s:.1f}s" if t.timed else "-" for t in totals.values()))
+    labels = {k: k.removesuffix("_s") for k in COMPONENTS} | {"other_s": "other (orchestration)"}
+    for k, label in labels.items():
+        cells = []
+        for t in totals.values():
+            share = t.shares()[k]
+            seconds = t.other_s if k == "other_s" else t.seconds[k]
+            cells.append(f"{seconds:.1f}s" + (f" {share:>4.0%}" if share is not None else ""))
+        table.add_row(label, *cells)
+    waits = (t.mean_trainer_wait_s for t in totals.values())
+    table.add_row("trainer wait (mean)", *("-" if w is None else f"{w:.1f}s" for w in waits))
     return table
 
 

@@ -147,6 +147,44 @@ def test_a_stopped_run_says_why() -> None:
     assert "stopped" not in render(summary_table(progress(), None))
 
 
+def _times(env: str, n: int, generation_s: float, wall_s: float) -> list[tuple[str, dict[str, float]]]:
+    time = {"generation_s": generation_s, "environment_s": 0.1 * wall_s, "reward_s": 0.1, "transfer_s": 0.05}
+    return [(env, {**time, "wall_s": wall_s, "trainer_wait_s": 1.0})] * n
+
+
+@pytest.mark.parametrize(
+    "envs",
+    [["math"], ["math", "coding"], ["math", "coding", "reasoning_gym"]],
+    ids=["make demo", "two environments", "three environments"],
+)
+def test_the_run_summary_reads_at_80_columns(envs: list[str]) -> None:
+    """``rollouts run --wait``'s two tables on a terminal of 80 columns: no header cut short ("rollo…",
+    "gener…" in the time table's nine columns once), every header word there, no line wider."""
+    from durable_rollouts.cli.progress import time_table
+    from durable_rollouts.records.timing import totals_by_env
+
+    run = "run-20261206-101010-ab12"
+    items = [
+        t for k, env in enumerate(envs) for t in _times(env, 160 // (k + 1), 3.2 * (k + 1), 4.3 * (k + 1))
+    ]
+    p = progress().model_copy(update={"run_id": run, "rollouts_total": 160, "total_groups": 40})
+    console = Console(width=80, record=True)
+    console.print(
+        summary_table(
+            p, [{"reward_mean": 0.5, "scorable": 4, "zero_variance": False}], failure_causes(REASONS)
+        )
+    )
+    console.print(time_table(run, totals_by_env(items)))
+    text = console.export_text()
+    assert "…" not in text and "..." not in text, text
+    assert max(len(line) for line in text.splitlines()) <= 80, text
+    words = set(text.replace("│", " ").replace("┃", " ").split())  # a header may wrap, word by word
+    headers = ["outcome", "rollouts", "summed over rollouts", *envs, *(["all"] if len(envs) > 1 else [])]
+    rows = ["wall", "generation", "environment", "reward", "transfer", "other (orchestration)"]
+    for label in [*headers, *rows, "trainer wait (mean)", "where the time went"]:
+        assert set(label.split()) <= words, f"{label!r} missing:\n{text}"
+
+
 class _Handle:
     """A run's workflow handle that has already ended with ``final``."""
 
