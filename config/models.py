@@ -6,7 +6,7 @@ line naming the file and the field (see :func:`config.load.load_config`).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -18,13 +18,68 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class TemporalConfig(_Strict):
-    address: str = "127.0.0.1:7233"
+class Connection(BaseModel):
+    """How to reach Temporal, as a command or a config states it; None: from the environment, the
+    profile or the defaults (module docstring). Never stored with a run (it may hold a key)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    address: str | None = None
     """host:port of the Temporal frontend."""
-    namespace: str = "default"
-    """Temporal namespace that holds the run's workflows."""
+    namespace: str | None = None
+    """The namespace holding the workflows."""
+    api_key: str | None = Field(None, repr=False)
+    """API key (Temporal Cloud, or a server that checks one); turns TLS on."""
+    tls: bool | None = None
+    """TLS on or off; None: on when a key, certificate or CA is given."""
+    tls_cert_path: str | None = None
+    """Client certificate (PEM) for mutual TLS."""
+    tls_key_path: str | None = None
+    """Client private key (PEM) for mutual TLS."""
+    tls_ca_path: str | None = None
+    """CA certificate (PEM) the server's certificate is checked against; None: the system's."""
+    tls_server_name: str | None = None
+    """Server name the certificate is checked for, when it differs from the address's host."""
+    profile: str | None = None
+    """Profile of the CLI's configuration file."""
+    config_file: str | None = None
+    """The CLI's configuration file (TOML); None: ``TEMPORAL_CONFIG_FILE``, else the CLI's default."""
+
+    def given(self) -> dict[str, Any]:
+        """The settings this connection states (the rest come from the environment and the profile)."""
+        return self.model_dump(exclude_none=True)
+
+
+class TemporalConfig(_Strict):
+    """Where the run's workflows live. The connection settings left unset here come from the command's
+    flags, the ``TEMPORAL_*`` environment variables or the ``temporal`` CLI's profile, else the embedded
+    stack (127.0.0.1:7233, namespace ``default``); docs/deployment.md has the order. An API key is never
+    part of a run config (the config is stored with the run): set ``TEMPORAL_API_KEY`` or pass
+    ``--api-key``."""
+
+    address: str | None = None
+    """host:port of the Temporal frontend; None: from the environment, the profile or the embedded stack."""
+    namespace: str | None = None
+    """Temporal namespace that holds the run's workflows; None: as ``address``, else ``default``."""
     task_queue: str = Field("rollouts", min_length=1)
     """Task queue the workers poll; every workflow and activity of a run uses it."""
+    tls_cert_path: str | None = None
+    """Client certificate (PEM) for mutual TLS; None: ``TEMPORAL_TLS_CLIENT_CERT_PATH`` or the profile."""
+    tls_key_path: str | None = None
+    """Client private key (PEM) for mutual TLS; None: ``TEMPORAL_TLS_CLIENT_KEY_PATH`` or the profile."""
+    tls_ca_path: str | None = None
+    """CA certificate (PEM) for the server's; None: ``TEMPORAL_TLS_SERVER_CA_CERT_PATH``, the profile or
+    the system's."""
+    tls_server_name: str | None = None
+    """Server name its certificate is checked for; None: ``TEMPORAL_TLS_SERVER_NAME``, the profile or the
+    address's host."""
+    profile: str | None = None
+    """Profile of the ``temporal`` CLI's configuration file; None: ``TEMPORAL_PROFILE``, else ``default``."""
+
+    def connection(self, **flags: Any) -> Connection:
+        """The connection this section states, with a command's flags (those not None) on top."""
+        stated = self.model_dump(exclude={"task_queue"}, exclude_none=True)
+        return Connection(**(stated | {k: v for k, v in flags.items() if v is not None}))
 
 
 class StoreConfig(_Strict):

@@ -224,7 +224,7 @@ class Loop:
     async def start_run(self):
         from temporalio.service import RPCError, RPCStatusCode
 
-        from durable_rollouts.contracts.client import connect
+        from durable_rollouts.contracts.client import connect, describe
         from durable_rollouts.contracts.types import RunInput
         from durable_rollouts.environments.fleet import require_worker
         from durable_rollouts.errors import ConfigError
@@ -232,12 +232,12 @@ class Loop:
 
         client = self.client
         if client is None:
+            conn = self.cfg.temporal.connection()
+            where = describe(conn)  # a bad profile or certificate file: its own one-line ConfigError
             try:
-                client = await connect(self.cfg.temporal.address, self.cfg.temporal.namespace)
+                client = await connect(conn)
             except Exception as e:
-                raise TrainerError(
-                    f"cannot reach Temporal at {self.cfg.temporal.address} ({e}); is the stack up?"
-                ) from None
+                raise TrainerError(f"cannot reach Temporal at {where} ({e}); is the stack up?") from None
         handle = client.get_workflow_handle_for(RunWorkflow.run, self.run_id)
         try:
             await handle.describe()

@@ -30,9 +30,11 @@ from durable_rollouts.activities.environment import EnvironmentActivities
 from durable_rollouts.activities.harness import HarnessActivities
 from durable_rollouts.activities.rollout import RolloutActivities
 from durable_rollouts.activities.sandbox import SandboxActivities
-from durable_rollouts.contracts.client import connect
+from durable_rollouts.config.models import Connection
+from durable_rollouts.contracts.client import connect, describe
 from durable_rollouts.engines.client import EngineClient
 from durable_rollouts.environments import registry
+from durable_rollouts.errors import ConfigError
 from durable_rollouts.gateway.server import GatewayServer
 from durable_rollouts.metrics.serve import ActivitiesInFlight, serve_metrics, temporal_runtime
 from durable_rollouts.sandboxes import AsyncSandboxBackend, DockerBackend, SandboxError
@@ -150,9 +152,9 @@ def build_workers(
 
 
 async def serve(
-    address: str,
+    address: str | Connection | None,
     task_queue: str,
-    namespace: str = "default",
+    namespace: str | None = None,
     home: Path | None = None,
     store_url: str | None = None,
     sandboxed: bool = True,
@@ -217,9 +219,20 @@ def _start_reaper(
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="durable_rollouts.workers.worker", description=__doc__)
-    parser.add_argument("--address", default="127.0.0.1:7233")
     parser.add_argument("--task-queue", default="rollouts")
-    parser.add_argument("--namespace", default="default")
+    # Temporal as the `temporal` CLI reaches it: these flags, else TEMPORAL_* variables, else the CLI's
+    # profile, else the embedded stack (contracts/client.py).
+    parser.add_argument("--address", default=None, help="Temporal frontend host:port")
+    parser.add_argument("--namespace", default=None, help="Temporal namespace")
+    parser.add_argument("--api-key", default=None, help="API key (prefer TEMPORAL_API_KEY: argv is visible)")
+    parser.add_argument("--tls", action=argparse.BooleanOptionalAction, default=None, help="TLS on or off")
+    parser.add_argument("--tls-cert-path", default=None, help="client certificate (PEM) for mutual TLS")
+    parser.add_argument("--tls-key-path", default=None, help="client private key (PEM) for mutual TLS")
+    parser.add_argument(
+        "--tls-ca-path", default=None, help="CA certificate (PEM) the server's is checked against"
+    )
+    parser.add_argument("--tls-server-name", default=None, help="server name its certificate is checked for")
+    parser.add_argument("--profile", default=None, help="profile of the temporal CLI's configuration file")
     parser.add_argument(
         "--store",
         default=None,
@@ -269,11 +282,20 @@ def main(argv: list[str] | None = None) -> None:
     sdk_port = args.sdk_metrics_port
     if sdk_port is None and args.metrics_port:  # 0 (a free port) has no neighbour to name
         sdk_port = args.metrics_port + 1
+    conn = Connection(
+        address=args.address, namespace=args.namespace, api_key=args.api_key, tls=args.tls,
+        tls_cert_path=args.tls_cert_path, tls_key_path=args.tls_key_path, tls_ca_path=args.tls_ca_path,
+        tls_server_name=args.tls_server_name, profile=args.profile,
+    )  # fmt: skip
+    try:
+        describe(conn)  # a missing profile or certificate file: one line before anything starts
+    except ConfigError as e:
+        parser.exit(2, f"worker: {e}\n")
     asyncio.run(
         serve(
-            args.address,
+            conn,
             args.task_queue,
-            args.namespace,
+            None,
             store_url=args.store,
             sandboxed=not args.unsandboxed,
             metrics_port=args.metrics_port,
