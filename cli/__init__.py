@@ -1,5 +1,5 @@
 """The ``rollouts`` command and its sub-commands (``cli.rollouts``: run, status, export, worker, ...;
-``feed``, ``stack``, operating a run: ``stuck``, ``top``, ``cancel``, ``retry``, ``terminate``;
+``runs``; ``feed``, ``stack``, operating a run: ``stuck``, ``top``, ``cancel``, ``retry``, ``terminate``;
 ``reproduce``; ``train``; ``chaos``), and what they show (``progress``).
 
 Invariant: the command line is a view; the work happens in the packages it calls (workflows through

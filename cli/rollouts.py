@@ -358,6 +358,12 @@ def worker(
     worker_main(argv)
 
 
+def _mount_runs() -> None:
+    from durable_rollouts.cli.runs import runs_command
+
+    app.command("runs")(runs_command)
+
+
 def _mount_operate() -> None:
     from durable_rollouts.cli.operate import COMMANDS
 
@@ -397,6 +403,7 @@ def _mount_train() -> None:
     app.command("train")(train)
 
 
+_mount_runs()
 _mount_operate()
 _mount_stack()
 _mount_feed()

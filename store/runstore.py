@@ -101,6 +101,16 @@ class RunStore(SegmentStore, LogStore, GatewayCallStore):
         row = self.db.execute("SELECT * FROM runs WHERE run_id=?", (run_id,)).fetchone()
         return dict(row) if row else None
 
+    def runs(self) -> list[dict[str, Any]]:
+        """Every run of the store, newest first: its ``runs`` row (``status``: ``running`` until the run
+        workflow marks it ``finished``, ``cancelled`` or ``stopped``) and ``groups_done``, its group
+        records."""
+        rows = self.db.execute(
+            "SELECT r.*, (SELECT COUNT(*) FROM groups g WHERE g.run_id=r.run_id) AS groups_done"
+            " FROM runs r ORDER BY r.created_at DESC, r.run_id DESC"
+        ).fetchall()
+        return [dict(r) for r in rows]
+
     def put_tasks(self, run_id: str, tasks: list[dict[str, Any]]) -> int:
         """Store a run's tasks in order (idempotent); returns how many the run has."""
         with self.db.tx() as db:

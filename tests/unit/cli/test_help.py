@@ -31,7 +31,7 @@ def _flat(text: str) -> str:
 
 def test_the_walk_reaches_the_sub_apps() -> None:
     paths = {" ".join(path) for path, _ in COMMANDS}
-    assert {"run", "status", "stack up", "feed take", "policy publish"} <= paths
+    assert {"run", "status", "runs", "stack up", "feed take", "policy publish"} <= paths
 
 
 @pytest.mark.parametrize(("path", "command"), COMMANDS, ids=[" ".join(p) or "rollouts" for p, _ in COMMANDS])
