@@ -2,7 +2,9 @@
 
 `mkdocs build --strict` (in `make lint`) checks the links inside docs/; these check what it cannot: the
 README's own links into docs/ (files and headings), that the generated configuration reference covers
-every field of every config section, and that no page points a reader at a ticket number.
+every field of every config section, that no page points a reader at a ticket number, that the home page
+lists every page of the nav, and that no user page (every page but docs/development.md, the READMEs) names
+a commit: those pages speak to people running the project, not to whoever measured what when.
 """
 
 from __future__ import annotations
@@ -79,3 +81,71 @@ def test_no_ticket_numbers_in_readme_or_docs() -> None:
         for number, line in enumerate(page.read_text().splitlines(), 1):
             where = f"{page.relative_to(ROOT)}:{number}"
             assert not re.search(r"\bissues?[- ]#?\d+", line, re.I), f"{where}: {line}"
+
+
+COMMIT = re.compile(r"\b(?=[0-9a-f]*[0-9])(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}\b")
+"""A commit id as people write one: 7 to 40 hex digits, at least one a digit and one a letter a-f (so
+neither a number nor a word such as "defaced")."""
+
+
+def user_pages() -> list[Path]:
+    """The pages written for users: the READMEs and every page of docs/ but the development notes."""
+    readmes = [
+        ROOT / "README.md",
+        *sorted(ROOT.glob("environments/*/README.md")),
+        ROOT / "integrations/trl/README.md",
+    ]
+    docs = [p for p in sorted((ROOT / "docs").rglob("*.md")) if p != ROOT / "docs/development.md"]
+    return [p for p in readmes if p.exists()] + docs
+
+
+def commit_ids(text: str) -> list[str]:
+    return COMMIT.findall(text)
+
+
+def test_the_commit_pattern() -> None:
+    assert commit_ids("against cb3230d, one run") == ["cb3230d"]
+    assert commit_ids("(e48f5e6)") == ["e48f5e6"]
+    assert commit_ids("commit 7c368284829c8633a638004e8db5e997334b9b14") == [
+        "7c368284829c8633a638004e8db5e997334b9b14"
+    ]
+    for clean in (
+        "1,032 tests in 2440 s",
+        "deadbeef",
+        "faced",
+        "other_wait_cb3230d.json",
+        "v0.2.0",
+        "1234567",
+    ):
+        assert commit_ids(clean) == [], clean
+
+
+def test_no_commit_ids_in_user_pages() -> None:
+    pages = user_pages()
+    assert ROOT / "docs/index.md" in pages and ROOT / "docs/development.md" not in pages
+    for page in pages:
+        for number, line in enumerate(page.read_text().splitlines(), 1):
+            found = commit_ids(line)
+            assert not found, f"{page.relative_to(ROOT)}:{number}: commit id {found} (name the code instead: "
+            "docs/development.md, 'User pages speak to users')"
+
+
+def nav_pages() -> list[str]:
+    """Every page of mkdocs.yml's nav, relative to docs/."""
+    nav = (ROOT / "mkdocs.yml").read_text().split("\nnav:\n", 1)[1]
+    return re.findall(r"^\s*- (?:.*?: )?([\w./-]+\.md)\s*$", nav, re.M)
+
+
+def unlisted(index_text: str, pages: list[str]) -> list[str]:
+    """The pages (other than the index itself) that ``index_text`` does not link to."""
+    linked = {t.partition("#")[0] for t in LINK.findall(index_text)}
+    return [p for p in pages if p != "index.md" and p not in linked]
+
+
+def test_the_home_page_lists_every_page_of_the_nav() -> None:
+    pages = nav_pages()
+    assert {"using.md", "glossary.md", "measurements/cost.md", "development.md"} <= set(pages)
+    assert unlisted(
+        "[a](using.md), [b](glossary.md#rollout)", ["index.md", "using.md", "glossary.md", "x.md"]
+    ) == ["x.md"]
+    assert unlisted((ROOT / "docs/index.md").read_text(), pages) == []
