@@ -34,8 +34,8 @@ def _tok() -> Any:
     return AutoTokenizer.from_pretrained(str(MODEL))
 
 
-def _eval(bridge: Any, over: list[str], n: int) -> dict[str, Any]:
-    return bridge.call("evaluate", config=str(CONFIG), overrides=over, samples_per_task=n, seed=1234)
+def _eval(core: Any, over: list[str], n: int) -> dict[str, Any]:
+    return core.evaluate(CONFIG, over, samples_per_task=n, seed=1234).as_dict()
 
 
 def run_async(home: Path, over: list[str], steps: int, lr: float, out_dir: Path) -> dict[str, Any]:
@@ -68,7 +68,7 @@ def run_async(home: Path, over: list[str], steps: int, lr: float, out_dir: Path)
         trainer.train()
     finally:
         w._stop.set()
-    w.stop()  # TRL stopped it already when training ended; the books come through a sidecar of their own
+    w.stop()  # TRL stopped it already when training ended; the books come through a core handle of their own
     books = w.ledger()
     lags = [c["current_int"] - c["model_version"] for c in w.consumed]
     return {"run_id": rid, "steps": steps, "wall_s": round(time.monotonic() - t0, 1),
@@ -112,11 +112,11 @@ def main() -> None:
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="section.field=value")
     ap.add_argument("-o", "--output", default=str(REPO / ".rollouts" / "trl_loop.json"))
     a = ap.parse_args()
-    from durable_rollouts_trl.bridge import Bridge
+    from durable_rollouts_trl.core import Core
 
     home = Path(a.home)
     out: dict[str, Any] = {"command": " ".join(sys.argv), "modes": {}}
-    bridge = Bridge(home)
+    core = Core(home)
 
     def save() -> None:  # after every stage: a failure later keeps what was measured
         Path(a.output).parent.mkdir(parents=True, exist_ok=True)
@@ -124,20 +124,20 @@ def main() -> None:
 
     try:
         for mode in ["async", "sync"] if a.mode == "both" else [a.mode]:
-            start = _eval(bridge, a.overrides, a.eval_samples)
+            start = _eval(core, a.overrides, a.eval_samples)
             out["modes"][mode] = {"accuracy_start": start}
             print(f"{mode}: accuracy at start {start['accuracy']:.3f}", flush=True)
             save()
             run = (run_async if mode == "async" else run_sync)(home, a.overrides, a.steps, a.lr, home / "trl")
             out["modes"][mode].update(run)
             save()
-            end = _eval(bridge, a.overrides, a.eval_samples)
+            end = _eval(core, a.overrides, a.eval_samples)
             out["modes"][mode]["accuracy_end"] = end
             delta = 100 * (end["accuracy"] - start["accuracy"])
             out["modes"][mode]["accuracy_delta_points"] = round(delta, 2)
             print(f"{mode}: accuracy {start['accuracy']:.3f} -> {end['accuracy']:.3f}", flush=True)
     finally:
-        bridge.close()
+        core.close()
         save()
 
 

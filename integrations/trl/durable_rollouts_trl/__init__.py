@@ -5,10 +5,10 @@
 - :func:`~durable_rollouts_trl.rollout_func.make_rollout_func`: ``GRPOTrainer(rollout_func=f,
   reward_funcs=durable_reward)``.
 
-This package's one import name is unique on purpose: nothing here imports the durable-rollouts core in the
-trainer's process (its top-level packages are named ``config``, ``store``, ``trainer``, ... and would
-collide with a trainer's own modules); the core runs in a sidecar child (bridge.py, sidecar.py).
-Submodules are imported on use, so ``import durable_rollouts_trl`` imports neither TRL nor torch.
+The durable-rollouts core runs in the trainer's own process: it installs under one import namespace,
+``durable_rollouts.*``, so it never collides with a trainer's own ``config.py``, ``store.py`` or
+``trainer.py``; :class:`~durable_rollouts_trl.core.Core` is this package's one handle on it (core.py).
+Submodules are imported on use, so ``import durable_rollouts_trl`` imports neither TRL, torch nor the core.
 """
 
 from __future__ import annotations

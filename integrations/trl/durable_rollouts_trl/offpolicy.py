@@ -21,12 +21,15 @@ from typing import Any
 
 import torch
 
+from durable_rollouts.trainer.loss import token_logprobs
+
 TOLERANCE = 0.01
 
 
 @torch.no_grad()
 def recompute(model: torch.nn.Module, records: list[dict[str, Any]], temperature: float) -> list[list[float]]:
-    """The model's logprob of every token of each record given its prefix (index 0 is NaN)."""
+    """The model's logprob of every token of each record given its prefix (index 0 is NaN), at
+    ``temperature`` (the core's ``trainer.loss.token_logprobs``)."""
     was_training = model.training
     model.eval()
     out: list[list[float]] = []
@@ -34,8 +37,7 @@ def recompute(model: torch.nn.Module, records: list[dict[str, Any]], temperature
     try:
         for rec in records:
             ids = torch.tensor([rec["token_ids"]], dtype=torch.long, device=device)
-            logits = model(input_ids=ids).logits[0, :-1].float() / temperature
-            lp = torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:].unsqueeze(-1)).squeeze(-1)
+            lp = token_logprobs(model(input_ids=ids).logits, ids, temperature)[0]
             out.append([float("nan"), *lp.cpu().tolist()])
     finally:
         model.train(was_training)

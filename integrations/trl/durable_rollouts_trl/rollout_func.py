@@ -24,7 +24,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from durable_rollouts_trl.bridge import Bridge
+from durable_rollouts_trl.core import Core
 from durable_rollouts_trl.samples import Sampling, check_sampling, rollout_func_row, token_lags
 
 
@@ -56,14 +56,14 @@ class DurableRolloutFunc:
         self.overrides = list(overrides or [])
         self.home, self.prefix, self.timeout_s, self.offpolicy = Path(home), prefix, timeout_s, offpolicy
         self.weights_root = Path(weights_root) if weights_root else self.home / "policies"
-        self.bridge = Bridge(self.home, store_url)
-        st = self.bridge.call("settings", config=self.config, overrides=self.overrides)
-        self.run_config = st["config"]
-        self.tasks = st["tasks"]
+        self.core = Core(self.home, store_url)
+        st = self.core.settings(self.config, self.overrides)
+        self.run_config = st.config
+        self.tasks = st.tasks
         self.by_prompt: dict[str, dict[str, Any]] = {}
         for t in self.tasks:
             self.by_prompt.setdefault(str(t.get("prompt", t["id"])), t)
-        self.urls = [u.rstrip("/") for u in self.run_config["engine"]["urls"]]
+        self.urls = [u.rstrip("/") for u in self.run_config.engine.urls]
         self.calls = 0
         self.published: dict[int, str] = {}
         self.evidence: list[dict[str, Any]] = []
@@ -74,7 +74,8 @@ class DurableRolloutFunc:
         return list(self.by_prompt)
 
     def close(self) -> None:
-        self.bridge.close()
+        """Close the core handle (its event loop thread, the store's connections)."""
+        self.core.close()
 
     # -- the call ------------------------------------------------------------------------------------
     def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, list[Any]]:
@@ -97,10 +98,10 @@ class DurableRolloutFunc:
         self.calls += 1
         run_id = f"{self.prefix}-s{trainer.state.global_step:06d}-c{self.calls:04d}"
         over = [*self.overrides, f"run.num_groups={len(tasks)}", f"run.group_size={g}"]
-        self.bridge.call("start_run", config=self.config, overrides=over, run_id=run_id, tasks=tasks)
-        self.bridge.call("wait_run", run_id=run_id, timeout_s=self.timeout_s)
+        self.core.start_run(self.config, over, run_id, tasks=tasks)
+        self.core.wait_run(run_id, self.timeout_s)
         self.run_ids.append(run_id)
-        lines = self.bridge.call("records", run_id=run_id)
+        lines = self.core.records(run_id)
         recs = sorted(
             (r for r in lines if r["kind"] == "rollout"), key=lambda r: (r["group_id"], r["sample_index"])
         )
@@ -136,16 +137,16 @@ class DurableRolloutFunc:
         step = int(trainer.state.global_step)
         if step not in self.published:
             label = f"{self.prefix}{step}"
-            rows = self.bridge.call("policies")
+            rows = self.core.policies()
             source = Path(rows[0]["weights_dir"]) if rows else None
-            versions = self.bridge.call("engine_versions", urls=self.urls)
+            versions = self.core.engine_versions(self.urls)
             row = next((p for p in rows if p["version"] in set(versions.values())), None)
             source = Path(row["weights_dir"]) if row else source
             if source is None:
                 raise RolloutFuncError("the store has no published version; start the stack (it records v0)")
             model = trainer.accelerator.unwrap_model(trainer.model)
             out = save_weights(model.state_dict().items(), source, self.weights_root / label)
-            self.bridge.call("publish", urls=self.urls, version=label, weights_dir=str(out))
+            self.core.publish(self.urls, label, out)
             self.published[step] = label
         return self.published[step]
 
@@ -154,7 +155,7 @@ class DurableRolloutFunc:
     ) -> None:
         from durable_rollouts_trl.offpolicy import evidence, metrics
 
-        order = {p["version"]: i for i, p in enumerate(self.bridge.call("policies"))}
+        order = {p["version"]: i for i, p in enumerate(self.core.policies())}
         usable = [r for r in recs if any(r["loss_mask"])]
         lags = [token_lags(r, order, version) for r in usable]
         model = trainer.accelerator.unwrap_model(trainer.model)
@@ -162,7 +163,7 @@ class DurableRolloutFunc:
               **evidence(model, usable, temperature, lags)}  # fmt: skip
         self.evidence.append(ev)
         # one run per call, its records consumed whole: the call's batch is the run's only one
-        self.bridge.call("put_evidence", run_id=run_id, batch_id="rollout_func", record=ev)
+        self.core.put_evidence(run_id, "rollout_func", ev)
         sink = getattr(trainer, "_metrics", {}).get("train")
         if sink is not None:
             for k, v in metrics(ev).items():

@@ -6,7 +6,7 @@ Pass one :class:`DurableRolloutWorker` as both ``rollout_worker=`` and ``weight_
 ``pause``, ``send_weights``, ``resume``, ``destroy``).
 
 Invariants:
-- Samples come only from the trainer feed (``TrainerFeed.take`` in the core, through the sidecar): each
+- Samples come only from the trainer feed (``TrainerFeed.take`` in the core, through core.py): each
   group at most once, judged fresh against the version the trainer holds with ``max_lag`` = TRL's
   ``max_staleness``; zero-variance groups (with ``drop_zero_variance``) and stale ones are discarded with a
   reason and stay in the books; members without an advantage (infra failures) give no sample.
@@ -27,10 +27,11 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from durable_rollouts_trl.bridge import Bridge
+from durable_rollouts_trl.core import Core
 from durable_rollouts_trl.samples import (
     WANTED_LOGPROBS,
     SampleError,
@@ -81,7 +82,7 @@ class DurableRolloutWorker:
         """One line per sample handed to TRL: rollout id, model_version, the trainer's version then, group."""
         self.current: str | None = None  # the version label the trainer holds
         self.current_int = 0
-        self._bridge: Bridge | None = None
+        self._core: Core | None = None
         self._urls: list[str] = []
         self._source: Path | None = None
         self._pending: tuple[int, str, Path] | None = None
@@ -94,16 +95,15 @@ class DurableRolloutWorker:
         self._scorer: tuple[str, Any] | None = None
 
     # -- set-up ---------------------------------------------------------------------------------------
-    def _ensure(self) -> Bridge:
-        if self._bridge is None:
-            self._bridge = Bridge(self.home, self.store_url)
-            st = self._bridge.call("settings", config=self.config, overrides=self.overrides)
-            s = st["config"]["sampling"]
+    def _ensure(self) -> Core:
+        if self._core is None:
+            self._core = Core(self.home, self.store_url)
+            cfg = self._core.settings(self.config, self.overrides).config
             probe = {"rollout_id": f"run {self.run_id} [sampling]", "sampling": {
-                **s, "logprob_mode": st["config"]["engine"]["logprob_mode"]}}  # fmt: skip
+                **cfg.sampling.model_dump(mode="json"), "logprob_mode": cfg.engine.logprob_mode}}  # fmt: skip
             check_sampling(probe, self.sampling)
-            self._urls = [u.rstrip("/") for u in st["config"]["engine"]["urls"]]
-            versions = self._bridge.call("engine_versions", urls=self._urls)
+            self._urls = [u.rstrip("/") for u in cfg.engine.urls]
+            versions = self._core.engine_versions(self._urls)
             if len(set(versions.values())) != 1:
                 raise SampleError(f"engines serve different versions {versions}; publish one version to all")
             start = next(iter(versions.values()))
@@ -111,11 +111,11 @@ class DurableRolloutWorker:
             if row is None or row["status"] != "published":
                 raise SampleError(f"engines serve {start!r}, which the store never published")
             self.current, self._source = start, Path(row["weights_dir"])
-        return self._bridge
+        return self._core
 
     def _row(self, version: str) -> dict[str, Any] | None:
-        assert self._bridge is not None
-        return next((p for p in self._bridge.call("policies") if p["version"] == version), None)
+        assert self._core is not None
+        return next((p for p in self._core.policies() if p["version"] == version), None)
 
     # -- WeightTransferProtocol -----------------------------------------------------------------------
     def init_weight_transfer(self) -> None:
@@ -143,22 +143,22 @@ class DurableRolloutWorker:
 
     # -- RolloutWorkerProtocol ------------------------------------------------------------------------
     def update_model_version(self, model_version: int) -> None:
-        bridge = self._ensure()
+        core = self._ensure()
         if self._pending is None or self._pending[0] != model_version:
             raise SampleError(
                 f"update_model_version({model_version}) without its weights: pass this worker as the "
                 "trainer's weight_transfer too, so every version it names is published"
             )
         n, label, out = self._pending
-        rec = bridge.call("publish", urls=self._urls, version=label, weights_dir=str(out))
+        rec = core.publish(self._urls, label, out)
         self.published.append(rec)
         with self._lock:
             self.current, self.current_int, self._pending = label, n, None
 
     def start(self) -> None:
-        bridge = self._ensure()
+        core = self._ensure()
         if self.start_run:
-            bridge.call("start_run", config=self.config, overrides=self.overrides, run_id=self.run_id)
+            core.start_run(self.config, self.overrides, self.run_id)
         self._thread = threading.Thread(target=self._loop, name="durable-rollouts-feed", daemon=True)
         self._thread.start()
 
@@ -166,15 +166,15 @@ class DurableRolloutWorker:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=120)
-        if self._bridge is not None:
-            self._bridge.close()
-            self._bridge = None
+        if self._core is not None:
+            self._core.close()
+            self._core = None
 
     def check_health(self, stale_after_s: float) -> None:
         if self._error:
             raise RuntimeError(f"durable rollout worker failed: {self._error}")
-        if self._bridge is None or not self._bridge.alive():
-            raise RuntimeError("durable rollout worker: its sidecar is not running")
+        if self._core is None or not self._core.alive():
+            raise RuntimeError("durable rollout worker: not started, or stopped (its core handle is closed)")
         if self._exhausted and self.rollout_buffer.empty():
             raise RuntimeError(f"run {self.run_id} ended and its feed holds nothing fresh: no more samples")
         if time.monotonic() - self._beat > stale_after_s:
@@ -194,29 +194,28 @@ class DurableRolloutWorker:
         """One take from the feed: enqueue its samples and its evidence; returns the groups consumed."""
         from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
-        bridge = self._ensure()
+        core = self._ensure()
         with self._lock:
             current, current_int = self.current, self.current_int
         assert current is not None
-        running = self.start_run and bridge.call("run_state", run_id=self.run_id)["running"]
-        res = bridge.call("take", run_id=self.run_id, n=self.groups_per_take, current=current,
-                          max_lag=self.max_staleness, drop_zero_variance=self.drop_zero_variance,
-                          logprob_mode=WANTED_LOGPROBS)  # fmt: skip
-        self.discarded += res["discarded"]
-        if not res["groups"]:
+        running = self.start_run and core.run_state(self.run_id)["running"]
+        batch = core.take(self.run_id, self.groups_per_take, current, self.max_staleness,
+                          self.drop_zero_variance, WANTED_LOGPROBS)  # fmt: skip
+        self.discarded += [asdict(d) for d in batch.discarded]
+        if not batch.groups:
             self._exhausted = self.start_run and not running
             return 0
-        order = {p["version"]: i for i, p in enumerate(bridge.call("policies"))}
-        records = [r for g in res["groups"] for r in g["rollouts"]]
+        order = {p["version"]: i for i, p in enumerate(core.policies())}
+        records = [r for g in batch.groups for r in g.rollouts]
         samples = []
         for rec in records:
             f = sample_fields(rec, order, current, current_int, self.sampling)
             if f is not None:
                 samples.append((rec, f))
         ev: dict[str, Any] = {
-            "current": current, "model_version": current_int, "groups": len(res["groups"]),
-            "samples": len(samples), "discarded": len(res["discarded"]),
-            "max_group_lag": max(g["lag"] for g in res["groups"]),
+            "current": current, "model_version": current_int, "groups": len(batch.groups),
+            "samples": len(samples), "discarded": len(batch.discarded),
+            "max_group_lag": max(g.lag for g in batch.groups),
         }  # fmt: skip
         if self.offpolicy and samples:
             from durable_rollouts_trl.offpolicy import evidence, metrics
@@ -226,7 +225,8 @@ class DurableRolloutWorker:
             ev.update(evidence(self._scorer_for(current), recs, self.sampling.temperature, lags))
             self.metrics_queue.put(metrics(ev))
         self.evidence.append(ev)
-        bridge.call("put_evidence", run_id=self.run_id, batch_id=res["batch_id"], record=ev)
+        assert batch.batch_id is not None  # the take marked groups, so it has a batch id
+        core.put_evidence(self.run_id, batch.batch_id, ev)
         now = time.time()
         for rec, f in samples:
             self.consumed.append({
@@ -248,7 +248,7 @@ class DurableRolloutWorker:
                     enqueued_at=now,
                 )
             )
-        return len(res["groups"])
+        return len(batch.groups)
 
     def _scorer_for(self, version: str) -> Any:
         """A private copy of the weights of ``version`` (its published directory), cached per version."""
@@ -263,15 +263,15 @@ class DurableRolloutWorker:
         return self._scorer[1]
 
     def ledger(self) -> dict[str, Any]:
-        """The run's books (generated = consumed + discarded + waiting), from the core; also after
-        :meth:`stop` (TRL stops its rollout worker when training ends), through a sidecar of its own."""
-        if self._bridge is not None and self._bridge.alive():
-            return self._bridge.call("ledger", run_id=self.run_id)
-        bridge = Bridge(self.home, self.store_url)
-        try:
-            return bridge.call("ledger", run_id=self.run_id)
-        finally:
-            bridge.close()
+        """The run's books (generated = consumed + discarded + waiting), from the core's feed; also after
+        :meth:`stop` (TRL stops its rollout worker when training ends), through a core handle of its own."""
+        if self._core is not None and self._core.alive():
+            led = self._core.ledger(self.run_id)
+        else:
+            with Core(self.home, self.store_url) as core:
+                led = core.ledger(self.run_id)
+        books = ("generated", "consumed", "discarded", "waiting")
+        return {**{k: asdict(getattr(led, k)) for k in books}, "balanced": led.balanced}
 
 
 def _np(values: list[Any], dtype: str) -> Any:

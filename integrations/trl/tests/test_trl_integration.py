@@ -49,11 +49,6 @@ def eng(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
         procs.stop_pid(engine.pid)
 
 
-@pytest.fixture(autouse=True)
-def _sidecar_core(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("DURABLE_ROLLOUTS_PYTHONPATH", str(REPO))
-
-
 def _address(client: Client) -> str:
     return client.service_client.config.target_host
 
@@ -145,7 +140,7 @@ async def test_async_grpo_trainer_with_the_durable_worker(
 
         books = TrainerFeed(store, "trl-async").ledger().check()
         assert books.generated.records == 24 and books.consumed.records >= 16
-        # the worker still reads the books after TRL stopped it (its own sidecar, closed again)
+        # the worker still reads the books after TRL stopped it (a core handle of its own, closed again)
         led = w.ledger()
         assert led["balanced"] and led["consumed"]["records"] == books.consumed.records
 

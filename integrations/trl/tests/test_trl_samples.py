@@ -129,5 +129,9 @@ def test_weights_are_written_complete_or_not_at_all(tmp_path: Any) -> None:
     with pytest.raises(WeightsError, match=r"no tensor lm_head\.weight"):
         save_weights(partial, MODEL_DIR, tmp_path / "v2")
     assert not (tmp_path / "v2").exists()
+    cut = [(k, v[:1] if k == "lm_head.weight" else v) for k, v in model.state_dict().items()]
+    with pytest.raises(WeightsError, match=r"tensor lm_head\.weight: shape \[1, "):
+        save_weights(cut, MODEL_DIR, tmp_path / "v3")
+    assert not (tmp_path / "v3").exists()
     with pytest.raises(WeightsError, match="already exists"):
         save_weights(model.state_dict().items(), MODEL_DIR, tmp_path / "v1")

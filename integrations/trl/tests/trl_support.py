@@ -1,4 +1,4 @@
-"""Helpers of the TRL integration tests: a run config as sidecar overrides, TRL configs for CPU."""
+"""Helpers of the TRL integration tests: a run config as `section.field=value` overrides, the tiny policy."""
 
 from __future__ import annotations
 
