@@ -151,9 +151,14 @@ class EngineClient:
         sampling: SamplingParams,
         max_tokens: int,
         request_id: str,
+        stop: list[str] | None = None,
     ) -> Generation:
         """Sample up to max_tokens after prompt_ids, at most what the engine's window leaves
-        (``turns.budget``); raises ContextLengthExceeded, without a request, if the prompt fills it."""
+        (``turns.budget``); raises ContextLengthExceeded, without a request, if the prompt fills it.
+
+        ``stop``: strings the engine ends the sample at (vLLM checks them on its detokenized text, so the
+        request asks it to detokenize; it returns the tokens up to the one that completes the string, their
+        logprobs with them). An engine that cannot (a ``--tokens-only`` vLLM) refuses: EngineBadRequest."""
         limit = await self.max_model_len(base_url, model)
         budget = turn_budget(len(prompt_ids), 0, max_tokens, limit)
         if budget.truncated == TruncationReason.CONTEXT_LENGTH:
@@ -172,6 +177,8 @@ class EngineClient:
             params["seed"] = sampling.seed
         if sampling.min_tokens:
             params["min_tokens"] = min(sampling.min_tokens, params["max_tokens"])
+        if stop:
+            params.update(stop=stop, detokenize=True)
         body = {
             "model": model,
             "request_id": request_id,

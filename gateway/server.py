@@ -9,7 +9,12 @@ Invariants:
   ``gateway_call`` with the call's index); the answer is whatever the workflow's model-call activity
   stored, read from the store. A request repeated by the harness's client (a retry after a timeout or a
   worker's death) is the same call: answered from the store, never sampled again.
-- Streaming is not served (``stream: true`` is a 400): the reference harness does not ask for it.
+- Checked before it is recorded (``gateway.chat.request_options``): a field the gateway refuses, or a
+  sampling setting other than the run's (read from the run's stored config), is a 400 naming the field,
+  and nothing is recorded or signalled.
+- Streamed from the store: with ``stream: true`` the call is made and its answer stored first, then the
+  stored answer is sent as server-sent ``chat.completion.chunk`` events (``gateway.chat.stream_chunks``);
+  a client that retries a broken stream is the same call again and gets the same chunks.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
+from durable_rollouts.config.models import SamplingConfig
 from durable_rollouts.gateway import chat
 from durable_rollouts.sandboxes.base import gateway_dir
 from durable_rollouts.store import RunStore
@@ -53,6 +59,26 @@ class GatewayServer:
         self.secret = secret if secret is not None else os.environ.get("DR_GATEWAY_SECRET", "")
         self._runners: dict[str, web.AppRunner] = {}
         self._events: dict[tuple[str, int], asyncio.Event] = {}
+        self._sampling: dict[str, chat.RunSampling | None] = {}
+        """Run id -> its sampling settings (what a request may repeat but not change)."""
+
+    async def run_sampling(self, rollout_id: str) -> chat.RunSampling | None:
+        """The sampling settings of the rollout's run, from its config in the store (read once per run: it
+        is recorded before the run's first rollout starts, and never changes); None when the run is not in
+        the store or its config has no readable ``[sampling]``."""
+        parts = rollout_id.rsplit("/", 2)  # <run>/<group>/<i>: contracts.types.rollout_id
+        run_id = parts[0] if len(parts) == 3 else rollout_id
+        if run_id not in self._sampling:
+            row = await asyncio.to_thread(self.store.get_run, run_id)
+            known: chat.RunSampling | None = None
+            try:
+                if row is not None:
+                    cfg = SamplingConfig.model_validate(json.loads(row["config_json"]).get("sampling") or {})
+                    known = chat.RunSampling(cfg.temperature, cfg.top_p, cfg.top_k, cfg.min_tokens)
+            except (ValueError, TypeError, AttributeError) as e:
+                log.warning("gateway: run %s: its stored sampling settings are unreadable: %s", run_id, e)
+            self._sampling[run_id] = known
+        return self._sampling[run_id]
 
     def socket_path(self, rollout_id: str) -> str:
         return os.path.join(gateway_dir(rollout_id), SOCKET_NAME)
@@ -140,13 +166,17 @@ class _Handler:
         try:
             body = await request.json()
             messages, tools = chat.request_messages(body)
-            if body.get("stream"):
-                raise chat.BadChatRequest("streaming is not served by this gateway (stream: false)")
-        except (ValueError, chat.BadChatRequest) as e:
+            options = chat.request_options(body, await self.server.run_sampling(rid))
+        except chat.BadChatRequest as e:
+            return web.json_response(e.body(), status=400)
+        except ValueError as e:
             return web.json_response(chat.error(str(e)), status=400)
-        key = chat.request_key(messages, tools)
+        key = chat.request_key(messages, tools, options)
+        recorded: dict[str, object] = {"messages": messages, "tools": tools}
+        if options.recorded():
+            recorded["options"] = options.recorded()
         try:
-            call = await asyncio.to_thread(store.open_call, rid, key, {"messages": messages, "tools": tools})
+            call = await asyncio.to_thread(store.open_call, rid, key, recorded)
         except CallInFlight as e:
             return web.json_response(chat.error(str(e), "conflict_error"), status=409)
         if not call.answered:
@@ -162,6 +192,22 @@ class _Handler:
             answered = await asyncio.to_thread(store.get_call, rid, call.index)
             assert answered is not None
             call = answered
+        if options.stream and call.status == 200 and call.response is not None:
+            return await self._stream(request, call.response, options.include_usage)
         return web.Response(
             status=call.status or 500, text=json.dumps(call.response), content_type="application/json"
         )
+
+    async def _stream(self, request: web.Request, answer: dict, include_usage: bool) -> web.StreamResponse:
+        """The stored answer as server-sent events, then ``[DONE]``; a client gone mid-stream ends it (its
+        retry is answered from the store again)."""
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        try:
+            for chunk in chat.stream_chunks(answer, include_usage):
+                await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except ConnectionError as e:
+            log.info("gateway %s: the client left its stream: %s", self.rollout_id, e)
+        return resp

@@ -14,6 +14,13 @@ Invariants:
   sequence, its meta saying at which message and why, and later calls sample on that sequence only.
 - Limits answer as an OpenAI server would: no room left in the rollout's token budget or call count is a
   ``length`` finish with no content; a context the engine cannot take is a 400 ``context_length_exceeded``.
+- The request's options (``gateway.chat.Options``, recorded with the call) shape the sample without
+  changing its logprobs' meaning: ``max_tokens`` lowers the call's cap (never raises it); ``stop`` goes to
+  the engine, which stops on it itself, and the tokens it returned are stored as returned (the answer is
+  cut before the stop string, the next call extends the stored tokens); ``tool_choice: none`` renders no
+  tools and parses no tool call (a change of the tools offered starts a new sequence); a ``seed`` is
+  recorded in the sample's meta (``request``), the rollout's own seed samples. An engine that refuses
+  ``stop`` gets the call a stored 400 naming it.
 """
 
 from __future__ import annotations
@@ -23,25 +30,56 @@ import time
 from typing import Any, Protocol
 
 from durable_rollouts.contracts.harness import GatewayCallInput, GatewayCallResult
-from durable_rollouts.contracts.types import TruncationReason
-from durable_rollouts.errors import EnvironmentFailure
+from durable_rollouts.contracts.types import SamplingParams, TruncationReason
+from durable_rollouts.errors import EngineBadRequest, EnvironmentFailure
 from durable_rollouts.gateway import chat
 from durable_rollouts.store import RunStore, Segment, model_segment
 from durable_rollouts.store.gateway_calls import GatewayCall
 from durable_rollouts.turns.budget import turn_budget
 from durable_rollouts.turns.clock import StoreClock
 from durable_rollouts.turns.engine import Engine as TurnEngine
+from durable_rollouts.turns.engine import Sampled
 from durable_rollouts.turns.model import ModelTurns, call_model, sampled_segment
 
 
 class Engine(TurnEngine, Protocol):
-    """What a gateway call needs of an engine: a turn's, and chat renders with tools and closed
-    conversations (``engines.client.EngineClient`` is one)."""
+    """What a gateway call needs of an engine: a turn's, chat renders with tools and closed conversations,
+    and samples that end at stop strings (``engines.client.EngineClient`` is one)."""
 
     async def tokenize_chat(
         self, base_url: str, model: str, messages: list[dict[str, str]], tools: Any = None,
         add_generation_prompt: bool = True,
     ) -> list[int]: ...  # fmt: skip
+
+    async def generate(
+        self, base_url: str, model: str, prompt_ids: list[int], sampling: SamplingParams, max_tokens: int,
+        request_id: str, stop: list[str] | None = None,
+    ) -> Sampled: ...  # fmt: skip
+
+
+class _Stopping:
+    """An engine whose samples end at the request's stop strings (``turns.model.call_model``, the one
+    sampling path of every model turn, passes none)."""
+
+    def __init__(self, engine: Engine, stop: list[str]) -> None:
+        self.engine, self.stop = engine, stop
+
+    async def generate(
+        self, base_url: str, model: str, prompt_ids: list[int], sampling: SamplingParams, max_tokens: int,
+        request_id: str,
+    ) -> Sampled:  # fmt: skip
+        return await self.engine.generate(
+            base_url, model, prompt_ids, sampling, max_tokens, request_id, stop=self.stop
+        )
+
+    async def tokenize_chat(self, base_url: str, model: str, messages: list[dict[str, str]]) -> list[int]:
+        return await self.engine.tokenize_chat(base_url, model, messages)
+
+    async def detokenize(self, base_url: str, model: str, token_ids: list[int]) -> str:
+        return await self.engine.detokenize(base_url, model, token_ids)
+
+    async def logprob_mode(self, base_url: str) -> str | None:
+        return await self.engine.logprob_mode(base_url)
 
 
 def ctx_segment(index: int) -> str:
@@ -73,7 +111,8 @@ class GatewayTurns:
         if inp.limit is not None:
             return await self._limit(call, inp.limit, total, attempt)
         t0 = time.monotonic()
-        ctx, canon = await self._context(inp, call)
+        options = chat.Options.of_request(call.request)
+        ctx, canon = await self._context(inp, call, options)
         seq_start = int(ctx.meta.get("sequence_start", 0))
         tokens = await asyncio.to_thread(self.store.token_ids, rid)
         budget = turn_budget(len(tokens), inp.max_total_tokens, inp.max_tokens)  # over every sequence
@@ -81,7 +120,21 @@ class GatewayTurns:
             return await self._limit(call, budget.truncated, len(tokens), attempt)
         seg = await asyncio.to_thread(self.store.get_segment, rid, model_segment(idx))
         if seg is None:
-            sampled = await self._sample(inp, tokens, seq_start, budget.max_tokens, attempt, queued_s, t0)
+            cap = (
+                budget.max_tokens
+                if options.max_tokens is None
+                else min(budget.max_tokens, options.max_tokens)
+            )
+            try:
+                sampled = await self._sample(inp, tokens, seq_start, cap, options, attempt, queued_s, t0)
+            except EngineBadRequest as e:
+                if not options.stop:
+                    raise
+                why = f"the engine refused a sample ending at stop strings ({e}); leave 'stop' out"
+                refusal = chat.error(why, code="unsupported_value", param="stop")
+                refused = {"refused": "stop", "start": len(tokens), "end": len(tokens)}
+                stored = await asyncio.to_thread(self.store.answer_call, rid, idx, 400, refusal, refused)
+                return _result(stored, attempt)
             if sampled == TruncationReason.CONTEXT_LENGTH:  # the engine's window is full
                 refusal = chat.error("context length exceeded", code="context_length_exceeded")
                 at: dict[str, Any] = {"limit": sampled.value, "start": len(tokens), "end": len(tokens)}
@@ -95,7 +148,12 @@ class GatewayTurns:
         k = _sampled_closing(seg.token_ids, closing)
         raw = await self.engine.detokenize(inp.engine_url, model, seg.token_ids[: len(seg.token_ids) - k])
         finish = str(seg.meta.get("finish_reason") or "stop")  # the engine's: stop or length, as OpenAI's
-        parsed = chat.parse_answer(raw, idx)
+        shown, stopped = chat.cut_at_stop(raw, options.stop)  # the answer ends before a stop string
+        if stopped:
+            finish = "stop"
+        parsed = (
+            chat.parse_answer(shown, idx) if options.tool_choice != "none" else chat.Parsed(shown or None, [])
+        )
         body = chat.completion(rid, idx, model, parsed, finish, seg.start - seq_start, len(seg.token_ids))
         versions = [v for v in seg.policy_versions or [] if v is not None]
         detail = {
@@ -113,27 +171,31 @@ class GatewayTurns:
         tokens: list[int],
         seq_start: int,
         max_tokens: int,
+        options: chat.Options,
         attempt: int,
         queued_s: float,
         t0: float,
     ) -> Segment | TruncationReason:
         """Sample on the call's sequence (``turns.model.call_model``: the turn's budget, the engine's window)
         under the checks of every model turn (the logprobs mode the run declares, a published policy
-        version) and store the segment; or the limit that left nothing."""
+        version) and store the segment, its tokens as the engine returned them (ended at a stop string by
+        the engine itself); or the limit that left nothing."""
         rid, url, timed = inp.ref.rollout_id, inp.engine_url, StoreClock()
         served = await self.checks.served_mode(url, inp.sampling.logprob_mode)
+        engine: TurnEngine = _Stopping(self.engine, list(options.stop)) if options.stop else self.engine
         # the budget counts every sequence (the caller's); the call samples on its own sequence
         gen = await call_model(
-            self.engine, url, inp.ref.model, tokens[seq_start:], inp.sampling, max_tokens, 0,
+            engine, url, inp.ref.model, tokens[seq_start:], inp.sampling, max_tokens, 0,
             f"{rid}/gw{inp.index}/{attempt}",
         )  # fmt: skip
         if isinstance(gen, TruncationReason):
             return gen
         await self.checks.refuse_unknown_versions(url, gen.policy_versions, timed)
+        asked = {"request": options.recorded()} if options.recorded() else {}  # seed, stop, max_tokens asked
         seg = sampled_segment(
             gen, name=model_segment(inp.index), turn=inp.index, start=len(tokens), engine_url=url,
             served=served, attempt=attempt, queued_s=queued_s, transfer_s=timed.seconds,
-            gateway_call=inp.index, gateway_s=time.monotonic() - t0 - gen.model_s,
+            gateway_call=inp.index, gateway_s=time.monotonic() - t0 - gen.model_s, **asked,
         )  # fmt: skip
         return await asyncio.to_thread(self.store.put_segment, rid, seg)
 
@@ -149,12 +211,13 @@ class GatewayTurns:
         return _result(stored, attempt)
 
     async def _context(
-        self, inp: GatewayCallInput, call: GatewayCall
+        self, inp: GatewayCallInput, call: GatewayCall, options: chat.Options
     ) -> tuple[Segment, list[dict[str, str]]]:
         """The segment of what the harness added before this call (stored once), and the conversation as
         the template renders it (recomputed: pure, from the request and the earlier answers)."""
         rid, idx, name = inp.ref.rollout_id, inp.index, ctx_segment(inp.index)
-        messages, tools = chat.request_messages(call.request)
+        messages, asked = chat.request_messages(call.request)
+        tools = options.offered(asked)
         earlier = await asyncio.to_thread(self.store.gateway_calls, rid, idx)
         answers = [
             (c.response["choices"][0]["message"], c.detail["raw"])
@@ -188,7 +251,11 @@ class GatewayTurns:
         """The tokens to append after the previous call's sampled tokens, or None with why and where not."""
         detail = prev.detail or {}
         if "raw" not in detail or detail.get("messages") is None:
-            return None, f"call {prev.index} ended without an answer to extend ({detail.get('limit')})", None
+            why = detail.get("limit") or detail.get("refused")
+            return None, f"call {prev.index} ended without an answer to extend ({why})", None
+        before_tools = chat.Options.of_request(prev.request).offered(prev.request.get("tools"))
+        if before_tools != tools:
+            return None, "the tools offered differ from the previous call's (rendered in the prompt)", None
         before = [*detail["messages"], {"role": "assistant", "content": detail["raw"]}]
         at = chat.extends(canon, before)
         if at is not None:

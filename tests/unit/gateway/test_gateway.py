@@ -37,7 +37,8 @@ BASH = {"type": "function", "function": {"name": "bash", "parameters": {"type": 
 
 
 class ScriptedEngine:
-    """Tokenizes like the engine (the policy's template) and samples scripted token ids."""
+    """Tokenizes like the engine (the policy's template) and samples scripted token ids; a sample asked to
+    stop at strings ends at the token that completes the first one, as vLLM's does."""
 
     def __init__(self, turns: list[list[int] | str], finish: str = "stop", limit: int | None = None) -> None:
         self.tok = SimTokenizer(MODEL_DIR)
@@ -45,6 +46,10 @@ class ScriptedEngine:
         self.finish = finish
         self.limit = limit
         self.prompts: list[list[int]] = []
+        self.asked: list[dict[str, Any]] = []
+        """What each sample was asked besides its prompt: max_tokens, stop."""
+        self.rendered_tools: list[Any] = []
+        self.returned: list[list[int]] = []
 
     def ids(self, text: str) -> list[int]:
         return self.tok.encode(text)
@@ -57,6 +62,7 @@ class ScriptedEngine:
         tools: Any = None,
         add_generation_prompt: bool = True,
     ) -> list[int]:
+        self.rendered_tools.append(tools)
         return self.tok.encode(self.tok.render_chat(messages, add_generation_prompt))
 
     async def logprob_mode(self, url: str) -> str | None:
@@ -66,17 +72,30 @@ class ScriptedEngine:
         return self.tok.decode(token_ids)
 
     async def generate(
-        self, url: str, model: str, prompt_ids: list[int], sampling: Any, max_tokens: int, rid: str
+        self,
+        url: str,
+        model: str,
+        prompt_ids: list[int],
+        sampling: Any,
+        max_tokens: int,
+        rid: str,
+        stop: list[str] | None = None,
     ) -> Generation:
         if self.limit is not None and len(prompt_ids) >= self.limit:
             raise ContextLengthExceeded(f"prompt of {len(prompt_ids)} tokens")
         self.prompts.append(list(prompt_ids))
+        self.asked.append({"max_tokens": max_tokens, "stop": stop})
         turn = self.turns[len(self.prompts) - 1]
         ids = (self.ids(turn) if isinstance(turn, str) else list(turn)) + [self.tok.eos_id]
         finish = self.finish
         if len(ids) > max_tokens:
             ids, finish = ids[:max_tokens], "length"
+        for n in range(1, len(ids) + 1) if stop else ():
+            if any(s in self.tok.decode(ids[:n]) for s in stop or ()):
+                ids, finish = ids[:n], "stop"
+                break
         lps = [-0.25 - 0.01 * i for i in range(len(ids))]
+        self.returned.append(list(ids))
         return Generation(ids, lps, ["v1"] * len(ids), finish, 0.0, 0.0)
 
 

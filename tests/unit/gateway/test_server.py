@@ -64,10 +64,8 @@ async def test_a_rollout_socket_answers_its_own_key_only(served: Any) -> None:
     async with http.post("http://gw/v1/chat/completions", json=body, headers=auth("dr-other")) as resp:
         assert resp.status == 401 and (await resp.json())["error"]["type"] == "authentication_error"
     key = gateway_key(RID, "s")
-    async with http.post(
-        "http://gw/v1/chat/completions", json={**body, "stream": True}, headers=auth(key)
-    ) as r:
-        assert r.status == 400 and "stream" in (await r.json())["error"]["message"]
+    async with http.post("http://gw/v1/chat/completions", json={**body, "n": 2}, headers=auth(key)) as r:
+        assert r.status == 400 and (await r.json())["error"]["param"] == "n"
     async with http.post("http://gw/v1/chat/completions", json={"messages": []}, headers=auth(key)) as r:
         assert r.status == 400
     assert signals == []  # nothing recorded, nothing signalled
