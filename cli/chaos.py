@@ -11,9 +11,14 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
+
+from durable_rollouts.cli.common import temporal_client, temporal_options
+
+if TYPE_CHECKING:
+    from durable_rollouts.config.models import Connection
 
 
 def _fail(msg: str, code: int = 2) -> typer.Exit:
@@ -29,6 +34,7 @@ def _interval(text: str, what: str) -> tuple[float, float]:
         raise _fail(f"{what} {text!r}: give LOW,HIGH seconds (e.g. 15,30)") from None
 
 
+@temporal_options
 def chaos_command(
     run_ids: Annotated[list[str], typer.Argument(help="Runs to target and check.")],
     kinds: Annotated[str, typer.Option(help="Comma-separated fault kinds (see faults/chaos.py).")] = (
@@ -39,7 +45,6 @@ def chaos_command(
     every: Annotated[str, typer.Option(help="Seconds between faults, LOW,HIGH (uniform).")] = "15,30",
     fault_s: Annotated[str, typer.Option("--fault-s", help="Fault duration, LOW,HIGH seconds.")] = "2,10",
     log: Annotated[Path | None, typer.Option(help="JSON lines log (HOME/chaos/*.jsonl).")] = None,
-    address: Annotated[str, typer.Option(help="Temporal frontend host:port.")] = "127.0.0.1:7233",
     image: Annotated[
         str | None, typer.Option(help="Image sandbox_create untags (default: the runs' sandbox image).")
     ] = None,
@@ -48,10 +53,10 @@ def chaos_command(
     ] = None,
     wait: Annotated[float, typer.Option(help="Seconds to wait for each run to end.")] = 600.0,
     docker: Annotated[bool, typer.Option(help="Check no container of the runs is left.")] = True,
+    conn: Connection | None = None,
 ) -> None:
     """Fire a seeded fault schedule at the stack and the runs, log each fault, then check the ledger."""
     from durable_rollouts.config.paths import rollouts_home
-    from durable_rollouts.contracts.client import connect
     from durable_rollouts.errors import ConfigError
     from durable_rollouts.faults.chaos import INSTANT, KINDS, Chaos
     from durable_rollouts.faults.schedule import schedule
@@ -78,10 +83,7 @@ def chaos_command(
     log_path = log or home / "chaos" / time.strftime("%Y%m%d-%H%M%S.jsonl")
 
     async def go() -> bool:
-        try:
-            client = await connect(address)
-        except Exception as e:
-            raise _fail(f"cannot reach Temporal at {address} ({e})", 1) from None
+        client = await temporal_client(conn)
         chaos = Chaos(home, run_ids, log_path, seed=seed, store=store, client=client, image=image,
                       weights=weights, echo=typer.echo)  # fmt: skip
         typer.echo(f"chaos: {len(plan)} faults over {duration:g} s (seed {seed}); log {log_path}")

@@ -5,14 +5,86 @@ Heavy imports happen inside the functions, so ``--help`` answers at once.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import functools
+import inspect
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 
 if TYPE_CHECKING:
     from temporalio.client import Client
 
+    from durable_rollouts.config.models import Connection
     from durable_rollouts.store import RunStore
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+CONNECTION_FLAGS: dict[str, tuple[str, str]] = {
+    "address": (
+        "--address",
+        "Temporal frontend host:port (default: TEMPORAL_ADDRESS, the profile, else 127.0.0.1:7233).",
+    ),
+    "namespace": (
+        "--namespace",
+        "Temporal namespace (default: TEMPORAL_NAMESPACE, the profile, else default).",
+    ),
+    "api_key": ("--api-key", "API key; turns TLS on (default: TEMPORAL_API_KEY, better: argv is visible)."),
+    "tls_cert_path": (
+        "--tls-cert-path",
+        "Client certificate (PEM), mutual TLS (TEMPORAL_TLS_CLIENT_CERT_PATH).",
+    ),
+    "tls_key_path": (
+        "--tls-key-path",
+        "Client private key (PEM), mutual TLS (TEMPORAL_TLS_CLIENT_KEY_PATH).",
+    ),
+    "tls_ca_path": (
+        "--tls-ca-path",
+        "CA certificate (PEM) of the server (TEMPORAL_TLS_SERVER_CA_CERT_PATH).",
+    ),
+    "tls_server_name": (
+        "--tls-server-name",
+        "Name the server's certificate must carry (TEMPORAL_TLS_SERVER_NAME).",
+    ),
+    "profile": ("--profile", "Profile of the temporal CLI's configuration file (TEMPORAL_PROFILE)."),
+}
+"""The ``temporal`` CLI's connection flags, as every command that reaches Temporal takes them
+(contracts/client.py: flags, then TEMPORAL_* variables, then the profile, then the embedded stack)."""
+
+
+def temporal_options(command: F) -> F:
+    """Give a command the Temporal connection flags (`CONNECTION_FLAGS`); it receives them as one
+    ``conn: Connection`` argument, its settings those the flags state."""
+    signature = inspect.signature(command)
+    # The command's own annotations, evaluated in its module (``conn``'s type is only imported for type
+    # checking there, so it is left out: the wrapper makes it).
+    kept = [
+        p.replace(
+            annotation=eval(p.annotation, command.__globals__)
+            if isinstance(p.annotation, str)
+            else p.annotation
+        )
+        for p in signature.parameters.values()
+        if p.name != "conn"
+    ]
+    added = [
+        inspect.Parameter(
+            field, inspect.Parameter.KEYWORD_ONLY, default=None,
+            annotation=Annotated[str | None, typer.Option(flag, help=text, rich_help_panel="Temporal")],
+        )
+        for field, (flag, text) in CONNECTION_FLAGS.items()
+    ]  # fmt: skip
+
+    @functools.wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from durable_rollouts.config.models import Connection
+
+        conn = Connection(**{field: kwargs.pop(field, None) for field in CONNECTION_FLAGS})
+        return command(*args, conn=conn, **kwargs)
+
+    wrapper.__signature__ = signature.replace(parameters=kept + added)  # type: ignore[attr-defined]
+    wrapper.__annotations__ = {p.name: p.annotation for p in kept + added}  # what typer reads, evaluated
+    return wrapper  # type: ignore[return-value]
 
 
 def fail(msg: str, code: int = 2) -> typer.Exit:
@@ -33,12 +105,18 @@ def run_store(url: str | None = None) -> RunStore:
         raise fail(str(e)) from None
 
 
-async def temporal_client(address: str, namespace: str = "default") -> Client:
-    """A client of the Temporal frontend at ``address``; one that does not answer is one line and exit 1."""
-    from durable_rollouts.contracts.client import connect
+async def temporal_client(conn: Connection | None = None) -> Client:
+    """A client of Temporal as ``conn`` and the environment say (contracts/client.py); a profile or
+    certificate file that cannot be read is one line and exit 2, a server that does not answer exit 1."""
+    from durable_rollouts.contracts.client import connect, describe
+    from durable_rollouts.errors import ConfigError
 
     try:
-        return await connect(address, namespace)
+        where = describe(conn)
+    except ConfigError as e:
+        raise fail(str(e)) from None
+    try:
+        return await connect(conn)
     except Exception as e:  # the SDK raises RuntimeError for connection problems
         hint = "is the stack up? try `rollouts stack up -d`"
-        raise fail(f"cannot reach Temporal at {address} ({e}); {hint}", 1) from None
+        raise fail(f"cannot reach Temporal at {where} ({e}); {hint}", 1) from None

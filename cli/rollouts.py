@@ -23,11 +23,14 @@ import asyncio
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from durable_rollouts.cli.common import fail, run_store, temporal_client
+from durable_rollouts.cli.common import CONNECTION_FLAGS, fail, run_store, temporal_client, temporal_options
+
+if TYPE_CHECKING:
+    from durable_rollouts.config.models import Connection
 
 # Help texts print as written: no rich markup, which took `[stack]` in "a [stack] table" for a style and
 # dropped it. Set here, on the root, it holds for every sub-command and sub-app (typer passes it down).
@@ -49,6 +52,7 @@ def _new_run_id() -> str:
 
 
 @app.command()
+@temporal_options
 def run(
     config: Annotated[
         Path | None,
@@ -62,6 +66,7 @@ def run(
     groups: Annotated[int | None, typer.Option("--groups", help="Override run.num_groups.")] = None,
     group_size: Annotated[int | None, typer.Option("--group-size", help="Override run.group_size.")] = None,
     set_: Annotated[list[str] | None, typer.Option("--set", help="section.field=value")] = None,
+    conn: Connection | None = None,
 ) -> None:
     """Start a run (or attach to an existing run id) and print its id."""
     from durable_rollouts.config.load import ConfigError, config_hash, load_config
@@ -94,14 +99,17 @@ def run(
     # Uploaded before the run starts, once a worker can take it: its workers read the tasks from the store,
     # not from this host's file (an existing run keeps the tasks it has).
     upload = lambda: run_store(cfg.store.url).put_tasks(rid, tasks)  # noqa: E731
-    asyncio.run(_submit(cfg, config_hash(cfg), rid, wait, upload))
+    flags = conn.given() if conn else {}
+    asyncio.run(_submit(cfg, config_hash(cfg), rid, wait, upload, cfg.temporal.connection(**flags)))
 
 
 def _toml_str(s: str) -> str:
     return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-async def _submit(cfg, cfg_hash: str, rid: str, wait: bool, upload: Callable[[], object]) -> None:
+async def _submit(
+    cfg, cfg_hash: str, rid: str, wait: bool, upload: Callable[[], object], conn: Connection
+) -> None:
     """Start the run (or attach to it): on its environment's task queue, once a live worker polls it
     (environments/fleet.py; none: one line, exit 2, nothing started or uploaded)."""
     from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
@@ -112,7 +120,7 @@ async def _submit(cfg, cfg_hash: str, rid: str, wait: bool, upload: Callable[[],
     from durable_rollouts.errors import ConfigError
     from durable_rollouts.workflows.run import RunWorkflow
 
-    client = await temporal_client(cfg.temporal.address, cfg.temporal.namespace)
+    client = await temporal_client(conn)
     handle = client.get_workflow_handle_for(RunWorkflow.run, rid)
     try:
         await handle.describe()
@@ -155,15 +163,16 @@ async def _submit(cfg, cfg_hash: str, rid: str, wait: bool, upload: Callable[[],
 
 
 @app.command()
+@temporal_options
 def status(
     run_id: str,
-    address: Annotated[str, typer.Option(help="Temporal frontend host:port.")] = "127.0.0.1:7233",
+    conn: Connection | None = None,
 ) -> None:
     """Show a run's progress (live from the run workflow, or its final result)."""
     from durable_rollouts.cli.progress import show_status
 
     async def go() -> None:
-        client = await temporal_client(address)
+        client = await temporal_client(conn)
         await show_status(client, run_id)
 
     asyncio.run(go())
@@ -207,13 +216,14 @@ def report(
 
 
 @app.command()
+@temporal_options
 def ledger(
     run_id: str,
-    address: Annotated[str, typer.Option(help="Temporal frontend host:port.")] = "127.0.0.1:7233",
     temporal: Annotated[
         bool, typer.Option(help="Also check every RolloutWorkflow of the run has a record.")
     ] = True,
     docker: Annotated[bool, typer.Option(help="Also check no container of the run is left.")] = True,
+    conn: Connection | None = None,
 ) -> None:
     """The ledger check (faults/ledger.py): one line per broken promise; exit 1 on any, 2 on bad input."""
     from durable_rollouts.errors import SandboxError
@@ -225,7 +235,7 @@ def ledger(
         raise fail(f"run {run_id}: not in the store at {store.location}")
 
     async def go() -> LedgerReport:
-        client = await temporal_client(address) if temporal else None
+        client = await temporal_client(conn) if temporal else None
         backend = None
         if docker:
             from durable_rollouts.sandboxes import DockerBackend
@@ -244,9 +254,10 @@ def ledger(
 
 
 @app.command()
+@temporal_options
 def reap(
     run_id: Annotated[str | None, typer.Option("--run-id", help="Only this run's sandboxes.")] = None,
-    address: Annotated[str, typer.Option(help="Temporal frontend host:port.")] = "127.0.0.1:7233",
+    conn: Connection | None = None,
 ) -> None:
     """Remove sandboxes whose rollout workflow is no longer running (terminated, finished, unknown)."""
     from durable_rollouts.sandboxes import SandboxError
@@ -255,7 +266,7 @@ def reap(
     from durable_rollouts.workers.worker import docker_sandboxes
 
     async def go() -> list[str]:
-        client = await temporal_client(address)
+        client = await temporal_client(conn)
         pool = SandboxPool(run_store())
         return await reap_orphans(client, docker_sandboxes(), run_id, min_age_s=0, pool=pool)
 
@@ -316,8 +327,8 @@ def envs() -> None:
 
 
 @app.command()
+@temporal_options
 def worker(
-    address: Annotated[str, typer.Option(help="Temporal frontend host:port.")] = "127.0.0.1:7233",
     task_queue: Annotated[str, typer.Option(help="Task queue to poll.")] = "rollouts",
     unsandboxed: Annotated[
         bool, typer.Option(help="Run workflow code without the SDK's sandbox (less CPU per workflow task).")
@@ -341,13 +352,16 @@ def worker(
         str | None, typer.Option(help="The sandbox host's Docker daemon: unix:///..., tcp://... or ssh://...")
     ] = None,
     sandbox_slots: Annotated[int, typer.Option(help="Sandboxes the host runs at once.")] = 8,
+    conn: Connection | None = None,
 ) -> None:
     """Start an additional worker (runs until Ctrl-C or SIGTERM)."""
     from durable_rollouts.workers.worker import main as worker_main
 
     interrupt.patient()  # it drains on Ctrl-C (its own handler, once running); no watchdog cuts that short
 
-    argv = ["--address", address, "--task-queue", task_queue] + (["--unsandboxed"] if unsandboxed else [])
+    argv = ["--task-queue", task_queue] + (["--unsandboxed"] if unsandboxed else [])
+    for field, value in (conn.given() if conn else {}).items():
+        argv += [CONNECTION_FLAGS[field][0], value]
     argv += ["--store", store] if store else []
     if metrics_port is not None:
         argv += ["--metrics-port", str(metrics_port), "--metrics-host", metrics_host]

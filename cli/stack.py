@@ -11,8 +11,10 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from durable_rollouts.cli.common import temporal_options
+
 if TYPE_CHECKING:
-    from durable_rollouts.config.models import StackConfig
+    from durable_rollouts.config.models import Connection, StackConfig
     from durable_rollouts.stack.stack import ComponentStatus, StackInfo
 
 stack_app = typer.Typer(
@@ -139,18 +141,20 @@ def status() -> None:
 
 
 @stack_app.command("search-attributes")
-def search_attributes(
-    address: Annotated[str, typer.Option(help="Temporal frontend host:port.")] = "127.0.0.1:7233",
-) -> None:
+@temporal_options
+def search_attributes(conn: Connection | None = None) -> None:
     """Register the project's search attributes on a Temporal server that lacks them (idempotent): the
     one set-up step a production server needs before the first run (docker-compose runs it)."""
+    from durable_rollouts.contracts.client import describe
+    from durable_rollouts.errors import ConfigError
     from durable_rollouts.stack.stack import StackError, ensure_search_attributes
 
     try:
-        ensure_search_attributes(address)
-    except StackError as e:
+        where = describe(conn)
+        ensure_search_attributes(conn)
+    except (StackError, ConfigError) as e:
         raise _fail(str(e)) from None
-    typer.echo(f"search attributes registered on {address}")
+    typer.echo(f"search attributes registered on {where}")
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DEFAULT_ADDRESS", "DEFAULT_NAMESPACE", "Connection", "connect", "describe", "resolve"]
+__all__ = ["DEFAULT_ADDRESS", "DEFAULT_NAMESPACE", "Connection", "cli_args", "connect", "describe", "resolve"]
 
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
@@ -101,6 +101,32 @@ def describe(conn: Connection | None = None) -> str:
     if args.get("api_key"):
         extras.append("API key")
     return f"{args['target_host']} ({', '.join(extras)})"
+
+
+CLI_FLAGS = {
+    "api_key": "--api-key",
+    "tls_cert_path": "--tls-cert-path",
+    "tls_key_path": "--tls-key-path",
+    "tls_ca_path": "--tls-ca-path",
+    "tls_server_name": "--tls-server-name",
+}
+"""Connection settings as the ``temporal`` CLI's flags (address and namespace are passed resolved)."""
+
+
+def cli_args(conn: Connection | None = None) -> list[str]:
+    """The flags that point the ``temporal`` CLI where `connect` goes: the resolved address and namespace,
+    and the TLS and API-key settings stated here (the CLI reads the environment's and the profile's
+    itself)."""
+    conn = conn or Connection()
+    args = resolve(conn)
+    argv = ["--address", args["target_host"], "--namespace", args["namespace"]]
+    for field, flag in CLI_FLAGS.items():
+        value = getattr(conn, field)
+        if value is not None:
+            argv += [flag, value]
+    if conn.tls is not None:
+        argv.append("--tls" if conn.tls else "--tls=false")
+    return argv
 
 
 async def connect(

@@ -24,8 +24,9 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from durable_rollouts.config.models import StackConfig
+from durable_rollouts.config.models import Connection, StackConfig
 from durable_rollouts.config.paths import resolve_path, venv_bin
+from durable_rollouts.contracts.client import cli_args
 from durable_rollouts.stack.procs import (
     StackError,
     check_logprob_mode,
@@ -165,16 +166,19 @@ def _check_preconditions(cfg: StackConfig, home: Path, components: Collection[st
         raise StackError("module durable_rollouts.workers.worker not found: pip install durable-rollouts")
 
 
-def ensure_search_attributes(address: str) -> None:
-    """Register the project's missing search attributes (idempotent); start-dev only registers them when it
-    creates the database, and a production server never does (``rollouts stack search-attributes``).
+def ensure_search_attributes(address: str | Connection | None) -> None:
+    """Register the project's missing search attributes in a namespace (idempotent): the address's
+    (``address``: a host:port, or a whole `Connection`; the namespace and the rest as `connect` resolves
+    them); start-dev only registers them when it creates the database, and a production server never does
+    (``rollouts stack search-attributes``).
 
     Raises:
         StackError: The server cannot be asked, or an attribute exists with another type.
     """
     from durable_rollouts.workflows.search_attributes import DEFINITIONS
 
-    res = temporal_cli("operator", "search-attribute", "list", "--address", address, "-o", "json")
+    target = cli_args(address if isinstance(address, Connection) else Connection(address=address))
+    res = temporal_cli("operator", "search-attribute", "list", *target, "-o", "json")
     if res.returncode != 0:
         raise StackError(f"cannot list search attributes: {res.stderr.strip()}")
     have = json.loads(res.stdout).get("customAttributes") or {}
@@ -184,8 +188,7 @@ def ensure_search_attributes(address: str) -> None:
             raise StackError(f"search attribute {name} is {have[name]} in the existing database, not {kind}")
         if name not in have:
             res = temporal_cli(
-                "operator", "search-attribute", "create", "--address", address,
-                "--namespace", "default", "--name", name, "--type", kind,
+                "operator", "search-attribute", "create", *target, "--name", name, "--type", kind,
             )  # fmt: skip
             if res.returncode != 0:
                 raise StackError(f"cannot register search attribute {name}: {res.stderr.strip()}")
@@ -222,7 +225,7 @@ def _start(cfg: StackConfig, home: Path, components: Collection[str], started: d
         launch("temporal", temporal_argv(home, cfg.temporal_port, cfg.ui_port, cfg.temporal_sqlite_pragmas))
         await_healthy("temporal", lambda: temporal_healthy(address))
         await_healthy("temporal", lambda: http_ok(ui_url), label="ui")
-        ensure_search_attributes(address)
+        ensure_search_attributes(Connection(address=address, namespace="default", tls=False))  # its server
     if "engine" in components:
         if port_in_use(cfg.engine_port):  # Temporal binds extra random ports; make a clash explicit
             raise StackError(f"port {cfg.engine_port} (engine) is already in use")

@@ -127,7 +127,7 @@ class Core:
         self._lock = threading.Lock()
         self._loop: _LoopThread | None = None
         self._stop_loop: weakref.finalize | None = None
-        self._clients: dict[tuple[str | None, str | None], Any] = {}
+        self._clients: dict[Any, Any] = {}
         self._runs: dict[str, Any] = {}
         with self._op("open_store"):
             self.store = open_store(store_url or self.home)
@@ -159,19 +159,25 @@ class Core:
         return loop.run(coro)
 
     def _client(self, temporal: Any) -> Any:
-        """The Temporal client of a run config's ``[temporal]`` section (its address and namespace, as
-        ``rollouts run`` connects), one per address and namespace, made on the background loop."""
-        from durable_rollouts.contracts.client import connect
+        """The Temporal client of a run config's ``[temporal]`` section, reached as ``rollouts run`` reaches
+        it (its settings, then the ``TEMPORAL_*`` variables, then the CLI's profile, then the embedded
+        stack), one per connection, made on the background loop."""
+        from durable_rollouts.contracts.client import connect, describe
+        from durable_rollouts.errors import ConfigError
 
-        key = (temporal.address, temporal.namespace)
-        if key not in self._clients:
+        conn = temporal.connection()
+        if conn not in self._clients:
             try:
-                client = self._run(connect(*key))
+                where = describe(conn)  # a profile or certificate file that cannot be read
+            except ConfigError as e:
+                raise CoreError(_one_line(str(e))) from e
+            try:
+                client = self._run(connect(conn))
             except Exception as e:
-                msg = f"cannot reach Temporal at {temporal.address} ({e}); is the stack up?"
+                msg = f"cannot reach Temporal at {where} ({e}); is the stack up?"
                 raise CoreError(_one_line(msg)) from e
-            self._clients.setdefault(key, client)
-        return self._clients[key]
+            self._clients.setdefault(conn, client)
+        return self._clients[conn]
 
     def _config(self, config: str | Path | None, overrides: list[str]) -> Config:
         from durable_rollouts.config.load import load_config
