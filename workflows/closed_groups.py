@@ -90,6 +90,8 @@ class ClosedGroups:
         """Groups in flight when this segment began: no handle here, so they are asked about."""
         self.why: dict[str, str] = {}
         """Groups being accounted for now (by any path), with the reason their members get."""
+        self.handles: dict[str, workflow.ChildWorkflowHandle] = {}
+        """This segment's started groups' child handles (done once the group's close reached the run)."""
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def watched(
@@ -97,6 +99,7 @@ class ClosedGroups:
     ) -> workflow.ChildWorkflowHandle:
         """Start a group (``start``) and watch its handle: a failure is noticed at once."""
         handle = await start
+        self.handles[gid] = handle
 
         def done(h: asyncio.Future) -> None:
             if h.cancelled() or (e := h.exception()) is None:  # retrieved: never "never retrieved"
@@ -107,6 +110,12 @@ class ClosedGroups:
 
         handle.add_done_callback(done)
         return handle
+
+    def closing(self, slots: dict[str, GroupSlot]) -> list[str]:
+        """This segment's groups that left ``slots`` (reported or accounted for) and whose close has not
+        reached the run yet: each is about to add its ``ChildWorkflowExecution*`` event to the run's
+        history (a group closes one workflow task of its own after its ``group_done`` signal)."""
+        return sorted(g for g, h in self.handles.items() if g not in slots and not h.done())
 
     async def _noticed(self, gid: str, e: BaseException) -> None:
         if not workflow.patched(NOTICE_CLOSED_GROUPS.id):

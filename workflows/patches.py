@@ -120,6 +120,15 @@ RUN_ACTIVITIES = Patch(
     "error (temporalio 1.32-1.35; sdk-python issue 1881).",
 )
 
+QUIET_SEGMENT_END = Patch(
+    "quiet-segment-end",
+    CURRENT,
+    "Before it continues as new, and before its end, a run waits until every group of its segment that has "
+    "reported has also closed: the close (ChildWorkflowExecutionCompleted) follows the group_done signal by "
+    "one task of the group, and landing while the run's closing workflow task was in flight it had the "
+    "server reject that task (UNHANDLED_COMMAND) and the worker replay the segment.",
+)
+
 PATCHES: tuple[Patch, ...] = (
     OPS,
     FINAL_DECISION,
@@ -134,6 +143,7 @@ PATCHES: tuple[Patch, ...] = (
     ENV_STOP,
     HARNESS,
     RUN_ACTIVITIES,
+    QUIET_SEGMENT_END,
 )
 
 

@@ -22,7 +22,11 @@ Invariants:
 - Group i samples task i modulo the number of tasks and has the deterministic workflow id ``<run>/g<i>``;
   ``next_group`` is carried across continue-as-new, so no group is ever started twice.
 - Groups are started with ParentClosePolicy.ABANDON and report back by the ``group_done`` signal, so the
-  run continues-as-new every ``groups_per_run_segment`` groups without waiting for in-flight groups.
+  run continues-as-new every ``groups_per_run_segment`` groups without waiting for in-flight groups. The
+  carried state is taken in the continue-as-new's own workflow task, after every handler ran: a report that
+  lands while that task is in flight gets it rejected (UNHANDLED_COMMAND) and the retry applies it, so each
+  report counts once. A group's close follows its report by a task of the group; the run waits for those
+  closes first (patch ``quiet-segment-end``), as they would land in that task; so it does before its end.
 - The run ends when every group has reported.
 - Every group admitted at one decision is started in the same workflow task (the server starts them in
   parallel; one after another, a run of N groups took N x ~0.2 s to fill).
@@ -255,6 +259,8 @@ class RunWorkflow:
             workflow.set_current_details(f"stopped: {st.breaker.stopped}")
             await cancel_groups(inp.run_id, st.slots, self._account_for, RUN_STOP_REASON, "stopped")
             return self.progress()
+        if workflow.patched(patches.QUIET_SEGMENT_END.id):  # the last groups' closes, before the last task
+            await workflow.wait_condition(lambda: not self._closed.closing(st.slots))
         await call(RolloutActivities.finish_run, inp.run_id)
         return self.progress()
 
@@ -289,9 +295,12 @@ class RunWorkflow:
     async def _maybe_continue_as_new(self, inp: RunInput, segment_full: bool) -> None:
         if not (segment_full or workflow.info().is_continue_as_new_suggested()):
             return
-        await workflow.wait_condition(lambda: workflow.all_handlers_finished() and not self._closed.why)
-        self._state.segment += 1
-        workflow.continue_as_new(inp.model_copy(update={"state": self._state}))
+        st, closed = self._state, self._closed
+        quiet = workflow.patched(patches.QUIET_SEGMENT_END.id)  # reported groups' closes in first
+        settled = lambda: not closed.why and not (quiet and closed.closing(st.slots))  # noqa: E731
+        await workflow.wait_condition(lambda: workflow.all_handlers_finished() and settled())
+        st.segment += 1  # the state is taken after every handler of this workflow task ran
+        workflow.continue_as_new(inp.model_copy(update={"state": st}))
 
     async def _dispatch_adaptive(self, inp: RunInput, template: RolloutInput) -> None:
         """Poll, decide, cancel, admit; until every group has ended (the controller keeps trimming while
