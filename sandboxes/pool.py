@@ -19,6 +19,7 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal, Protocol
@@ -68,12 +69,47 @@ class SandboxPoolConfig(BaseModel):
     """``hosts``: a host whose last heartbeat is older is gone: nothing new is placed on it, and its rollouts
     move to another host when they next reach their sandbox (sandbox activities on its queue wait at most
     this long to start)."""
+    registry: str | None = Field(None, max_length=200)
+    """Image registry for the images environments build (``ImageBuild``, e.g. a Harbor task's Dockerfile),
+    as ``host[:port][/namespace]`` (e.g. ``"127.0.0.1:5000/durable-rollouts"``): each image is built on
+    one sandbox host, pushed there, and pulled by digest on every other host (sandboxes/images.py). Every
+    host's Docker daemon must be able to push to and pull from it. Unset: every host builds its own."""
 
     @model_validator(mode="after")
     def _check(self) -> SandboxPoolConfig:
         if self.initial_size > self.max_size:
             raise ValueError(f"initial_size {self.initial_size} > max_size {self.max_size}")
+        if self.registry is not None:
+            check_registry(self.registry)
         return self
+
+
+_REGISTRY = re.compile(
+    r"(?P<host>[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?(?::[0-9]{1,5})?)"
+    r"(?P<path>(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*)"
+)
+
+
+def check_registry(registry: str) -> str:
+    """``registry`` as ``host[:port][/namespace]`` (Docker's reference grammar, lower-case path); the host
+    must look like one to Docker (a dot, a port, or ``localhost``): ``team/images`` would mean Docker Hub.
+
+    Raises:
+        ValueError: it is not such a name.
+    """
+    match = _REGISTRY.fullmatch(registry)
+    if match is None:
+        raise ValueError(
+            f"registry {registry!r}: expected host[:port][/namespace], e.g. '127.0.0.1:5000/durable-rollouts'"
+            " (lower-case namespace, no scheme, no tag)"
+        )
+    host = match.group("host")
+    if "." not in host and ":" not in host and host != "localhost":
+        raise ValueError(
+            f"registry {registry!r}: {host!r} is not a registry host to Docker (it would push to Docker Hub);"
+            " name it with a dot, a port, or as localhost"
+        )
+    return registry
 
 
 class PoolStatus(BaseModel):

@@ -114,6 +114,13 @@ CREATE TABLE IF NOT EXISTS offpolicy_evidence (
     PRIMARY KEY (run_id, batch_id));
 """,
     ),
+    (
+        9,
+        """
+ALTER TABLE image_builds ADD COLUMN pushed_to TEXT;
+ALTER TABLE image_builds ADD COLUMN digest TEXT;
+""",
+    ),
 ]
 """(version, DDL) in order. 1: the manual-actions log of ``rollouts cancel/retry/terminate``. 2: token
 arrays packed in the segment row (``tokens`` int32, ``logprobs`` float32, little-endian; ``versions`` the
@@ -126,6 +133,9 @@ model calls harnesses made through their rollouts' gateways (gateway/): each req
 the rollout's model-call activity wrote it. 7: the files a harness leaves in its sandbox that its environment
 keeps with the rollout (``HarnessCommand.keep``: e.g. the harness's own trajectory), or why one could not be
 read. 8: a trainer's off-policy evidence per consumed batch (its recomputed logprobs against the behaviour
-logprobs: |Δ logprob|, KL, importance ratios, tokens by policy lag), shown in the run report."""
+logprobs: |Δ logprob|, KL, importance ratios, tokens by policy lag), shown in the run report. 9: images
+from a registry (``sandbox_pool.registry``): the registry-wide build of a tag (its row's ``host`` is
+``registry:<registry>``) records the repository it was pushed to and the digest the registry stored, which
+every other sandbox host pulls."""
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]
