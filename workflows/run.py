@@ -107,6 +107,10 @@ with workflow.unsafe.imports_passed_through():
 
 TASK_ID_BATCH = 32
 """Task ids the run looks up at once (one local activity per this many groups, off the critical path)."""
+QUIET_WAIT_S = 2.0
+"""Longest wait at a segment's end for reported groups' closes (patch ``quiet-segment-end``): a close takes
+one task of its group, but a fleet whose groups report faster than that is never quiet, and admits nothing
+meanwhile. Workflow logic: changing it needs a patch."""
 
 
 @workflow.defn(name="RunWorkflow")
@@ -295,10 +299,16 @@ class RunWorkflow:
     async def _maybe_continue_as_new(self, inp: RunInput, segment_full: bool) -> None:
         if not (segment_full or workflow.info().is_continue_as_new_suggested()):
             return
-        st, closed = self._state, self._closed
+        st, closed, since = self._state, self._closed, workflow.now()
         quiet = workflow.patched(patches.QUIET_SEGMENT_END.id)  # reported groups' closes in first
-        settled = lambda: not closed.why and not (quiet and closed.closing(st.slots))  # noqa: E731
-        await workflow.wait_condition(lambda: workflow.all_handlers_finished() and settled())
+
+        def settled() -> bool:
+            if closed.why or not workflow.all_handlers_finished():
+                return False
+            waited = (workflow.now() - since).total_seconds()
+            return not quiet or not closed.closing(st.slots) or waited >= QUIET_WAIT_S
+
+        await workflow.wait_condition(settled)
         st.segment += 1  # the state is taken after every handler of this workflow task ran
         workflow.continue_as_new(inp.model_copy(update={"state": st}))
 
