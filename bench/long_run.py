@@ -273,6 +273,17 @@ async def segments(client: Client, run_id: str) -> list[dict[str, Any]]:
     return out
 
 
+def rejected_continue_as_new(segs: list[dict[str, Any]]) -> int:
+    """Workflow tasks of the run's segments that the server rejected for an event that arrived while they
+    were in flight (``UNHANDLED_COMMAND``): in a segment that continued as new, only the task carrying the
+    continue-as-new can be (the run's other tasks issue no closing command)."""
+    return sum(
+        s["workflow_task_failures"].get("UNHANDLED_COMMAND", 0)
+        for s in segs
+        if s["status"] == "CONTINUED_AS_NEW"
+    )
+
+
 async def measure(
     client: Client, store: RunStore, cfg: Config, run_id: str, home: Path, pids: dict[str, int], every: float
 ) -> tuple[list[Sample], list[dict[str, Any]], Any]:
@@ -375,6 +386,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         "rollouts": total,
         "outcomes": outcomes,
         "run_segments": len(segs),
+        "rejected_continue_as_new": rejected_continue_as_new(segs),
         "run_result": progress.model_dump(mode="json"),
         "wall_s": round(time.time() - wall0, 1),
         "acceptance": acceptance(rows, retention_s),
@@ -399,7 +411,13 @@ async def read_back(home: Path, result: dict[str, Any], turns: int, run_id: str)
     finally:
         await asyncio.to_thread(stack.down, home.resolve())
     rows = [{**row, **h} for row, h in zip(result["deciles"], hist, strict=True)]
-    return {**result, "deciles": rows, "segments_summary": segment_summary(segs), "segments": segs}
+    return {
+        **result,
+        "deciles": rows,
+        "rejected_continue_as_new": rejected_continue_as_new(segs),
+        "segments_summary": segment_summary(segs),
+        "segments": segs,
+    }
 
 
 def tenths(samples: list[Sample], checks: list[dict[str, Any]], total: int) -> list[dict[str, Any]]:
@@ -471,6 +489,17 @@ if __name__ == "__main__":
         a.html.write_text(page(res))
     print(
         json.dumps(
-            {k: res[k] for k in ("rollouts", "outcomes", "run_segments", "wall_s", "acceptance")}, indent=2
+            {
+                k: res.get(k)
+                for k in (
+                    "rollouts",
+                    "outcomes",
+                    "run_segments",
+                    "rejected_continue_as_new",
+                    "wall_s",
+                    "acceptance",
+                )
+            },
+            indent=2,
         )
     )
