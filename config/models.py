@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from durable_rollouts.sandboxes.base import SandboxSpec
 from durable_rollouts.sandboxes.pool import SandboxPoolConfig
@@ -91,6 +91,29 @@ class StoreConfig(_Strict):
     Never part of the run's stored config, its hash or its workflow input (a URL may hold a password)."""
 
 
+VLLM_TOOL_CALL_PARSERS = (
+    "apertus", "cohere_command3", "cohere_command4", "deepseek_v3", "deepseek_v31", "deepseek_v32",
+    "deepseek_v4", "deepseek_v41", "dots", "ernie45", "functiongemma", "gemma4", "gigachat3", "glm45",
+    "glm47", "granite", "granite-20b-fc", "granite4", "hermes", "hf", "hunyuan_a13b", "hy_v3", "hy_v4",
+    "inkling", "internlm", "jamba", "k2_horizon", "kimi_k2", "kimi_k3", "lfm2", "ling3", "llama3_json",
+    "llama4_json", "llama4_pythonic", "longcat", "mimo", "minicpm5", "minimax_m2", "minimax_m3", "mistral",
+    "muse_glimmer", "olmo3", "openai", "phi4_mini_json", "plamo3", "poolside_v1", "pythonic", "qwen3_coder",
+    "qwen3_json", "qwen3_xml", "seed_oss", "step3", "step3p5", "xlam",
+)  # fmt: skip
+"""The names ``vllm serve --tool-call-parser`` takes in the vLLM release the project is tested with
+(vLLM's ``ToolParserManager``; a test checks the two agree). Stated here so a config is checked where vLLM
+is not installed (the machine that submits a run)."""
+VLLM_REASONING_PARSERS = (
+    "cohere_command3", "cohere_command4", "deepseek_r1", "deepseek_v3", "deepseek_v4", "deepseek_v41",
+    "ernie45", "gemma4", "glm45", "glm47", "granite", "granite_thinking_parser", "hf", "holo2",
+    "hunyuan_a13b", "hy_v3", "hy_v4", "inkling", "k2_horizon", "kimi_k2", "kimi_k3", "ling3", "mimo",
+    "minicpmv", "minimax_m2", "minimax_m2_append_think", "minimax_m3", "mistral", "muse_glimmer",
+    "nemotron_v3", "olmo3", "openai_gptoss", "plamo3", "poolside_v1", "qwen3", "seed_oss", "step3",
+    "step3p5",
+)  # fmt: skip
+"""The names ``vllm serve --reasoning-parser`` takes (vLLM's ``ReasoningParserManager``), as above."""
+
+
 class EngineConfig(_Strict):
     urls: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:8000"], min_length=1)
     """Base URLs of the engine replicas (vLLM's OpenAI-compatible server), one per replica."""
@@ -123,6 +146,30 @@ class EngineConfig(_Strict):
     """First retry back-off of a model call; doubles each attempt up to retry_max_s."""
     retry_max_s: float = Field(10.0, gt=0, le=600)
     """Largest back-off between two attempts of a model call."""
+    tool_call_parser: str | None = None
+    """How the model gateway finds tool calls in the model's answers (agent harnesses): the name of one of
+    vLLM's tool-call parsers, as ``vllm serve --tool-call-parser`` takes it (``hermes``, ``llama3_json``,
+    ``mistral``, ``qwen3_coder``, ``openai`` for gpt-oss, ...; docs/harness.md lists the ones tested). The
+    worker then needs vLLM installed. None: the built-in parser of ``<tool_call>{"name": ...,
+    "arguments": ...}</tool_call>`` blocks (Hermes, Qwen2.5 style), which needs no vLLM."""
+    reasoning_parser: str | None = None
+    """The name of one of vLLM's reasoning parsers (``vllm serve --reasoning-parser``: ``qwen3``,
+    ``deepseek_r1``, ``openai_gptoss``, ...): the gateway answers the model's reasoning as
+    ``reasoning_content``, apart from the content. None: none is parsed (it stays in the content)."""
+    tokenizer: str | None = None
+    """The served model's tokenizer, which the parsers named above load (they look up their marker
+    tokens in it): a model directory or hub id, as ``vllm serve --tokenizer`` takes it. None: ``model``
+    (vLLM serves a model under its directory or hub id unless ``--served-model-name`` renames it)."""
+
+    @field_validator("tool_call_parser", "reasoning_parser")
+    @classmethod
+    def _vllm_knows(cls, name: str | None, info: Any) -> str | None:
+        tools = info.field_name == "tool_call_parser"
+        known = VLLM_TOOL_CALL_PARSERS if tools else VLLM_REASONING_PARSERS
+        if name is not None and name not in known:
+            kind = "tool-call" if tools else "reasoning"
+            raise ValueError(f"{name!r} is not a {kind} parser vLLM knows (known: {', '.join(known)})")
+        return name
 
 
 class SamplingConfig(_Strict):

@@ -8,9 +8,11 @@ Invariants:
 - A call whose messages extend the previous call's messages plus the answer (`extends`) appends only the
   template's tokens for the new messages (`template_delta`); anything else is a rewrite (the harness
   truncated or summarised its history): a new token sequence starts, and the reason says where.
-- Tool calls are parsed in the model's own format (``<tool_call>{"name", "arguments"}</tool_call>``, as
-  ``environments.tool_calls`` renders it) and answered in OpenAI's shape; a block that does not parse stays
-  in the content, so the harness sees what the model wrote.
+- Tool calls are parsed in the model's own format and answered in OpenAI's shape: by default
+  ``<tool_call>{"name", "arguments"}</tool_call>`` (`parse_answer`, as ``environments.tool_calls`` renders
+  it), or by the vLLM parsers a run names (``gateway.formats``), which also answer the model's reasoning as
+  ``reasoning_content``; a block that does not parse stays in the content, so the harness sees what the
+  model wrote.
 - A request's other fields are honoured, refused or ignored for a stated reason, never dropped unseen
   (`request_options`, the table in docs/harness.md): what leaves the sampled tokens' logprob meaning intact
   is honoured (``max_tokens``, ``stop``, ``tool_choice`` none/auto, ``n=1``, streaming, ``seed`` recorded);
@@ -334,6 +336,8 @@ class Parsed:
 
     content: str | None
     tool_calls: list[dict[str, Any]]
+    reasoning_content: str | None = None
+    """The model's reasoning, where a reasoning parser read it apart from the content."""
 
 
 def parse_answer(raw: str, call_index: int) -> Parsed:
@@ -381,22 +385,43 @@ def same_answer(message: dict[str, Any], answer: dict[str, Any]) -> bool:
     ) == _calls_of(answer)
 
 
+def rendered_answer(message: dict[str, Any]) -> dict[str, Any]:
+    """An answer as a later prompt renders it when a vLLM parser read it: the OpenAI message the harness
+    was given (its text, tool calls and reasoning; ``reasoning`` is the field vLLM's server hands the chat
+    template as ``reasoning``/``reasoning_content``), as vLLM's own server renders a conversation its
+    client sends back."""
+    out: dict[str, Any] = {"role": "assistant", "content": text_of(message.get("content"))}
+    calls = [
+        {"id": c.get("id"), "type": "function", "function": dict(c.get("function") or {})}
+        for c in message.get("tool_calls") or []
+        if isinstance(c, dict)
+    ]
+    if calls:
+        out["tool_calls"] = calls
+    if message.get("reasoning_content"):
+        out["reasoning"] = message["reasoning_content"]
+    return out
+
+
 def canonical(
-    messages: list[dict[str, Any]], answers: list[tuple[dict[str, Any], str]]
-) -> list[dict[str, str]]:
+    messages: list[dict[str, Any]], answers: list[tuple[dict[str, Any], str | dict[str, Any]]]
+) -> list[dict[str, Any]]:
     """The conversation as the template renders it: role and text only, and every assistant message that
-    is one of ``answers`` (answer message, raw model text) replaced by the raw text the model wrote."""
-    out = []
+    is one of ``answers`` (answer message, how it renders) replaced by how it renders: the raw text the
+    model wrote (a string), or the message a vLLM parser's answer renders as (`rendered_answer`)."""
+    out: list[dict[str, Any]] = []
     for m in messages:
-        raw = next((r for a, r in answers if same_answer(m, a)), None)
-        if raw is not None:
-            out.append({"role": "assistant", "content": raw})
+        shown = next((r for a, r in answers if same_answer(m, a)), None)
+        if isinstance(shown, dict):
+            out.append(shown)
+        elif shown is not None:
+            out.append({"role": "assistant", "content": shown})
         else:
             out.append({"role": m["role"], "content": text_of(m.get("content"))})
     return out
 
 
-def extends(new: list[dict[str, str]], previous: list[dict[str, str]]) -> int | None:
+def extends(new: list[dict[str, Any]], previous: list[dict[str, Any]]) -> int | None:
     """None when ``new`` starts with ``previous``; else the index of the first message that differs."""
     for i, m in enumerate(previous):
         if i >= len(new) or new[i] != m:
@@ -417,6 +442,8 @@ def completion(
 ) -> dict[str, Any]:
     """The ``chat.completion`` object of one answered call."""
     message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+    if parsed.reasoning_content is not None:
+        message["reasoning_content"] = parsed.reasoning_content
     if parsed.tool_calls:
         message["tool_calls"] = parsed.tool_calls
     reason = "tool_calls" if parsed.tool_calls and finish == "stop" else finish
@@ -440,9 +467,9 @@ STREAM_CHARS = 16
 
 def stream_chunks(body: dict[str, Any], include_usage: bool) -> list[dict[str, Any]]:
     """A stored ``chat.completion`` as the ``chat.completion.chunk`` objects of its stream (pure: the same
-    answer gives the same chunks): the role, the content in pieces of `STREAM_CHARS`, each tool call whole,
-    the finish reason; with ``include_usage``, every chunk has ``usage: null`` and a last chunk with no
-    choices carries the answer's usage."""
+    answer gives the same chunks): the role, the reasoning (``reasoning_content``) then the content in
+    pieces of `STREAM_CHARS`, each tool call whole, the finish reason; with ``include_usage``, every chunk
+    has ``usage: null`` and a last chunk with no choices carries the answer's usage."""
     choice = body["choices"][0]
     message = choice["message"]
     head = {
@@ -459,7 +486,12 @@ def stream_chunks(body: dict[str, Any], include_usage: bool) -> list[dict[str, A
         return out
 
     text = message.get("content") or ""
+    thought = message.get("reasoning_content") or ""
     chunks = [chunk({"role": "assistant", "content": "" if text else None})]
+    chunks += [
+        chunk({"reasoning_content": thought[i : i + STREAM_CHARS]})
+        for i in range(0, len(thought), STREAM_CHARS)
+    ]
     chunks += [chunk({"content": text[i : i + STREAM_CHARS]}) for i in range(0, len(text), STREAM_CHARS)]
     chunks += [
         chunk({"tool_calls": [{"index": i, **c}]}) for i, c in enumerate(message.get("tool_calls") or [])

@@ -21,18 +21,26 @@ Invariants:
   tools and parses no tool call (a change of the tools offered starts a new sequence); a ``seed`` is
   recorded in the sample's meta (``request``), the rollout's own seed samples. An engine that refuses
   ``stop`` gets the call a stored 400 naming it.
+- The answer is read in the run's format (``gateway.formats``: the parsers its ``[engine]`` names, else
+  the built-in one), loaded before the call samples (a parser that cannot load fails the call, nothing
+  sampled); with a vLLM parser, later prompts render the answer as the message the harness was given
+  (``detail["rendered"]``), and the template's closing of it must be what the model sampled, or what the
+  probe of the template's closing says follows it; otherwise a new sequence starts.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from durable_rollouts.contracts.harness import GatewayCallInput, GatewayCallResult
 from durable_rollouts.contracts.types import SamplingParams, TruncationReason
 from durable_rollouts.errors import EngineBadRequest, EnvironmentFailure
-from durable_rollouts.gateway import chat
+from durable_rollouts.gateway import chat, formats
 from durable_rollouts.store import RunStore, Segment, model_segment
 from durable_rollouts.store.gateway_calls import GatewayCall
 from durable_rollouts.turns.budget import turn_budget
@@ -47,7 +55,7 @@ class Engine(TurnEngine, Protocol):
     and samples that end at stop strings (``engines.client.EngineClient`` is one)."""
 
     async def tokenize_chat(
-        self, base_url: str, model: str, messages: list[dict[str, str]], tools: Any = None,
+        self, base_url: str, model: str, messages: list[dict[str, Any]], tools: Any = None,
         add_generation_prompt: bool = True,
     ) -> list[int]: ...  # fmt: skip
 
@@ -87,12 +95,24 @@ def ctx_segment(index: int) -> str:
     return "prompt" if index == 0 else f"c{index:05d}.ctx"
 
 
+log = logging.getLogger(__name__)
+
+
 class GatewayTurns:
     """The gateway calls a worker answers: the store, the engine, and what it learnt of templates."""
 
-    def __init__(self, store: RunStore, engine: Engine) -> None:
+    def __init__(
+        self,
+        store: RunStore,
+        engine: Engine,
+        parsers: Callable[[formats.Format], formats.AnswerParser] = formats.load_parser,
+    ) -> None:
         self.store = store
         self.engine = engine
+        self.load_parser = parsers
+        """A run's format -> its answer parser (called once per format, off the event loop)."""
+        self._formats: dict[str, formats.Format] = {}
+        self._parsers: dict[formats.Format, formats.AnswerParser] = {}
         self.checks = ModelTurns(store, engine)
         """The checks every model turn makes: the logprobs mode served, a published policy version."""
         self._closing: dict[tuple[str, str], list[int]] = {}
@@ -111,6 +131,8 @@ class GatewayTurns:
         if inp.limit is not None:
             return await self._limit(call, inp.limit, total, attempt)
         t0 = time.monotonic()
+        fmt = await self._format(inp.ref.run_id)
+        parser = await self._parser(fmt)  # before sampling: a parser that cannot load costs no sample
         options = chat.Options.of_request(call.request)
         ctx, canon = await self._context(inp, call, options)
         seq_start = int(ctx.meta.get("sequence_start", 0))
@@ -146,14 +168,14 @@ class GatewayTurns:
         model = inp.ref.model
         closing = await self._closing_tokens(inp.engine_url, model)
         k = _sampled_closing(seg.token_ids, closing)
-        raw = await self.engine.detokenize(inp.engine_url, model, seg.token_ids[: len(seg.token_ids) - k])
+        written = seg.token_ids[: len(seg.token_ids) - k]
+        raw = await self.engine.detokenize(inp.engine_url, model, written)
         finish = str(seg.meta.get("finish_reason") or "stop")  # the engine's: stop or length, as OpenAI's
         shown, stopped = chat.cut_at_stop(raw, options.stop)  # the answer ends before a stop string
         if stopped:
             finish = "stop"
-        parsed = (
-            chat.parse_answer(shown, idx) if options.tool_choice != "none" else chat.Parsed(shown or None, [])
-        )
+        offered = options.offered(chat.request_messages(call.request)[1])
+        parsed = await asyncio.to_thread(parser.parse, shown, written, offered, options.tool_choice, idx)
         body = chat.completion(rid, idx, model, parsed, finish, seg.start - seq_start, len(seg.token_ids))
         versions = [v for v in seg.policy_versions or [] if v is not None]
         detail = {
@@ -162,6 +184,8 @@ class GatewayTurns:
             "start": seg.start, "end": seg.end, "finish_reason": seg.meta.get("finish_reason"),
             "version": versions[-1] if versions else None, "rewrite": "rewrite" in ctx.meta,
         }  # fmt: skip
+        if not fmt.builtin:  # later prompts render the answer as the harness was given it
+            detail["rendered"] = chat.rendered_answer(body["choices"][0]["message"])
         stored = await asyncio.to_thread(self.store.answer_call, rid, idx, 200, body, detail)
         return _result(stored, attempt)
 
@@ -212,15 +236,15 @@ class GatewayTurns:
 
     async def _context(
         self, inp: GatewayCallInput, call: GatewayCall, options: chat.Options
-    ) -> tuple[Segment, list[dict[str, str]]]:
+    ) -> tuple[Segment, list[dict[str, Any]]]:
         """The segment of what the harness added before this call (stored once), and the conversation as
         the template renders it (recomputed: pure, from the request and the earlier answers)."""
         rid, idx, name = inp.ref.rollout_id, inp.index, ctx_segment(inp.index)
         messages, asked = chat.request_messages(call.request)
         tools = options.offered(asked)
         earlier = await asyncio.to_thread(self.store.gateway_calls, rid, idx)
-        answers = [
-            (c.response["choices"][0]["message"], c.detail["raw"])
+        answers: list[tuple[dict[str, Any], str | dict[str, Any]]] = [
+            (c.response["choices"][0]["message"], c.detail.get("rendered") or c.detail["raw"])
             for c in earlier
             if c.status == 200 and c.detail and "raw" in c.detail and c.response
         ]
@@ -246,7 +270,7 @@ class GatewayTurns:
         return await asyncio.to_thread(self.store.put_segment, rid, seg), canon
 
     async def _extension(
-        self, url: str, model: str, canon: list[dict[str, str]], tools: Any, prev: GatewayCall
+        self, url: str, model: str, canon: list[dict[str, Any]], tools: Any, prev: GatewayCall
     ) -> tuple[list[int] | None, str, int | None]:
         """The tokens to append after the previous call's sampled tokens, or None with why and where not."""
         detail = prev.detail or {}
@@ -256,7 +280,10 @@ class GatewayTurns:
         before_tools = chat.Options.of_request(prev.request).offered(prev.request.get("tools"))
         if before_tools != tools:
             return None, "the tools offered differ from the previous call's (rendered in the prompt)", None
-        before = [*detail["messages"], {"role": "assistant", "content": detail["raw"]}]
+        before = [
+            *detail["messages"],
+            detail.get("rendered") or {"role": "assistant", "content": detail["raw"]},
+        ]
         at = chat.extends(canon, before)
         if at is not None:
             return None, f"message {at} differs from what the previous call sent and was answered", at
@@ -265,19 +292,59 @@ class GatewayTurns:
         delta = chat.template_delta(full, prefix)
         if delta is None:
             return None, "the chat template's render of the new messages does not extend the old one", None
-        return [*detail.get("closing", []), *delta], "", None
+        tail = detail.get("closing", [])
+        closing = await self._closing_tokens(url, model)
+        if closing and prefix[-len(closing) :] != closing:  # the template closes this answer otherwise
+            sampled = await asyncio.to_thread(
+                self.store.get_segment, prev.rollout_id, model_segment(prev.index)
+            )
+            if sampled is None or not sampled.token_ids or sampled.token_ids[-1] != prefix[-1]:
+                why = "the chat template closes the answer with a token the model did not sample"
+                return None, why, None
+            tail = []  # the model sampled the template's last token of it (gpt-oss's <|call|>)
+        return [*tail, *delta], "", None
 
     async def _closing_tokens(self, url: str, model: str) -> list[int]:
-        """The tokens the chat template puts after an assistant message's content (e.g. the end marker)."""
+        """The tokens the chat template puts after an assistant message's content (e.g. the end marker):
+        what two closed conversations that differ only in their last answer's text end with alike."""
         key = (url, model)
         if key not in self._closing:
             probe = [{"role": "user", "content": "x"}]
-            opened = await self.engine.tokenize_chat(url, model, probe)
-            closed = await self.engine.tokenize_chat(
-                url, model, [*probe, {"role": "assistant", "content": ""}], add_generation_prompt=False
-            )
-            self._closing[key] = closed[len(opened) :] if closed[: len(opened)] == opened else []
+            a, b = [
+                await self.engine.tokenize_chat(
+                    url, model, [*probe, {"role": "assistant", "content": text}], add_generation_prompt=False
+                )
+                for text in ("a", "b")
+            ]
+            n = 0
+            while n < min(len(a), len(b)) and a[-1 - n] == b[-1 - n]:
+                n += 1
+            self._closing[key] = a[len(a) - n :] if n else []
         return self._closing[key]
+
+    async def _format(self, run_id: str) -> formats.Format:
+        """The format the run's stored config names (read once per run; the built-in one for a run not in
+        the store or whose config cannot be read)."""
+        if run_id not in self._formats:
+            row = await asyncio.to_thread(self.store.get_run, run_id)
+            fmt = formats.Format()
+            try:
+                if row is not None:
+                    fmt = formats.Format.of_config(json.loads(row["config_json"]))
+            except (ValueError, TypeError, AttributeError) as e:
+                log.warning("gateway: run %s: its stored config is unreadable: %s", run_id, e)
+            self._formats[run_id] = fmt
+        return self._formats[run_id]
+
+    async def _parser(self, fmt: formats.Format) -> formats.AnswerParser:
+        """The parser of ``fmt``, loaded once (in a thread: vLLM's import and a tokenizer take seconds).
+
+        Raises:
+            ConfigError: it cannot load (``gateway.formats.VllmParser``); one line naming the setting.
+        """
+        if fmt not in self._parsers:
+            self._parsers[fmt] = await asyncio.to_thread(self.load_parser, fmt)
+        return self._parsers[fmt]
 
 
 def sequence_starts(segs: list[Segment]) -> list[dict[str, Any]]:
