@@ -127,7 +127,7 @@ class SandboxActivities:
                 return SandboxCreated(created=False)
             if inp.pool is not None and inp.pool.placement == "local":  # "hosts": sandbox_place held it
                 await asyncio.to_thread(self.pool.acquire, inp.rollout_id, inp.pool)
-            await heartbeating(self._image(plan, inp.rollout_id))
+            await heartbeating(self._image(plan, inp))
             handle = await heartbeating(self.backend.create(inp.rollout_id, inp.ref.run_id, plan.spec))
             known = await asyncio.to_thread(self.store.get_sandbox, inp.rollout_id)
             if known is None or known.container_id != handle.container_id:
@@ -138,12 +138,16 @@ class SandboxActivities:
             raise e.to_application_error() from e
         return SandboxCreated(created=True, host=host, timeout_s=plan.timeout_s)
 
-    async def _image(self, plan: SandboxPlan, rollout_id: str) -> None:
-        """Build the plan's image on this backend's daemon unless it has it (once per tag and host)."""
+    async def _image(self, plan: SandboxPlan, inp: SandboxStepInput) -> None:
+        """Build the plan's image on this backend's daemon unless it has it (once per tag and host), or,
+        with ``sandbox_pool.registry``, once per tag, pulled by digest on every other host."""
         if plan.image_build is None:
             return
         host = await self.backend.host() or "local"
-        await ensure_image(ImageBuilds(self.store.db), self.backend, host, plan.image_build, rollout_id)
+        where = inp.pool.registry if inp.pool is not None else None
+        await ensure_image(
+            ImageBuilds(self.store.db), self.backend, host, plan.image_build, inp.rollout_id, registry=where
+        )
 
     async def _lay_out(self, handle: SandboxHandle, plan: SandboxPlan, rollout_id: str) -> None:
         for path, content in plan.files.items():
@@ -183,7 +187,7 @@ class SandboxActivities:
             if plan is None:
                 raise SandboxGone(f"rollout {inp.rollout_id}: no sandbox to recover")
             await self.backend.destroy(inp.rollout_id)
-            await heartbeating(self._image(plan, inp.rollout_id))
+            await heartbeating(self._image(plan, inp))
             handle = await self.backend.create(inp.rollout_id, inp.ref.run_id, plan.spec)
             await self._lay_out(handle, plan, inp.rollout_id)
             env = registry.get(inp.ref.env)

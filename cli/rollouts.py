@@ -108,7 +108,7 @@ def _toml_str(s: str) -> str:
 
 
 async def _submit(
-    cfg, cfg_hash: str, rid: str, wait: bool, upload: Callable[[], object], conn: Connection
+    cfg, cfg_hash: str, rid: str, wait: bool, upload: Callable[[], object], conn: Connection | None = None
 ) -> None:
     """Start the run (or attach to it): on its environment's task queue, once a live worker polls it
     (environments/fleet.py; none: one line, exit 2, nothing started or uploaded)."""
@@ -120,7 +120,7 @@ async def _submit(
     from durable_rollouts.errors import ConfigError
     from durable_rollouts.workflows.run import RunWorkflow
 
-    client = await temporal_client(conn)
+    client = await temporal_client(conn or cfg.temporal.connection())
     handle = client.get_workflow_handle_for(RunWorkflow.run, rid)
     try:
         await handle.describe()

@@ -62,4 +62,5 @@ class SandboxStepInput(OfRollout):
     spec: SandboxSpec
     """The run's default spec; the environment derives the task's own from it."""
     pool: SandboxPoolConfig | None = None
-    """Hold a slot of this pool first (create only); None = no pool gating."""
+    """The sandbox pool (create: hold one of its slots first; create and recover: its image registry); None =
+    no pool gating and no registry."""

@@ -197,7 +197,9 @@ class SandboxSteps:
             try:
                 if self.on_hosts and self.state.sandbox_queue is None:
                     await self._place()
-                await self._timed(self.on_host(SandboxActivities.sandbox_recover, self._input(engine, turn)))
+                await self._timed(
+                    self.on_host(SandboxActivities.sandbox_recover, self._input(engine, turn, with_pool=True))
+                )
                 self.state.sandbox = True
                 return
             except ActivityError as e:

@@ -275,7 +275,9 @@ def test_tasks_uploaded_at_submit_are_what_a_worker_on_another_host_loads(
     )
     submitted: list[str] = []
 
-    async def submit(cfg: object, cfg_hash: str, rid: str, wait: bool, upload: Callable[[], object]) -> None:
+    async def submit(
+        cfg: object, cfg_hash: str, rid: str, wait: bool, upload: Callable[[], object], conn: object = None
+    ) -> None:
         submitted.append(rid)
         upload()  # what the real one does once a live worker can take the run (environments/fleet.py)
 
