@@ -18,7 +18,7 @@ import typer
 from durable_rollouts.cli.common import temporal_client, temporal_options
 
 if TYPE_CHECKING:
-    from durable_rollouts.config.models import Connection
+    from durable_rollouts.config.temporal import Connection
 
 
 def _fail(msg: str, code: int = 2) -> typer.Exit:

@@ -15,7 +15,7 @@ import typer
 if TYPE_CHECKING:
     from temporalio.client import Client
 
-    from durable_rollouts.config.models import Connection
+    from durable_rollouts.config.temporal import Connection
     from durable_rollouts.store import RunStore
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -77,7 +77,7 @@ def temporal_options(command: F) -> F:
 
     @functools.wraps(command)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from durable_rollouts.config.models import Connection
+        from durable_rollouts.config.temporal import Connection
 
         conn = Connection(**{field: kwargs.pop(field, None) for field in CONNECTION_FLAGS})
         return command(*args, conn=conn, **kwargs)

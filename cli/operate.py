@@ -16,7 +16,7 @@ import typer
 from durable_rollouts.cli.common import run_store, temporal_client, temporal_options
 
 if TYPE_CHECKING:
-    from durable_rollouts.config.models import Connection
+    from durable_rollouts.config.temporal import Connection
 
 
 def _ops(work: Callable[[], Coroutine[Any, Any, None]]) -> None:

@@ -30,7 +30,7 @@ import typer
 from durable_rollouts.cli.common import CONNECTION_FLAGS, fail, run_store, temporal_client, temporal_options
 
 if TYPE_CHECKING:
-    from durable_rollouts.config.models import Connection
+    from durable_rollouts.config.temporal import Connection
 
 # Help texts print as written: no rich markup, which took `[stack]` in "a [stack] table" for a style and
 # dropped it. Set here, on the root, it holds for every sub-command and sub-app (typer passes it down).

@@ -14,7 +14,8 @@ import typer
 from durable_rollouts.cli.common import temporal_options
 
 if TYPE_CHECKING:
-    from durable_rollouts.config.models import Connection, StackConfig
+    from durable_rollouts.config.models import StackConfig
+    from durable_rollouts.config.temporal import Connection
     from durable_rollouts.stack.stack import ComponentStatus, StackInfo
 
 stack_app = typer.Typer(

@@ -10,44 +10,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from durable_rollouts.config.temporal import Connection
+from durable_rollouts.config.vllm_names import VLLM_REASONING_PARSERS, VLLM_TOOL_CALL_PARSERS
 from durable_rollouts.sandboxes.base import SandboxSpec
 from durable_rollouts.sandboxes.pool import SandboxPoolConfig
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class Connection(BaseModel):
-    """How to reach Temporal, as a command or a config states it; None: from the environment, the
-    profile or the defaults (module docstring). Never stored with a run (it may hold a key)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    address: str | None = None
-    """host:port of the Temporal frontend."""
-    namespace: str | None = None
-    """The namespace holding the workflows."""
-    api_key: str | None = Field(None, repr=False)
-    """API key (Temporal Cloud, or a server that checks one); turns TLS on."""
-    tls: bool | None = None
-    """TLS on or off; None: on when a key, certificate or CA is given."""
-    tls_cert_path: str | None = None
-    """Client certificate (PEM) for mutual TLS."""
-    tls_key_path: str | None = None
-    """Client private key (PEM) for mutual TLS."""
-    tls_ca_path: str | None = None
-    """CA certificate (PEM) the server's certificate is checked against; None: the system's."""
-    tls_server_name: str | None = None
-    """Server name the certificate is checked for, when it differs from the address's host."""
-    profile: str | None = None
-    """Profile of the CLI's configuration file."""
-    config_file: str | None = None
-    """The CLI's configuration file (TOML); None: ``TEMPORAL_CONFIG_FILE``, else the CLI's default."""
-
-    def given(self) -> dict[str, Any]:
-        """The settings this connection states (the rest come from the environment and the profile)."""
-        return self.model_dump(exclude_none=True)
 
 
 class TemporalConfig(_Strict):
@@ -89,29 +59,6 @@ class StoreConfig(_Strict):
     """``postgresql://user[:password]@host[:port]/db``, ``sqlite:///abs/dir`` or a directory; None:
     ``$ROLLOUTS_STORE``, else ``$ROLLOUTS_HOME``. Workers take theirs from ``--store`` or the environment.
     Never part of the run's stored config, its hash or its workflow input (a URL may hold a password)."""
-
-
-VLLM_TOOL_CALL_PARSERS = (
-    "apertus", "cohere_command3", "cohere_command4", "deepseek_v3", "deepseek_v31", "deepseek_v32",
-    "deepseek_v4", "deepseek_v41", "dots", "ernie45", "functiongemma", "gemma4", "gigachat3", "glm45",
-    "glm47", "granite", "granite-20b-fc", "granite4", "hermes", "hf", "hunyuan_a13b", "hy_v3", "hy_v4",
-    "inkling", "internlm", "jamba", "k2_horizon", "kimi_k2", "kimi_k3", "lfm2", "ling3", "llama3_json",
-    "llama4_json", "llama4_pythonic", "longcat", "mimo", "minicpm5", "minimax_m2", "minimax_m3", "mistral",
-    "muse_glimmer", "olmo3", "openai", "phi4_mini_json", "plamo3", "poolside_v1", "pythonic", "qwen3_coder",
-    "qwen3_json", "qwen3_xml", "seed_oss", "step3", "step3p5", "xlam",
-)  # fmt: skip
-"""The names ``vllm serve --tool-call-parser`` takes in the vLLM release the project is tested with
-(vLLM's ``ToolParserManager``; a test checks the two agree). Stated here so a config is checked where vLLM
-is not installed (the machine that submits a run)."""
-VLLM_REASONING_PARSERS = (
-    "cohere_command3", "cohere_command4", "deepseek_r1", "deepseek_v3", "deepseek_v4", "deepseek_v41",
-    "ernie45", "gemma4", "glm45", "glm47", "granite", "granite_thinking_parser", "hf", "holo2",
-    "hunyuan_a13b", "hy_v3", "hy_v4", "inkling", "k2_horizon", "kimi_k2", "kimi_k3", "ling3", "mimo",
-    "minicpmv", "minimax_m2", "minimax_m2_append_think", "minimax_m3", "mistral", "muse_glimmer",
-    "nemotron_v3", "olmo3", "openai_gptoss", "plamo3", "poolside_v1", "qwen3", "seed_oss", "step3",
-    "step3p5",
-)  # fmt: skip
-"""The names ``vllm serve --reasoning-parser`` takes (vLLM's ``ReasoningParserManager``), as above."""
 
 
 class EngineConfig(_Strict):

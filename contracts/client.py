@@ -30,7 +30,7 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.envconfig import ClientConfigProfile, ClientConfigTLS
 from temporalio.runtime import Runtime
 
-from durable_rollouts.config.models import Connection
+from durable_rollouts.config.temporal import Connection
 from durable_rollouts.errors import ConfigError
 
 DEFAULT_ADDRESS = "127.0.0.1:7233"

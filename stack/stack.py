@@ -24,8 +24,9 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from durable_rollouts.config.models import Connection, StackConfig
+from durable_rollouts.config.models import StackConfig
 from durable_rollouts.config.paths import resolve_path, venv_bin
+from durable_rollouts.config.temporal import Connection
 from durable_rollouts.contracts.client import cli_args
 from durable_rollouts.stack.procs import (
     StackError,

@@ -30,7 +30,7 @@ from durable_rollouts.activities.environment import EnvironmentActivities
 from durable_rollouts.activities.harness import HarnessActivities
 from durable_rollouts.activities.rollout import RolloutActivities
 from durable_rollouts.activities.sandbox import SandboxActivities
-from durable_rollouts.config.models import Connection
+from durable_rollouts.config.temporal import Connection
 from durable_rollouts.contracts.client import connect, describe
 from durable_rollouts.engines.client import EngineClient
 from durable_rollouts.environments import registry

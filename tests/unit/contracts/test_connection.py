@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from temporalio.service import TLSConfig
 
-from durable_rollouts.config.models import Connection, TemporalConfig
+from durable_rollouts.config.models import TemporalConfig
+from durable_rollouts.config.temporal import Connection
 from durable_rollouts.contracts.client import describe, resolve
 from durable_rollouts.errors import ConfigError
 

@@ -16,12 +16,8 @@ from typing import Any
 import pytest
 
 from durable_rollouts.config.load import load_config
-from durable_rollouts.config.models import (
-    VLLM_REASONING_PARSERS,
-    VLLM_TOOL_CALL_PARSERS,
-    Config,
-    EngineConfig,
-)
+from durable_rollouts.config.models import Config, EngineConfig
+from durable_rollouts.config.vllm_names import VLLM_REASONING_PARSERS, VLLM_TOOL_CALL_PARSERS
 from durable_rollouts.errors import ConfigError
 from durable_rollouts.gateway import chat, formats
 from durable_rollouts.gateway.turn import GatewayTurns
