@@ -2,9 +2,9 @@
 SIGCONT), and a graceful restart, for workers, engines and the Temporal server.
 
 Targets are named by the pid files of a stack home, as the embedded stack and ``stack.procs.spawn`` write
-them: ``<home>/pids/<name>.pid`` holding ``<pid> <kernel start time>``. ``targets(home, "worker")`` finds
-``worker`` and every ``worker-<n>`` spawned there; a user's suite that spawns its own components the same
-way gets the same faults::
+them: ``<home>/pids/<name>.pid`` holding ``<pid> <kernel start time> <marker> <supervisor pid> <its start
+time>`` (``stack.proctree``). ``targets(home, "worker")`` finds ``worker`` and every ``worker-<n>`` spawned
+there; a user's suite that spawns its own components the same way gets the same faults::
 
     from durable_rollouts.faults import process
     (w,) = process.targets(home, "worker")
@@ -14,14 +14,15 @@ way gets the same faults::
 
 Invariants:
 - A target is found by a pid whose recorded start time still matches (a reused pid is never touched), and
-  every signal goes to its whole process tree (each component leads its own session): each process of that
-  session or group proven to be of the same spawn first (``stack.proctree``: the spawn's marker in its
-  environment), so a kill also reaches the tree of a leader that died meanwhile, and a recycled group id
-  is never signalled.
+  every signal goes to its whole process tree: each process proven to be of the same spawn first
+  (``stack.proctree``: a descendant of the spawn's supervisor, or, for older pid files, the spawn's marker in
+  its environment), so a kill also reaches the tree of a leader that died meanwhile, processes that renamed
+  themselves (vLLM's) included, and a recycled session or group id is never signalled.
 - A frozen group is stopped when ``frozen`` returns, and always thawed: SIGCONT on the way out, even on
   an exception.
 - A restart starts the same command line, environment and working directory as the process it replaces
-  (read from /proc before the kill; only the spawn marker is new), appends to the same log and rewrites the
+  (read from /proc before the kill, from its supervisor, which keeps them as they were even when the leader
+  renamed itself; only the spawn marker and the supervisor are new), appends to the same log and rewrites the
   same pid file, so the stack's own ``status`` and ``down`` see the new process; it starts only once nothing
   of the old tree is left.
 
@@ -32,9 +33,7 @@ membership check live in ``stack.proctree``.
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
-import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -74,15 +73,11 @@ def find(home: Path, name: str) -> Target | None:
     rec = Record.read(pid_file(home, name))
     if rec is None or not proctree.leader_alive(rec):
         return None
-    pid = rec.pid
-    try:
-        argv = tuple(a.decode() for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if a)
-        raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        cwd = os.readlink(f"/proc/{pid}/cwd")
-    except OSError:
+    started = proctree.command(rec)
+    if started is None:
         return None
-    env = dict(kv.decode(errors="replace").split("=", 1) for kv in raw if b"=" in kv)
-    return Target(home, name, pid, argv, env, cwd, rec)
+    argv, env, cwd = started
+    return Target(home, name, rec.pid, tuple(argv), env, cwd, rec)
 
 
 def targets(home: Path, component: str) -> list[Target]:
@@ -158,7 +153,7 @@ def freeze(t: Target, seconds: float) -> None:
 
 
 def start(t: Target) -> Target:
-    """Start ``t``'s command line again (same environment and directory, a fresh spawn marker, own session),
+    """Start ``t``'s command line again (same environment and directory, a fresh spawn marker and supervisor),
     appending to its log and rewriting its pid file; returns the new target. What is left of ``t``'s tree
     (an engine's EngineCore when only its API server died) is killed first.
 
@@ -168,24 +163,18 @@ def start(t: Target) -> Target:
     if proctree.kill_tree(t.record, 10.0) is False:
         raise ProcessFaultError(f"{t}: process tree still alive 10 s after SIGKILL")
     proctree.reap(t.pid)
-    marker = proctree.new_marker()
     log = t.home / "logs" / f"{t.name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in t.env.items() if k != proctree.MARKER_ENV}
     with log.open("ab") as out:
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
         out.write(f"\n=== {stamp} restart (fault kit): {' '.join(t.argv)}\n".encode())
         out.flush()
-        proc = subprocess.Popen(
-            list(t.argv),
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env={**t.env, proctree.MARKER_ENV: marker},
-            cwd=t.cwd,
-            start_new_session=True,
-        )
-    stat = proctree.stat(proc.pid)
-    pid_file(t.home, t.name).write_text(Record(proc.pid, stat[19] if stat else None, marker).line())
+        try:
+            rec = proctree.spawn(t.argv, env, out, cwd=t.cwd)
+        except (OSError, proctree.SpawnError) as e:
+            raise ProcessFaultError(f"{t.name}: could not start again ({e}); see {log}") from None
+    pid_file(t.home, t.name).write_text(rec.line())
     new = find(t.home, t.name)
     if new is None:
         raise ProcessFaultError(f"{t.name}: exited at once after a restart; see {log}")

@@ -1,10 +1,11 @@
 """Process helpers for the embedded stack: start detached processes, find them again, stop them, probe health.
 
-Invariant: we only ever signal processes we started. Each one leads its own session (so its process group id
-is its pid), and its pid file records the kernel start time and a per-spawn marker next to the pid; a pid
-whose start time no longer matches is treated as gone, and a component is stopped as its whole tree, each
-process proven ours first (``stack.proctree``), even when its leader is already dead. No name-based killing
-(pkill, killall) anywhere.
+Invariant: we only ever signal processes we started. Each one is started by a supervisor of its own and
+leads its own session (so its process group id is its pid), and its pid file records the kernel start time,
+a per-spawn marker and the supervisor next to the pid; a pid whose start time no longer matches is treated
+as gone, and a component is stopped as its whole tree (every descendant of its supervisor, whatever it calls
+itself), each process proven ours first (``stack.proctree``), even when its leader is already dead. No
+name-based killing (pkill, killall) anywhere.
 """
 
 from __future__ import annotations
@@ -190,8 +191,9 @@ def pid_alive(pid: int) -> bool:
 
 
 def spawn(name: str, argv: list[str], home: Path, env: dict[str, str] | None = None) -> int:
-    """Start ``argv`` detached: own session, output appended to its log, pid, start time and a fresh marker
-    recorded (the marker also in its environment, ``proctree.MARKER_ENV``, which all it starts inherit).
+    """Start ``argv`` detached under a supervisor of its own (``stack.proctree.spawn``): own session, output
+    appended to its log, pid, start time, a fresh marker and the supervisor recorded (the marker also in its
+    environment, ``proctree.MARKER_ENV``, which all it starts inherit).
 
     The process survives this one exiting; stop it (its whole tree) with :func:`stop_component`.
 
@@ -203,24 +205,23 @@ def spawn(name: str, argv: list[str], home: Path, env: dict[str, str] | None = N
 
     Returns:
         The pid, which is also the process group id.
+
+    Raises:
+        OSError: ``argv`` could not be started (FileNotFoundError, PermissionError, ...).
+        StackError: Its supervisor did not start it (the log's tail says why).
     """
     log = log_path(home, name)
     log.parent.mkdir(parents=True, exist_ok=True)
     pid_path(home, name).parent.mkdir(parents=True, exist_ok=True)
-    marker = proctree.new_marker()
     with log.open("ab") as out:
         out.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} start: {' '.join(argv)}\n".encode())
         out.flush()
-        proc = subprocess.Popen(
-            argv,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {}), proctree.MARKER_ENV: marker},
-            start_new_session=True,
-        )
-    pid_path(home, name).write_text(proctree.Record(proc.pid, _start_time(proc.pid), marker).line())
-    return proc.pid
+        try:
+            rec = proctree.spawn(argv, {**os.environ, **(env or {})}, out)
+        except proctree.SpawnError as e:
+            raise StackError(f"{name}: {e}; log {log}:\n{log_tail(log)}") from None
+    pid_path(home, name).write_text(rec.line())
+    return rec.pid
 
 
 def read_record(home: Path, name: str) -> proctree.Record | None:

@@ -23,7 +23,7 @@ import pytest
 
 from durable_rollouts.config.models import StackConfig
 from durable_rollouts.config.paths import resolve_path
-from durable_rollouts.stack import procs, stack
+from durable_rollouts.stack import procs, proctree, stack
 from durable_rollouts.workflows.search_attributes import DEFINITIONS
 
 pytestmark = pytest.mark.integration
@@ -204,20 +204,37 @@ def test_cli_up_status_down_up_keeps_the_database(home: Path, tmp_path: Path) ->
     assert _cli(home, "down", timeout=120).returncode == 0
 
 
-def _tagged(tag: str) -> dict[int, int]:
-    """pid -> session id of every live process whose environment carries ``ROLLOUTS_TEST_TAG=tag``."""
+def _session(sid: int) -> dict[int, str]:
+    """pid -> kernel start time of every live process in session ``sid`` (what an engine's leader starts stays
+    in its session, whatever the processes call themselves and whether or not the leader is alive)."""
     found = {}
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            env = (entry / "environ").read_bytes().split(b"\0")
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if f"ROLLOUTS_TEST_TAG={tag}".encode() in env and fields[0] not in ("Z", "X"):
-            found[int(entry.name)] = int(fields[3])
+        f = proctree.stat(int(entry.name)) if entry.name.isdigit() else None
+        if f is not None and f[0] not in ("Z", "X") and f[3] == str(sid):
+            found[int(entry.name)] = f[19]
     return found
+
+
+def _running(seen: dict[int, str]) -> dict[int, str]:
+    """pid -> name of those of ``seen`` (pid -> start time) still running as the same process."""
+    left = {}
+    for pid, start in seen.items():
+        f = proctree.stat(pid)
+        if f is not None and f[0] not in ("Z", "X") and f[19] == start:
+            with contextlib.suppress(OSError):
+                left[pid] = Path(f"/proc/{pid}/comm").read_text().strip()
+    return left
+
+
+def _left(seen: dict[int, str], sid: int) -> dict[int, str]:
+    """What is left of an engine: the processes ``seen`` of it, and any process still in its session."""
+    return _running({**seen, **_session(sid)})
+
+
+def _tagged(pid: int, tag: str) -> bool:
+    with contextlib.suppress(OSError):
+        return f"ROLLOUTS_TEST_TAG={tag}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return False
 
 
 def _sigkill_leader(pid: int) -> None:
@@ -230,28 +247,40 @@ def _sigkill_leader(pid: int) -> None:
 def test_an_engine_whose_api_server_was_sigkilled_is_stopped_whole(
     home: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """vLLM's EngineCore and Worker processes outlive a SIGKILLed API server (in its session); `stack down`
-    stops them, and `stack up` then starts exactly one engine tree (`up` straight after such a kill stops the
-    orphans itself: tests/unit/config/test_proctree.py)."""
+    """vLLM's EngineCore (and Worker) processes outlive a SIGKILLed API server, renamed by setproctitle, which
+    also wipes the environment /proc shows (so the spawn's marker is gone from it); `stack down` stops them,
+    and `stack up` then starts exactly one engine tree (`up` straight after such a kill stops the orphans
+    itself: tests/unit/stack/test_proctree.py)."""
     tag = secrets.token_hex(6)
     monkeypatch.setenv("ROLLOUTS_TEST_TAG", tag)  # inherited by every process the stack spawns
     cfg = _config(start_timeout_s=600)  # a loaded 2-core machine took over 240 s to start vLLM
-    first = stack.up(cfg, home, detach=True, components=("engine",))
-    tree = _tagged(tag)
-    assert set(tree.values()) == {first.pids["engine"]} and len(tree) >= 2, tree  # API server + EngineCore
+    seen: dict[int, str] = {}  # every process of either engine, killed by pid at the end if still running
+    try:
+        first = stack.up(cfg, home, detach=True, components=("engine",))
+        leader = first.pids["engine"]
+        seen.update(tree := _session(leader))
+        names = _running(tree)
+        print(f"engine tree: {names}")
+        assert len(tree) >= 2 and any(n.startswith("VLLM::") for n in names.values()), names
+        assert any(not _tagged(pid, tag) for pid in tree), names  # retitled: the environment reads empty
 
-    _sigkill_leader(first.pids["engine"])
-    time.sleep(2)
-    orphans = _tagged(tag)
-    print(f"left by the SIGKILLed API server: {orphans}")
-    assert orphans and set(orphans.values()) == {first.pids["engine"]}
+        _sigkill_leader(leader)
+        time.sleep(2)
+        seen.update(orphans := _session(leader))
+        print(f"left by the SIGKILLed API server: {_running(orphans)}")
+        assert orphans
 
-    res = _cli(home, "down", timeout=120)
-    assert (res.returncode, res.stdout.strip()) == (0, "stopped: engine"), res.stdout + res.stderr
-    assert _tagged(tag) == {}
+        res = _cli(home, "down", timeout=120)
+        assert (res.returncode, res.stdout.strip()) == (0, "stopped: engine"), res.stdout + res.stderr
+        assert _left(seen, leader) == {}
+        first_seen = dict(seen)
 
-    second = stack.up(cfg, home, detach=True, components=("engine",))
-    tree = _tagged(tag)
-    assert set(tree.values()) == {second.pids["engine"]} and len(tree) >= 2, tree
-    assert stack.down(home) == ["engine"]
-    assert _tagged(tag) == {}
+        second = stack.up(cfg, home, detach=True, components=("engine",))
+        seen.update(tree := _session(second.pids["engine"]))
+        assert len(tree) >= 2 and _left(first_seen, leader) == {}, _running(tree)  # one engine tree only
+        assert stack.down(home) == ["engine"]
+        assert _left(seen, second.pids["engine"]) == {}
+    finally:
+        for pid in _running(seen):  # by pid and start time, only what this test saw of its engines
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
