@@ -9,7 +9,7 @@ Invariants:
   ``gateway_call`` with the call's index); the answer is whatever the workflow's model-call activity
   stored, read from the store. A request repeated by the harness's client (a retry after a timeout or a
   worker's death) is the same call: answered from the store, never sampled again.
-- Checked before it is recorded (``gateway.chat.request_options``): a field the gateway refuses, or a
+- Checked before it is recorded (``gateway.options.request_options``): a field the gateway refuses, or a
   sampling setting other than the run's (read from the run's stored config), is a 400 naming the field,
   and nothing is recorded or signalled.
 - Streamed from the store: with ``stream: true`` the call is made and its answer stored first, then the
@@ -30,6 +30,7 @@ from aiohttp import web
 
 from durable_rollouts.config.models import SamplingConfig
 from durable_rollouts.gateway import chat
+from durable_rollouts.gateway.options import BadChatRequest, RunSampling, error, request_options
 from durable_rollouts.sandboxes.base import gateway_dir
 from durable_rollouts.store import RunStore
 from durable_rollouts.store.gateway_calls import CallInFlight
@@ -59,10 +60,10 @@ class GatewayServer:
         self.secret = secret if secret is not None else os.environ.get("DR_GATEWAY_SECRET", "")
         self._runners: dict[str, web.AppRunner] = {}
         self._events: dict[tuple[str, int], asyncio.Event] = {}
-        self._sampling: dict[str, chat.RunSampling | None] = {}
+        self._sampling: dict[str, RunSampling | None] = {}
         """Run id -> its sampling settings (what a request may repeat but not change)."""
 
-    async def run_sampling(self, rollout_id: str) -> chat.RunSampling | None:
+    async def run_sampling(self, rollout_id: str) -> RunSampling | None:
         """The sampling settings of the rollout's run, from its config in the store (read once per run: it
         is recorded before the run's first rollout starts, and never changes); None when the run is not in
         the store or its config has no readable ``[sampling]``."""
@@ -70,11 +71,11 @@ class GatewayServer:
         run_id = parts[0] if len(parts) == 3 else rollout_id
         if run_id not in self._sampling:
             row = await asyncio.to_thread(self.store.get_run, run_id)
-            known: chat.RunSampling | None = None
+            known: RunSampling | None = None
             try:
                 if row is not None:
                     cfg = SamplingConfig.model_validate(json.loads(row["config_json"]).get("sampling") or {})
-                    known = chat.RunSampling(cfg.temperature, cfg.top_p, cfg.top_k, cfg.min_tokens)
+                    known = RunSampling(cfg.temperature, cfg.top_p, cfg.top_k, cfg.min_tokens)
             except (ValueError, TypeError, AttributeError) as e:
                 log.warning("gateway: run %s: its stored sampling settings are unreadable: %s", run_id, e)
             self._sampling[run_id] = known
@@ -155,7 +156,7 @@ class _Handler:
 
     def _denied(self, request: web.Request) -> web.StreamResponse | None:
         if request.headers.get("Authorization", "") != f"Bearer {self.key}":
-            body = chat.error("invalid API key for this rollout's gateway", "authentication_error")
+            body = error("invalid API key for this rollout's gateway", "authentication_error")
             return web.json_response(body, status=401)
         return None
 
@@ -166,11 +167,11 @@ class _Handler:
         try:
             body = await request.json()
             messages, tools = chat.request_messages(body)
-            options = chat.request_options(body, await self.server.run_sampling(rid))
-        except chat.BadChatRequest as e:
+            options = request_options(body, await self.server.run_sampling(rid))
+        except BadChatRequest as e:
             return web.json_response(e.body(), status=400)
         except ValueError as e:
-            return web.json_response(chat.error(str(e)), status=400)
+            return web.json_response(error(str(e)), status=400)
         key = chat.request_key(messages, tools, options)
         recorded: dict[str, object] = {"messages": messages, "tools": tools}
         if options.recorded():
@@ -178,7 +179,7 @@ class _Handler:
         try:
             call = await asyncio.to_thread(store.open_call, rid, key, recorded)
         except CallInFlight as e:
-            return web.json_response(chat.error(str(e), "conflict_error"), status=409)
+            return web.json_response(error(str(e), "conflict_error"), status=409)
         if not call.answered:
             try:
                 await self.signal(rid, call.index)
@@ -186,9 +187,9 @@ class _Handler:
                 log.warning(
                     "gateway %s: call %d: cannot reach the rollout's workflow: %s", rid, call.index, e
                 )
-                return web.json_response(chat.error(f"rollout unreachable: {e}", "server_error"), status=503)
+                return web.json_response(error(f"rollout unreachable: {e}", "server_error"), status=503)
             if not await self.server.wait_answer(rid, call.index, ANSWER_TIMEOUT_S):
-                return web.json_response(chat.error("no answer yet; retry", "server_error"), status=503)
+                return web.json_response(error("no answer yet; retry", "server_error"), status=503)
             answered = await asyncio.to_thread(store.get_call, rid, call.index)
             assert answered is not None
             call = answered

@@ -14,7 +14,7 @@ Invariants:
   sequence, its meta saying at which message and why, and later calls sample on that sequence only.
 - Limits answer as an OpenAI server would: no room left in the rollout's token budget or call count is a
   ``length`` finish with no content; a context the engine cannot take is a 400 ``context_length_exceeded``.
-- The request's options (``gateway.chat.Options``, recorded with the call) shape the sample without
+- The request's options (``gateway.options.Options``, recorded with the call) shape the sample without
   changing its logprobs' meaning: ``max_tokens`` lowers the call's cap (never raises it); ``stop`` goes to
   the engine, which stops on it itself, and the tokens it returned are stored as returned (the answer is
   cut before the stop string, the next call extends the stored tokens); ``tool_choice: none`` renders no
@@ -41,6 +41,7 @@ from durable_rollouts.contracts.harness import GatewayCallInput, GatewayCallResu
 from durable_rollouts.contracts.types import SamplingParams, TruncationReason
 from durable_rollouts.errors import EngineBadRequest, EnvironmentFailure
 from durable_rollouts.gateway import chat, formats
+from durable_rollouts.gateway.options import Options, error
 from durable_rollouts.store import RunStore, Segment, model_segment
 from durable_rollouts.store.gateway_calls import GatewayCall
 from durable_rollouts.turns.budget import turn_budget
@@ -133,7 +134,7 @@ class GatewayTurns:
         t0 = time.monotonic()
         fmt = await self._format(inp.ref.run_id)
         parser = await self._parser(fmt)  # before sampling: a parser that cannot load costs no sample
-        options = chat.Options.of_request(call.request)
+        options = Options.of_request(call.request)
         ctx, canon = await self._context(inp, call, options)
         seq_start = int(ctx.meta.get("sequence_start", 0))
         tokens = await asyncio.to_thread(self.store.token_ids, rid)
@@ -153,12 +154,12 @@ class GatewayTurns:
                 if not options.stop:
                     raise
                 why = f"the engine refused a sample ending at stop strings ({e}); leave 'stop' out"
-                refusal = chat.error(why, code="unsupported_value", param="stop")
+                refusal = error(why, code="unsupported_value", param="stop")
                 refused = {"refused": "stop", "start": len(tokens), "end": len(tokens)}
                 stored = await asyncio.to_thread(self.store.answer_call, rid, idx, 400, refusal, refused)
                 return _result(stored, attempt)
             if sampled == TruncationReason.CONTEXT_LENGTH:  # the engine's window is full
-                refusal = chat.error("context length exceeded", code="context_length_exceeded")
+                refusal = error("context length exceeded", code="context_length_exceeded")
                 at: dict[str, Any] = {"limit": sampled.value, "start": len(tokens), "end": len(tokens)}
                 stored = await asyncio.to_thread(self.store.answer_call, rid, idx, 400, refusal, at)
                 return _result(stored, attempt)
@@ -195,7 +196,7 @@ class GatewayTurns:
         tokens: list[int],
         seq_start: int,
         max_tokens: int,
-        options: chat.Options,
+        options: Options,
         attempt: int,
         queued_s: float,
         t0: float,
@@ -235,7 +236,7 @@ class GatewayTurns:
         return _result(stored, attempt)
 
     async def _context(
-        self, inp: GatewayCallInput, call: GatewayCall, options: chat.Options
+        self, inp: GatewayCallInput, call: GatewayCall, options: Options
     ) -> tuple[Segment, list[dict[str, Any]]]:
         """The segment of what the harness added before this call (stored once), and the conversation as
         the template renders it (recomputed: pure, from the request and the earlier answers)."""
@@ -277,7 +278,7 @@ class GatewayTurns:
         if "raw" not in detail or detail.get("messages") is None:
             why = detail.get("limit") or detail.get("refused")
             return None, f"call {prev.index} ended without an answer to extend ({why})", None
-        before_tools = chat.Options.of_request(prev.request).offered(prev.request.get("tools"))
+        before_tools = Options.of_request(prev.request).offered(prev.request.get("tools"))
         if before_tools != tools:
             return None, "the tools offered differ from the previous call's (rendered in the prompt)", None
         before = [

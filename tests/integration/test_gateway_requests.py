@@ -19,6 +19,7 @@ from durable_rollouts.contracts.harness import GatewayCallInput
 from durable_rollouts.contracts.types import RolloutRef, SamplingParams
 from durable_rollouts.engines.client import EngineClient, Generation
 from durable_rollouts.gateway import chat
+from durable_rollouts.gateway.options import RunSampling, request_options
 from durable_rollouts.gateway.turn import GatewayTurns
 from durable_rollouts.store import RunStore, model_segment
 from tests.conftest import Engine
@@ -28,7 +29,7 @@ pytestmark = pytest.mark.timeout(600)
 SAMPLING = SamplingParams(
     temperature=1.0, top_p=1.0, top_k=-1, max_tokens=48, seed=11, logprob_mode="processed_logprobs"
 )
-RUN = chat.RunSampling(temperature=1.0, top_p=1.0, top_k=-1, min_tokens=0)
+RUN = RunSampling(temperature=1.0, top_p=1.0, top_k=-1, min_tokens=0)
 MSGS: list[dict[str, Any]] = [{"role": "user", "content": "What is 12+30?"}]
 
 
@@ -59,7 +60,7 @@ async def ask(
     store: RunStore, turns: GatewayTurns, url: str, rollout: int, messages: Any, **body: Any
 ) -> Any:
     """One request as the gateway's HTTP side records it, answered by the call's turn."""
-    opts = chat.request_options({"messages": messages, **body}, RUN)
+    opts = request_options({"messages": messages, **body}, RUN)
     rid = ref(rollout).rollout_id
     call = store.open_call(
         rid,

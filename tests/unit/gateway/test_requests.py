@@ -18,25 +18,26 @@ from durable_rollouts.contracts.harness import GatewayCallInput
 from durable_rollouts.engines.client import EngineClient
 from durable_rollouts.errors import EngineBadRequest
 from durable_rollouts.gateway import chat
+from durable_rollouts.gateway.options import IGNORED, BadChatRequest, Options, RunSampling, request_options
 from durable_rollouts.gateway.server import GatewayServer, gateway_key
 from durable_rollouts.gateway.turn import GatewayTurns
 from durable_rollouts.sandboxes.base import GATEWAY_ROOT_ENV
 from durable_rollouts.store import RunStore, model_segment
 from tests.unit.gateway.test_gateway import BASH, REF, RID, SAMPLING, ScriptedEngine, call_input
 
-RUN = chat.RunSampling(temperature=1.0, top_p=1.0, top_k=-1, min_tokens=0)
+RUN = RunSampling(temperature=1.0, top_p=1.0, top_k=-1, min_tokens=0)
 MSGS: list[dict[str, Any]] = [{"role": "user", "content": "Task id: t1"}]
 CALL = '<tool_call>{"name": "bash", "arguments": {"command": "ls"}}</tool_call>'
 URL = "http://gw/v1/chat/completions"
 
 
-def options(**body: Any) -> chat.Options:
-    return chat.request_options({"messages": MSGS, **body}, RUN)
+def options(**body: Any) -> Options:
+    return request_options({"messages": MSGS, **body}, RUN)
 
 
-def refused(run: chat.RunSampling | None = RUN, **body: Any) -> chat.BadChatRequest:
-    with pytest.raises(chat.BadChatRequest) as info:
-        chat.request_options({"messages": MSGS, **body}, run)
+def refused(run: RunSampling | None = RUN, **body: Any) -> BadChatRequest:
+    with pytest.raises(BadChatRequest) as info:
+        request_options({"messages": MSGS, **body}, run)
     return info.value
 
 
@@ -47,7 +48,7 @@ def test_a_sampling_setting_other_than_the_runs_is_refused_naming_it() -> None:
         assert e.body()["error"] == {
             "message": str(e), "type": "invalid_request_error", "param": field, "code": "unsupported_value"
         }  # fmt: skip
-    assert options(temperature=1, top_p=1.0, top_k=0, min_tokens=0) == chat.Options()  # the run's (top_k off)
+    assert options(temperature=1, top_p=1.0, top_k=0, min_tokens=0) == Options()  # the run's (top_k off)
     for field, value in [
         ("presence_penalty", 0.5), ("frequency_penalty", -1), ("logit_bias", {"42": 5}), ("logprobs", True),
         ("top_logprobs", 3), ("repetition_penalty", 1.1), ("min_p", 0.05), ("parallel_tool_calls", False),
@@ -55,7 +56,7 @@ def test_a_sampling_setting_other_than_the_runs_is_refused_naming_it() -> None:
     ]:  # fmt: skip
         assert refused(**{field: value}).param == field
     neutral = {"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "logprobs": False}
-    assert options(**neutral, top_logprobs=None, parallel_tool_calls=True) == chat.Options()
+    assert options(**neutral, top_logprobs=None, parallel_tool_calls=True) == Options()
     assert (
         refused(run=None, temperature=1.0).param == "temperature"
     )  # the run's settings unknown: not checked
@@ -65,16 +66,16 @@ def test_a_sampling_setting_other_than_the_runs_is_refused_naming_it() -> None:
 
 
 def test_n_tool_choice_streaming_and_unknown_fields() -> None:
-    assert refused(n=2).param == "n" and options(n=1) == chat.Options()
+    assert refused(n=2).param == "n" and options(n=1) == Options()
     for choice in ("required", {"type": "function", "function": {"name": "bash"}}):
         e = refused(tool_choice=choice)
         assert e.param == "tool_choice" and "constrained decoding" in str(e)
-    assert options(tool_choice="none").tool_choice == "none" and options(tool_choice="auto") == chat.Options()
+    assert options(tool_choice="none").tool_choice == "none" and options(tool_choice="auto") == Options()
     assert options(tool_choice="none").offered([BASH]) is None and options().offered([BASH]) == [BASH]
     e = refused(functions=[{"name": "bash"}])
     assert e.param == "functions" and e.code == "unsupported_parameter"
-    assert options(model="anything", user="u", metadata={"a": "b"}, store=False) == chat.Options()
-    assert set(chat.IGNORED) >= {"model", "user"}  # each with its reason (docs/harness.md's table)
+    assert options(model="anything", user="u", metadata={"a": "b"}, store=False) == Options()
+    assert set(IGNORED) >= {"model", "user"}  # each with its reason (docs/harness.md's table)
     assert refused(stream_options={"include_usage": True}).param == "stream_options"  # only with stream
     assert options(stream=True, stream_options={"include_usage": True}).include_usage
     assert options(stream=True).stream and not options(stream=True).include_usage
@@ -93,13 +94,13 @@ def test_max_tokens_stop_and_seed_parse() -> None:
 
 def test_options_are_recorded_and_keyed_only_when_asked() -> None:
     key = chat.request_key(MSGS, [BASH])
-    assert chat.request_key(MSGS, [BASH], chat.Options()) == key  # a plain request keeps its key
+    assert chat.request_key(MSGS, [BASH], Options()) == key  # a plain request keeps its key
     assert chat.request_key(MSGS, [BASH], options(stream=True)) == key  # streaming is presentation only
     asked = options(max_tokens=9, stop=["X"], seed=4, tool_choice="none")
     assert chat.request_key(MSGS, [BASH], asked) != key
     assert asked.recorded() == {"max_tokens": 9, "stop": ["X"], "seed": 4, "tool_choice": "none"}
-    assert chat.Options.of_request({"messages": MSGS, "options": asked.recorded()}) == asked
-    assert chat.Options.of_request({"messages": MSGS}) == chat.Options()
+    assert Options.of_request({"messages": MSGS, "options": asked.recorded()}) == asked
+    assert Options.of_request({"messages": MSGS}) == Options()
 
 
 def test_the_answer_ends_before_the_first_stop_string() -> None:
@@ -157,7 +158,7 @@ async def answer(
     store: RunStore, turns: GatewayTurns, messages: list[dict[str, Any]], **body: Any
 ) -> dict[str, Any]:
     """One harness request as the HTTP side records it (its options checked), answered, read back."""
-    opts = chat.request_options({"messages": messages, **body}, RUN)
+    opts = request_options({"messages": messages, **body}, RUN)
     request: dict[str, Any] = {"messages": messages, "tools": [BASH], "options": opts.recorded()}
     call = store.open_call(RID, chat.request_key(messages, [BASH], opts), request)
     await turns.answer(call_input(call.index))
@@ -252,7 +253,7 @@ async def test_the_runs_sampling_is_read_from_its_stored_config(tmp_path: Path) 
     store.register_run("a", json.dumps({"sampling": {"temperature": 0.6, "top_k": 40}}), "h")
     store.register_run("b", json.dumps({"sampling": {"temperature": "hot"}}), "h")
     server = GatewayServer(store, secret="s")
-    assert await server.run_sampling("a/g000000/3r1") == chat.RunSampling(0.6, 1.0, 40, 0)
+    assert await server.run_sampling("a/g000000/3r1") == RunSampling(0.6, 1.0, 40, 0)
     assert await server.run_sampling("b/g000000/0") is None  # unreadable: every sampling field refused
     assert await server.run_sampling("c/g000000/0") is None  # not in the store
 
