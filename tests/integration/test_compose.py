@@ -34,7 +34,8 @@ COMPOSE = shutil.which("docker-compose")
 LOCAL = REPO_ROOT / "docker-compose.local.yml"
 PRODUCTION = REPO_ROOT / "docker-compose.yml"
 IMAGE = "durable-rollouts:local"
-ONE_SHOT = {"setup", "cli"}  # run to completion; everything else is long-running
+# run to completion; everything else is long-running (temporal-*: the production file's Temporal set-up jobs)
+ONE_SHOT = {"setup", "cli", "temporal-schema", "temporal-namespace"}
 NO_COMPOSE = "docker-compose is not installed (apt-get install docker-compose; .ci/with-services.sh does)"
 
 pytestmark = pytest.mark.timeout(900)
