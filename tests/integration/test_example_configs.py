@@ -27,7 +27,7 @@ from durable_rollouts.environments import registry
 from durable_rollouts.environments.tasks import load_tasks
 from durable_rollouts.simengine import Mode, ModeRule, SimEngine, SimSettings
 from tests import REPO_ROOT
-from tests.integration.support import export, run_to_end, worker
+from tests.integration.support import CODING_TASKS, export, run_to_end, worker
 from tests.integration.test_harbor import harbor_base  # noqa: F401  (fixture)
 from tests.integration.test_harness import harness_image  # noqa: F401  (fixture)
 from tests.integration.test_swe import swe_tasks  # noqa: F401  (fixture)
@@ -43,8 +43,10 @@ def from_the_checkout(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(REPO_ROOT)
 
 
-async def serve(transcripts: Path, max_model_len: int) -> AsyncIterator[str]:
-    settings = SimSettings(transcripts=transcripts, mode_rules=REFERENCE, max_model_len=max_model_len)
+async def serve(transcripts: Path | None, max_model_len: int, **given: Any) -> AsyncIterator[str]:
+    settings = SimSettings(
+        transcripts=transcripts, mode_rules=REFERENCE, max_model_len=max_model_len, **given
+    )
     async with SimEngine(settings).serve(port=0) as url:
         yield url
 
@@ -67,7 +69,8 @@ def example(name: str, url: str, task_queue: str, **run: Any) -> Config:
 
 async def run_example(client: Client, cfg: Config, run_id: str, tmp_path: Path) -> list[dict[str, Any]]:
     """Run ``cfg`` to its end as `rollouts run` submits it (tasks read and stored at submit); its rollouts,
-    checked: at least one completed, none truncated by max_turns or max_tokens, each within the limits."""
+    checked: at least one completed, none truncated by max_turns or max_tokens, no model call cut at
+    max_tokens, each within the limits."""
     tasks_path = resolve_path(cfg.run.task_file, "run.task_file")  # as `rollouts run` does at submit
     cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"task_file": str(tasks_path)})})
     tasks = load_tasks(tasks_path, cfg.run.env)
@@ -84,6 +87,8 @@ async def run_example(client: Client, cfg: Config, run_id: str, tmp_path: Path) 
             reason,
         )
         assert rec["outcome"] == "completed", (rec["task_id"], rec["outcome"], reason)
+        # no model call cut at sampling.max_tokens either (a cut tool call fails the task, not truncated)
+        assert all(t["finish_reason"] != "length" for t in rec["turns"]), (rec["task_id"], rec["turns"])
         assert len(rec["turns"]) < cfg.rollout.max_turns or cfg.rollout.max_turns == 1
         assert len(rec["token_ids"]) <= cfg.rollout.max_total_tokens
     return rollouts
@@ -94,6 +99,13 @@ async def rgym_sim(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[st
     from rgym_env.transcripts import write
 
     async for url in serve(write(tmp_path_factory.mktemp("rgym") / "transcripts.jsonl"), 4096):
+        yield url
+
+
+@pytest.fixture(scope="module")
+async def coding_sim() -> AsyncIterator[str]:
+    """The simulated engine's scripted coding agent on the bundled coding tasks (as test_coding.py)."""
+    async for url in serve(None, 4096, tasks=CODING_TASKS):
         yield url
 
 
@@ -129,6 +141,13 @@ async def test_rollouts_run_reasoning_gym(
     cfg = example("reasoning_gym", rgym_sim, task_queue)
     (rec,) = await run_example(client, cfg, "example-rgym", tmp_path)
     assert rec["reward"] == 1.0 and len(rec["turns"]) == 1
+
+
+@pytest.mark.usefixtures("docker")
+async def test_rollouts_run_coding(client: Client, coding_sim: str, task_queue: str, tmp_path: Path) -> None:
+    cfg = example("coding", coding_sim, task_queue)
+    (rec,) = await run_example(client, cfg, "example-coding", tmp_path)
+    assert rec["reward"] == 1.0
 
 
 @pytest.mark.usefixtures("swe_tasks")
