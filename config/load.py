@@ -86,8 +86,8 @@ def config_file(path: str | Path) -> Path:
     if is_resource(text):
         return resource_path(text, "config")
     candidate = Path(text)
-    if candidate.exists() or "/" in text or text.endswith(".toml"):
-        return candidate
+    if candidate.is_file() or "/" in text or text.endswith(".toml"):
+        return candidate  # a folder of the same name (``stack/`` in a checkout) is not a config
     if text in bundled_examples():
         return resource_path(f"durable_rollouts.config:examples/{text}.toml", "config")
     raise ConfigError(

@@ -4,6 +4,7 @@ environment; the examples of the sandboxed environments carry the limits their r
 from __future__ import annotations
 
 import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -63,3 +64,18 @@ def test_agent_examples_leave_room_for_a_reference_solution(name: str) -> None:
     assert cfg.rollout.max_turns >= turns
     assert cfg.sampling.max_tokens >= tokens
     assert cfg.rollout.max_total_tokens >= total
+
+
+def test_a_bundled_example_is_found_by_name_even_beside_a_folder_of_that_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from durable_rollouts.config.load import config_file
+    from durable_rollouts.errors import ConfigError
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "stack").mkdir()  # a checkout has a stack/ folder; `rollouts run stack` means the example
+    assert config_file("stack").name == "stack.toml" and config_file("stack").is_file()
+    (tmp_path / "mine.toml").write_text("[run]\n")
+    assert config_file("mine.toml") == Path("mine.toml")
+    with pytest.raises(ConfigError, match="no bundled example of that name"):
+        config_file("nosuch")
