@@ -174,7 +174,8 @@ class RunConfig(_Strict):
     working directory. The tasks are read once, at submit, and stored with the run."""
     env: str = Field("math", min_length=1)
     """Environment that drives and scores the rollouts: a name registered under the entry-point group
-    ``environments`` (``rollouts envs`` lists them; bundled: math, coding)."""
+    ``durable_rollouts.environments`` (``rollouts envs`` lists the installed ones; bundled: math, coding,
+    swe, harbor, mini-swe-agent, reasoning_gym)."""
     num_groups: int = Field(8, ge=1, le=10_000_000)
     """Groups to generate; group i samples task i modulo the number of tasks."""
     group_size: int = Field(4, ge=1, le=1024)
