@@ -29,6 +29,7 @@ from durable_rollouts import metrics
 from durable_rollouts.activities.calls import Options, options
 from durable_rollouts.activities.environment import EnvironmentActivities
 from durable_rollouts.activities.heartbeat import heartbeating
+from durable_rollouts.config.paths import resolve_path
 from durable_rollouts.contracts.activity_io import (
     FinalizeGroupInput,
     FinalizeRolloutInput,
@@ -98,7 +99,9 @@ class RolloutActivities:
             uploaded = await asyncio.to_thread(self.store.task_count, inp.run_id)
             env = registry.get(inp.env)
             with calling(env, "load_tasks", inp.run_id):
-                tasks = [] if uploaded else await asyncio.to_thread(env.load_tasks, inp.task_file)
+                tasks = (
+                    [] if uploaded else await asyncio.to_thread(env.load_tasks, resolve_path(inp.task_file))
+                )
         except RolloutError as e:
             raise e.to_application_error() from e
         await asyncio.to_thread(self.store.register_run, inp.run_id, inp.config_json, inp.config_hash)

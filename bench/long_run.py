@@ -50,6 +50,7 @@ from temporalio.client import Client, WorkflowHandle
 
 from durable_rollouts.config.load import config_hash, load_config
 from durable_rollouts.config.models import Config, StackConfig
+from durable_rollouts.config.paths import resolve_path
 from durable_rollouts.contracts.client import connect
 from durable_rollouts.contracts.types import RunInput, group_id, rollout_id
 from durable_rollouts.stack import procs, stack
@@ -290,7 +291,7 @@ async def measure(
     """Submit the run, sample until it ends; returns (samples, per-tenth checks, the run's result)."""
     total = cfg.run.num_groups * cfg.run.group_size
     ends = bounds(total)
-    tasks, turns = len(Path(cfg.run.task_file).read_text().splitlines()), cfg.rollout.max_turns
+    tasks, turns = len(resolve_path(cfg.run.task_file).read_text().splitlines()), cfg.rollout.max_turns
     t0 = time.monotonic()
     handle = await client.start_workflow(
         RunWorkflow.run,

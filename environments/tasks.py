@@ -44,9 +44,11 @@ def load_tasks(path: str | Path, env: str) -> list[dict[str, Any]]:
         ConfigError: no environment of that name is installed.
         EnvironmentCodeError: the environment's own ``load_tasks`` raised (a bug in its code).
     """
+    from durable_rollouts.config.paths import resolve_path
     from durable_rollouts.environments import registry
     from durable_rollouts.environments.base import calling
 
     environment = registry.get(env)
-    with calling(environment, "load_tasks", str(path)):
-        return [t.model_dump(mode="json") for t in environment.load_tasks(path)]
+    found = resolve_path(path, "run.task_file")  # a file, or a package's bundled one (PACKAGE:RELATIVE)
+    with calling(environment, "load_tasks", str(found)):
+        return [t.model_dump(mode="json") for t in environment.load_tasks(found)]

@@ -14,6 +14,7 @@ from temporalio.client import Client
 from transformers import AutoTokenizer
 
 from durable_rollouts.config.load import load_config
+from durable_rollouts.config.paths import resolve_path
 from durable_rollouts.contracts.types import group_id, rollout_id
 from durable_rollouts.workflows.rollout import pick_engine
 from durable_rollouts.workflows.run import RunWorkflow
@@ -56,7 +57,7 @@ async def test_math_run_8x4_gives_complete_provenance_records(
     assert_schema_valid(export_lines(store, run_id))  # every line matches records/schema/*.json
     assert len({r["rollout_id"] for r in rollouts}) == 32
     tok = AutoTokenizer.from_pretrained(str(MODEL_DIR))
-    tasks = {t["id"]: t for t in map(json.loads, Path(cfg.run.task_file).read_text().splitlines())}
+    tasks = {t["id"]: t for t in map(json.loads, resolve_path(cfg.run.task_file).read_text().splitlines())}
     for rec in rollouts:
         assert_consistent(rec)
         assert rec["outcome"] == "completed" and rec["scorable"]
@@ -94,7 +95,7 @@ async def test_the_main_job_as_shipped_runs_its_model_calls_as_local_activities_
     assert result.done and result.outcomes == {"completed": 32}, result.outcomes
     rollouts, groups = export(store, "main-job")
     assert len({r["rollout_id"] for r in rollouts}) == 32 and len(groups) == 8
-    tasks = {t["id"]: t for t in map(json.loads, Path(cfg.run.task_file).read_text().splitlines())}
+    tasks = {t["id"]: t for t in map(json.loads, resolve_path(cfg.run.task_file).read_text().splitlines())}
     tok = AutoTokenizer.from_pretrained(str(MODEL_DIR))
     for rec in rollouts:
         assert_consistent(rec)
