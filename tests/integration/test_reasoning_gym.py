@@ -23,6 +23,7 @@ from rgym_env.transcripts import SPEC, write
 from temporalio.client import Client
 
 from durable_rollouts.config.models import Config
+from durable_rollouts.config.paths import TINY_POLICY, resource_path
 from durable_rollouts.environments.tasks import load_tasks
 from durable_rollouts.simengine import Mode, ModeRule, SimEngine, SimSettings
 from durable_rollouts.simengine.tokenizer import SimTokenizer
@@ -87,7 +88,7 @@ async def test_three_generators_in_one_run_every_reward_is_score_answer(
     assert len(rollouts) == 12 and len(groups) == 6
     assert_schema_valid(export_lines(store, run_id))
     datasets = datasets_of(SPEC)
-    tok = SimTokenizer(SimSettings.model_fields["model_dir"].default)
+    tok = SimTokenizer(resource_path(TINY_POLICY))
     seen = set()
     for rec in rollouts:
         assert rec["outcome"] == "completed" and rec["scorable"], (rec["task_id"], rec["reason"])
