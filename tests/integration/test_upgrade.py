@@ -50,8 +50,29 @@ def previous_release(dest: Path) -> Path:
     return dest
 
 
+OLD_ENTRY_POINTS = {"math": "envs.math:MathEnvironment", "coding": "envs.coding:CodingEnvironment"}
+"""The environments release 0.2.0 registered itself (its pyproject's entry points): math and coding lived in
+its own ``envs`` package. Today they are plug-in distributions of their own (durable-rollouts-math, ...)
+whose entry points name the current packages, which the old code cannot load."""
+
+
+def _old_entry_points(old: Path) -> Path:
+    """A folder holding distributions named as today's math and coding plug-ins but registering 0.2.0's
+    own environments: first on the old process's path, they stand in for the plug-ins there (a
+    distribution name is found once, first on ``sys.path`` first), as an install of 0.2.0 would have."""
+    where = old.parent / f"{old.name}-entry-points"
+    for name, target in OLD_ENTRY_POINTS.items():
+        info = where / f"durable_rollouts_{name}-0.0.0.dist-info"
+        info.mkdir(parents=True, exist_ok=True)
+        (info / "METADATA").write_text(
+            f"Metadata-Version: 2.1\nName: durable-rollouts-{name}\nVersion: 0.0.0\n"
+        )
+        (info / "entry_points.txt").write_text(f"[durable_rollouts.environments]\n{name} = {target}\n")
+    return where
+
+
 def _env(old: Path, home: Path) -> dict[str, str]:
-    return {"PYTHONPATH": str(old), "ROLLOUTS_HOME": str(home)}
+    return {"PYTHONPATH": f"{old}{os.pathsep}{_old_entry_points(old)}", "ROLLOUTS_HOME": str(home)}
 
 
 # The 0.2.0 CLI left through interpreter finalization, which the Temporal runtime's threads abort about
