@@ -81,21 +81,12 @@ def test_down_stops_the_orphans_of_a_leader_that_was_sigkilled(tmp_path: Path, s
 def test_a_recycled_session_id_is_never_signalled(tmp_path: Path, strays: list[int]) -> None:
     # A stranger's session (no marker of ours) whose leader exited, leaving a child: as if our engine's tree
     # had died and the kernel had given its pid to this stranger, who then started a session.
-    log = tmp_path / "stranger.log"
-    with log.open("wb") as out:
-        stranger = subprocess.Popen([sys.executable, "-c", PARENT], stdout=out, start_new_session=True)
-    strays.append(stranger.pid)
-    child = _child_of(log, stranger.pid)
-    strays.append(child)
-    start = proctree.stat(stranger.pid)[19]  # type: ignore[index]
-    stranger.kill()
-    stranger.wait()
-    assert os.getsid(child) == stranger.pid
+    pid, start, child = _stranger_session(tmp_path, strays)
 
-    ours = Record(stranger.pid, start, proctree.new_marker())  # the same pid and start time, our marker
+    ours = Record(pid, start, proctree.new_marker())  # the same pid and start time, our marker
     assert proctree.members(ours) == []
     assert proctree.stop_tree(ours, timeout_s=1) is None
-    legacy = Record(stranger.pid, start)  # no marker recorded: nothing can be proven once the leader is gone
+    legacy = Record(pid, start)  # no marker recorded: nothing can be proven once the leader is gone
     assert proctree.signal_tree(legacy, signal.SIGKILL) == 0
     (tmp_path / "pids").mkdir()
     procs.pid_path(tmp_path, "engine").write_text(ours.line())
