@@ -3,10 +3,14 @@ with the bundled policy's real tokenizer and chat template and a scripted engine
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 
 from durable_rollouts.contracts.harness import GatewayCallInput
@@ -14,6 +18,7 @@ from durable_rollouts.contracts.types import RolloutRef, SamplingParams, Truncat
 from durable_rollouts.engines.client import Generation
 from durable_rollouts.errors import ContextLengthExceeded
 from durable_rollouts.gateway import chat
+from durable_rollouts.gateway.server import GatewayServer
 from durable_rollouts.gateway.turn import GatewayTurns, sequence_starts
 from durable_rollouts.simengine.tokenizer import SimTokenizer
 from durable_rollouts.store import RunStore
@@ -248,3 +253,36 @@ async def test_token_budget_cuts_the_sample_and_context_length_is_a_400(tmp_path
         call is not None and call.status == 400 and res2.truncated_reason == TruncationReason.CONTEXT_LENGTH
     )
     assert json.dumps(call.response).count("context_length_exceeded") == 1
+
+
+@contextlib.asynccontextmanager
+async def answering_gateway(
+    store: RunStore, engine: Any, headers: dict[str, str] | None = None
+) -> AsyncIterator[tuple[aiohttp.ClientSession, str, list[int]]]:
+    """Rollout RID's gateway on a real Unix socket, each signalled call answered in process as the
+    workflow's gateway_call activity would: (a client session on the socket, its path, the call indexes
+    signalled). The server is closed on the way out."""
+    server = GatewayServer(store, secret="s")
+    turns = GatewayTurns(store, engine)
+    signals: list[int] = []
+    running: set[asyncio.Task[None]] = set()
+
+    async def signal(rollout_id: str, index: int) -> None:
+        signals.append(index)
+
+        async def answer() -> None:
+            inp = GatewayCallInput(ref=REF, index=index, engine_url="http://e",
+                                   sampling=SAMPLING, max_tokens=512, max_total_tokens=0)  # fmt: skip
+            await turns.answer(inp)
+            server.notify(rollout_id, index)
+
+        task = asyncio.ensure_future(answer())
+        running.add(task)
+        task.add_done_callback(running.discard)
+
+    path = await server.serve(RID, "tiny", signal)
+    try:
+        async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=path), headers=headers) as http:
+            yield http, path, signals
+    finally:
+        await server.aclose()

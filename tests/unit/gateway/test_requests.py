@@ -5,7 +5,6 @@ the stored tokens exactly the engine's; a stream served from the stored answer, 
 
 from __future__ import annotations
 
-import asyncio
 import json
 from pathlib import Path
 from typing import Any
@@ -14,7 +13,6 @@ import aiohttp
 import httpx
 import pytest
 
-from durable_rollouts.contracts.harness import GatewayCallInput
 from durable_rollouts.engines.client import EngineClient
 from durable_rollouts.errors import EngineBadRequest
 from durable_rollouts.gateway import chat
@@ -23,7 +21,15 @@ from durable_rollouts.gateway.server import GatewayServer, gateway_key
 from durable_rollouts.gateway.turn import GatewayTurns
 from durable_rollouts.sandboxes.base import GATEWAY_ROOT_ENV
 from durable_rollouts.store import RunStore, model_segment
-from tests.unit.gateway.test_gateway import BASH, REF, RID, SAMPLING, ScriptedEngine, call_input
+from tests.unit.gateway.test_gateway import (
+    BASH,
+    REF,
+    RID,
+    SAMPLING,
+    ScriptedEngine,
+    answering_gateway,
+    call_input,
+)
 
 RUN = RunSampling(temperature=1.0, top_p=1.0, top_k=-1, min_tokens=0)
 MSGS: list[dict[str, Any]] = [{"role": "user", "content": "Task id: t1"}]
@@ -270,29 +276,9 @@ async def served(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     }
     store.register_run(REF.run_id, json.dumps(config), "h")
     engine = ScriptedEngine(["Let me look at the files in this directory first.\n" + CALL, "done"])
-    server = GatewayServer(store, secret="s")
-    turns = GatewayTurns(store, engine)
-    signals: list[int] = []
-    running: set[asyncio.Task[None]] = set()
-
-    async def signal(rollout_id: str, index: int) -> None:
-        signals.append(index)
-
-        async def run() -> None:
-            inp = GatewayCallInput(ref=REF, index=index, engine_url="http://e",
-                                   sampling=SAMPLING, max_tokens=512, max_total_tokens=0)  # fmt: skip
-            await turns.answer(inp)
-            server.notify(rollout_id, index)
-
-        task = asyncio.ensure_future(run())
-        running.add(task)
-        task.add_done_callback(running.discard)
-
-    path = await server.serve(RID, "tiny", signal)
     headers = {"Authorization": f"Bearer {gateway_key(RID, 's')}"}
-    async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=path), headers=headers) as http:
+    async with answering_gateway(store, engine, headers) as (http, _, signals):
         yield http, signals, engine, store
-    await server.aclose()
 
 
 async def test_a_temperature_other_than_the_runs_is_a_400_naming_it(served: Any) -> None:

@@ -3,21 +3,17 @@ repeated request answered from the store without a second signal or sample."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import stat
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import pytest
 
-from durable_rollouts.contracts.harness import GatewayCallInput
-from durable_rollouts.gateway.server import GatewayServer, gateway_key
-from durable_rollouts.gateway.turn import GatewayTurns
+from durable_rollouts.gateway.server import gateway_key
 from durable_rollouts.sandboxes.base import GATEWAY_ROOT_ENV, gateway_dir
 from durable_rollouts.store import RunStore
-from tests.unit.gateway.test_gateway import REF, RID, SAMPLING, ScriptedEngine
+from tests.unit.gateway.test_gateway import RID, ScriptedEngine, answering_gateway
 
 CALL = '<tool_call>{"name": "bash", "arguments": {"command": "ls"}}</tool_call>'
 
@@ -27,29 +23,8 @@ async def served(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     monkeypatch.setenv(GATEWAY_ROOT_ENV, str(tmp_path / "gw"))
     store = RunStore(tmp_path / "home")
     engine = ScriptedEngine([CALL, "done"])
-    server = GatewayServer(store, secret="s")
-    turns = GatewayTurns(store, engine)
-    signals: list[int] = []
-    running: set[asyncio.Task[None]] = set()
-
-    async def signal(rollout_id: str, index: int) -> None:  # what the workflow's gateway_call activity does
-        signals.append(index)
-
-        async def answer() -> None:
-            inp = GatewayCallInput(ref=REF, index=index, engine_url="http://e",
-                                   sampling=SAMPLING, max_tokens=512, max_total_tokens=0)  # fmt: skip
-            await turns.answer(inp)
-            server.notify(rollout_id, index)
-
-        task = asyncio.ensure_future(answer())
-        running.add(task)
-        task.add_done_callback(running.discard)
-
-    path = await server.serve(RID, "tiny", signal)
-    conn = aiohttp.UnixConnector(path=path)
-    async with aiohttp.ClientSession(connector=conn) as http:
+    async with answering_gateway(store, engine) as (http, path, signals):
         yield http, path, signals, engine, store
-    await server.aclose()
     assert not os.path.exists(path)
 
 
