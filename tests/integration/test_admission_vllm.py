@@ -121,7 +121,9 @@ async def probe_run(
     for e in log:  # the decisions that changed the cap or held it (-s shows them)
         if any("->" in why or "held" in why for why in e["reasons"]):
             print(f"  {e['at'] - log[0]['at']:6.2f}s in flight {e['inflight']:2d}: {'; '.join(e['reasons'])}")
-    storms = [e for e in log if any("preemption storm" in why for why in e["reasons"])]
+    # a storm is rule P1's ("preemption storm on <engine> ..."); P4's "near a preemption storm: cap held"
+    # is the controller declining to grow before one, which a probe near the KV cap is expected to do
+    storms = [e for e in log if any(why.startswith("preemption storm on") for why in e["reasons"])]
     assert storms == [], f"preemption storm: {storms[0]['reasons']}"
     return log, rollouts
 
