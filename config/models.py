@@ -234,6 +234,13 @@ class GroupConfig(_Strict):
     history holds its members' events, and a cancel (an admission shed, ``rollouts cancel``) reaches a
     member when its group next completes a workflow task: once every call running in the group has ended,
     or within ~8 s (the SDK's heartbeat of a task held open). Off by default."""
+    batch_rollouts: bool = False
+    """The group runs its rollouts together inside one activity (``run_batch``) instead of as workflows:
+    Temporal records the batch, not each turn; each rollout's progress is durable in the store (its turns
+    and record, written once each), and a retried batch resumes every rollout from there without sampling
+    a stored turn again. For short rollouts at engine speed (docs/measurements/cost.md). Applies to
+    environments whose steps run inline without a sandbox or a harness (others still run as child
+    workflows); not with ``group.inline_rollouts`` or ``rollout.step_token_budget``. Off by default."""
 
 
 class AdmissionConfig(BaseModel):
@@ -482,6 +489,10 @@ class Config(_Strict):
             raise ValueError(
                 "group.inline_rollouts needs rollout.local_model_calls = true (a group's history holds its"
                 " members' calls as markers, not as activity tasks)"
+            )
+        if self.group.batch_rollouts and (self.group.inline_rollouts or self.rollout.step_token_budget):
+            raise ValueError(
+                "group.batch_rollouts excludes group.inline_rollouts and rollout.step_token_budget"
             )
         if self.admission.enabled and self.admission.max_inflight < self.run.group_size:
             raise ValueError("admission.max_inflight is smaller than run.group_size: no group could start")
