@@ -185,6 +185,9 @@ class RolloutInput(_Data):
     in_group: bool = False
     """The rollout runs inside its group's workflow (``group.inline_rollouts``): it upserts no search
     attributes, sets no live details and never continues as new (those belong to its group)."""
+    batched: bool = False
+    """The rollout runs with its group's others inside one activity (``group.batch_rollouts``,
+    ``activities.batch``): no workflow of its own; its progress is durable in the store."""
 
     def ref(self) -> RolloutRef:
         """The member's reference, carried by every activity input of the rollout (built once per member:
