@@ -1,5 +1,5 @@
-"""The gateway's HTTP side: an OpenAI-compatible ``POST /v1/chat/completions`` on one Unix socket per
-rollout, served by the worker of the sandbox host that runs the rollout's sandbox.
+"""The gateway's HTTP side: OpenAI-compatible ``POST /v1/chat/completions`` and ``POST /v1/responses`` on
+one Unix socket per rollout, served by the worker of the sandbox host that runs the rollout's sandbox.
 
 Invariants:
 - Addressed per rollout: each rollout's socket lives in its own folder (``sandboxes.base.gateway_dir``),
@@ -15,6 +15,9 @@ Invariants:
 - Streamed from the store: with ``stream: true`` the call is made and its answer stored first, then the
   stored answer is sent as server-sent ``chat.completion.chunk`` events (``gateway.chat.stream_chunks``);
   a client that retries a broken stream is the same call again and gets the same chunks.
+- One call path for both APIs: a Responses request is recorded as the chat call it converts to
+  (``gateway.responses``) and answered by the same activity; its answer is the stored chat answer read as
+  a ``response`` (``gateway.response_items``), streamed as Responses events from the store in the same way.
 """
 
 from __future__ import annotations
@@ -29,11 +32,11 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from durable_rollouts.config.models import SamplingConfig
-from durable_rollouts.gateway import chat
+from durable_rollouts.gateway import chat, response_items, responses
 from durable_rollouts.gateway.options import BadChatRequest, RunSampling, error, request_options
 from durable_rollouts.sandboxes.base import gateway_dir
 from durable_rollouts.store import RunStore
-from durable_rollouts.store.gateway_calls import CallInFlight
+from durable_rollouts.store.gateway_calls import CallInFlight, GatewayCall
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +100,7 @@ class GatewayServer:
         app = web.Application(client_max_size=64 << 20)
         handler = _Handler(self, rollout_id, model, signal)
         app.router.add_post("/v1/chat/completions", handler.chat)
+        app.router.add_post("/v1/responses", handler.responses)
         app.router.add_get("/v1/models", handler.models)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
@@ -163,51 +167,88 @@ class _Handler:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         if (denied := self._denied(request)) is not None:
             return denied
-        store, rid = self.server.store, self.rollout_id
         try:
             body = await request.json()
             messages, tools = chat.request_messages(body)
-            options = request_options(body, await self.server.run_sampling(rid))
+            options = request_options(body, await self.server.run_sampling(self.rollout_id))
         except BadChatRequest as e:
             return web.json_response(e.body(), status=400)
         except ValueError as e:
             return web.json_response(error(str(e)), status=400)
-        key = chat.request_key(messages, tools, options)
         recorded: dict[str, object] = {"messages": messages, "tools": tools}
         if options.recorded():
             recorded["options"] = options.recorded()
-        try:
-            call = await asyncio.to_thread(store.open_call, rid, key, recorded)
-        except CallInFlight as e:
-            return web.json_response(error(str(e), "conflict_error"), status=409)
-        if not call.answered:
-            try:
-                await self.signal(rid, call.index)
-            except Exception as e:  # the rollout's workflow is gone or the server unreachable: retry later
-                log.warning(
-                    "gateway %s: call %d: cannot reach the rollout's workflow: %s", rid, call.index, e
-                )
-                return web.json_response(error(f"rollout unreachable: {e}", "server_error"), status=503)
-            if not await self.server.wait_answer(rid, call.index, ANSWER_TIMEOUT_S):
-                return web.json_response(error("no answer yet; retry", "server_error"), status=503)
-            answered = await asyncio.to_thread(store.get_call, rid, call.index)
-            assert answered is not None
-            call = answered
+        call = await self._call(chat.request_key(messages, tools, options), recorded)
+        if isinstance(call, web.StreamResponse):
+            return call
         if options.stream and call.status == 200 and call.response is not None:
             return await self._stream(request, call.response, options.include_usage)
         return web.Response(
             status=call.status or 500, text=json.dumps(call.response), content_type="application/json"
         )
 
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        """``POST /v1/responses``: the request as the chat call it converts to, the answer as a response."""
+        if (denied := self._denied(request)) is not None:
+            return denied
+        try:
+            body = await request.json()
+            asked = responses.request_call(body, await self.server.run_sampling(self.rollout_id))
+        except BadChatRequest as e:
+            return web.json_response(e.body(), status=400)
+        except ValueError as e:
+            return web.json_response(error(str(e)), status=400)
+        call = await self._call(asked.key(), asked.recorded())
+        if isinstance(call, web.StreamResponse):
+            return call
+        if call.status != 200 or call.response is None:
+            return web.Response(
+                status=call.status or 500, text=json.dumps(call.response), content_type="application/json"
+            )
+        custom = set(call.request.get("custom_tools") or ())
+        answer = response_items.response_object(call.response, self.rollout_id, call.index, custom)
+        if not asked.options.stream:
+            return web.json_response(answer)
+        return await self._send(
+            request, [response_items.sse(e) for e in response_items.stream_events(answer)]
+        )
+
+    async def _call(self, key: str, recorded: dict[str, object]) -> GatewayCall | web.StreamResponse:
+        """The call a checked request is, answered: recorded before the workflow is signalled, waited for,
+        read from the store (a repeated request finds it answered); or the error response."""
+        store, rid = self.server.store, self.rollout_id
+        try:
+            call = await asyncio.to_thread(store.open_call, rid, key, recorded)
+        except CallInFlight as e:
+            return web.json_response(error(str(e), "conflict_error"), status=409)
+        if call.answered:
+            return call
+        try:
+            await self.signal(rid, call.index)
+        except Exception as e:  # the rollout's workflow is gone or the server unreachable: retry later
+            log.warning("gateway %s: call %d: cannot reach the rollout's workflow: %s", rid, call.index, e)
+            return web.json_response(error(f"rollout unreachable: {e}", "server_error"), status=503)
+        if not await self.server.wait_answer(rid, call.index, ANSWER_TIMEOUT_S):
+            return web.json_response(error("no answer yet; retry", "server_error"), status=503)
+        answered = await asyncio.to_thread(store.get_call, rid, call.index)
+        assert answered is not None
+        return answered
+
     async def _stream(self, request: web.Request, answer: dict, include_usage: bool) -> web.StreamResponse:
-        """The stored answer as server-sent events, then ``[DONE]``; a client gone mid-stream ends it (its
-        retry is answered from the store again)."""
+        """The stored answer as server-sent ``chat.completion.chunk`` events, then ``[DONE]``."""
+        events = [
+            b"data: " + json.dumps(c).encode() + b"\n\n" for c in chat.stream_chunks(answer, include_usage)
+        ]
+        return await self._send(request, [*events, b"data: [DONE]\n\n"])
+
+    async def _send(self, request: web.Request, events: list[bytes]) -> web.StreamResponse:
+        """Server-sent events computed from the stored answer; a client gone mid-stream ends it (its retry
+        is answered from the store again, with the same events)."""
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         try:
-            for chunk in chat.stream_chunks(answer, include_usage):
-                await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-            await resp.write(b"data: [DONE]\n\n")
+            for event in events:
+                await resp.write(event)
             await resp.write_eof()
         except ConnectionError as e:
             log.info("gateway %s: the client left its stream: %s", self.rollout_id, e)
