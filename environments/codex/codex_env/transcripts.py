@@ -1,0 +1,70 @@
+"""Scripted Codex CLI turns of Harbor tasks, as a transcripts file for the simulated engine.
+
+``python -m codex_env.transcripts -o transcripts.jsonl DATASET`` writes one line ``{"task_id", "mode",
+"turns"}`` per task and mode: the harbor plug-in's oracle turns (``harbor_env.transcripts``: upload
+``solution/``, run ``solve.sh`` or ``wrong.sh``), each written as a call of the ``exec_command`` tool Codex
+declares (argument ``cmd``; ``yield_time_ms`` at Codex's most, 30 s, so a command's output comes back in
+its call), and the submit as a plain answer (no tool call: Codex ends its turn and ``codex exec`` exits).
+Played through Codex unchanged, ``reference`` scores 1.0 on a task whose solution is right.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from harbor_env.tasks import HarborTask, load_dataset
+from harbor_env.transcripts import MODES
+from harbor_env.transcripts import turns as harbor_turns
+
+from durable_rollouts.environments.tool_calls import parse_tool_call
+
+YIELD_MS = 30_000
+DONE = "Done."
+
+
+def exec_command(cmd: str) -> str:
+    """One Codex action in the model's tool-call format."""
+    call = {"name": "exec_command", "arguments": {"cmd": cmd, "yield_time_ms": YIELD_MS}}
+    return "<tool_call>" + json.dumps(call) + "</tool_call>"
+
+
+def turns(task: HarborTask, mode: str) -> list[str]:
+    out = []
+    for text in harbor_turns(task, mode):
+        call = parse_tool_call(text)
+        name = getattr(call, "name", None)
+        if name == "bash":
+            out.append(exec_command(call.arguments["cmd"]))  # type: ignore[union-attr]
+        elif name == "submit":
+            out.append(DONE)
+        else:
+            raise ValueError(f"task {task.id}: unexpected oracle turn {text[:80]!r}")
+    return out
+
+
+def write(path: str | Path, dataset: str | Path) -> Path:
+    out = Path(path)
+    lines: list[dict[str, Any]] = [
+        {"task_id": t.id, "mode": mode, "turns": turns(t, mode)}
+        for t in load_dataset(dataset)
+        for mode in MODES
+    ]
+    out.write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="codex-transcripts", description=__doc__.splitlines()[0])
+    p.add_argument("dataset", help="a Harbor task directory, a folder of them, or a dataset file")
+    p.add_argument("-o", "--output", required=True, help="transcripts file to write (JSONL)")
+    args = p.parse_args(argv)
+    print(f"wrote {write(args.output, args.dataset)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
