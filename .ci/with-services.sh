@@ -62,6 +62,7 @@ if docker info >/dev/null 2>&1; then
   bash environments/swe/build_images.sh || echo "SWE image build failed; SWE Docker tests will say why" >&2
   bash environments/harbor/base_images.sh || echo "Harbor examples' base image failed; Harbor tests will say why" >&2
   bash environments/harness/build_image.sh || echo "harness image build failed; harness tests will say why" >&2
+  bash environments/codex/build_image.sh || echo "codex image build failed; codex tests will say why" >&2
   bash workers/image/build_local_image.sh || echo "project image build failed; the compose test will say why" >&2
 fi
 
