@@ -38,21 +38,31 @@ import sqlite3
 import sys
 import tempfile
 import time
-from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import server_memory
+import server_metrics
 from harness import cpu_s, rss_bytes
+from long_run_histories import (
+    histories,
+    history_picks,
+    rejected_continue_as_new,
+    run_view,
+    segments,
+    turns_of,
+)
 from long_run_stats import Sample, acceptance, bounds, deciles, page, sample_dict, segment_summary
-from temporalio.api.enums.v1 import EventType, WorkflowTaskFailedCause
 from temporalio.api.workflowservice.v1 import DescribeNamespaceRequest
-from temporalio.client import Client, WorkflowHandle
+from temporalio.client import Client
 
 from durable_rollouts.config.load import config_hash, load_config
 from durable_rollouts.config.models import Config, StackConfig
 from durable_rollouts.config.paths import resolve_path
 from durable_rollouts.contracts.client import connect
-from durable_rollouts.contracts.types import RunInput, group_id, rollout_id
+from durable_rollouts.contracts.types import RunInput
 from durable_rollouts.stack import procs, stack
 from durable_rollouts.store.runstore import RunStore
 from durable_rollouts.workflows.run import RunWorkflow
@@ -60,8 +70,6 @@ from durable_rollouts.workflows.run import RunWorkflow
 REPO_ROOT = Path(__file__).resolve().parent.parent  # the checkout the benchmark runs from
 
 TASKS = REPO_ROOT / "environments" / "math" / "math_env" / "data" / "addition.jsonl"
-HISTORY_SAMPLES = 3
-"""Groups per tenth whose histories (the group's and its first member's) are read."""
 
 
 def write_workload(home: Path, turns: int) -> tuple[Path, Path]:
@@ -79,11 +87,6 @@ def write_workload(home: Path, turns: int) -> tuple[Path, Path]:
     task_file.write_text("".join(json.dumps(t) + "\n" for t in tasks))
     transcripts.write_text("".join(json.dumps(s) + "\n" for s in scripts))
     return task_file, transcripts
-
-
-def turns_of(task_index: int, turns: int) -> int:
-    """Turns the scripted rollouts of the ``task_index``-th task take."""
-    return 1 + task_index % turns
 
 
 def engine_argv(port: int, transcripts: Path) -> list[str]:
@@ -162,133 +165,33 @@ def read_sample(t: float, rollouts: int, home: Path, pids: dict[str, int]) -> Sa
     )
 
 
-async def history_size(client: Client, wf_id: str, run_id: str | None = None) -> tuple[int, int]:
-    """(events, bytes) of one workflow execution's history."""
-    n = size = 0
-    async for e in client.get_workflow_handle(wf_id, run_id=run_id).fetch_history_events():
-        n += 1
-        size += e.ByteSize()
-    return n, size
+@dataclass
+class Measured:
+    """What a run has measured so far (filled in while it runs, so a run stopped early keeps it)."""
 
-
-async def run_view(client: Client, run_id: str) -> dict[str, Any]:
-    """The run workflow now (its latest segment): the segment's number, history and carried state (its
-    input), and the run's search attributes."""
-    handle: WorkflowHandle = client.get_workflow_handle(run_id)  # no run id: the latest segment
-    desc = await handle.describe()
-    n = size = state = 0
-    async for e in client.get_workflow_handle(handle.id, run_id=desc.run_id).fetch_history_events():
-        if n == 0:
-            state = e.workflow_execution_started_event_attributes.input.ByteSize()
-        n += 1
-        size += e.ByteSize()
-    progress = None
-    if desc.status is not None and desc.status.name == "RUNNING":
-        progress = await handle.query(RunWorkflow.progress)
-    return {
-        "segment": progress.segment if progress is not None else None,
-        "groups_inflight": progress.groups_inflight if progress is not None else None,
-        "segment_history_events": n,
-        "segment_history_bytes": size,
-        "carried_input_bytes": state,
-        "search_attributes": len(
-            desc.raw_description.workflow_execution_info.search_attributes.indexed_fields
-        ),
-        "memo_bytes": desc.raw_description.workflow_execution_info.memo.ByteSize(),
-    }
-
-
-def history_picks(part: int, groups: int, tasks: int, turns: int) -> list[int]:
-    """``HISTORY_SAMPLES`` groups spread over tenth ``part`` (1-based), each the first from its point on
-    whose task takes the most turns, so every tenth samples the same work."""
-    lo, hi = groups * (part - 1) // 10, groups * part // 10
-    picks = set()
-    for j in range(HISTORY_SAMPLES):
-        p = lo + (hi - lo) * (j + 1) // (HISTORY_SAMPLES + 1)
-        picks.add(next((g for g in range(p, hi) if turns_of(g % tasks, turns) == turns), p))
-    return sorted(picks)
-
-
-async def histories(client: Client, run_id: str, picks: list[int]) -> dict[str, Any]:
-    """Histories of the groups ``picks`` and of each one's member 0."""
-    r_events, r_bytes, g_events, g_bytes = [], [], [], []
-    for g in picks:
-        gid = group_id(g)
-        n, b = await history_size(client, rollout_id(run_id, gid, 0))
-        r_events.append(n)
-        r_bytes.append(b)
-        n, b = await history_size(client, f"{run_id}/{gid}")
-        g_events.append(n)
-        g_bytes.append(b)
-    mean = lambda xs: round(sum(xs) / len(xs), 1)  # noqa: E731
-    return {
-        "sampled_groups": [group_id(g) for g in picks],
-        "rollout_history_events_mean": mean(r_events),
-        "rollout_history_bytes_mean": mean(r_bytes),
-        "group_history_events_mean": mean(g_events),
-        "group_history_bytes_mean": mean(g_bytes),
-    }
-
-
-async def segments(client: Client, run_id: str) -> list[dict[str, Any]]:
-    """Every segment (execution) of the run, oldest first: its history (events, bytes), the state it
-    was started with (its input's bytes), the groups it started and the group_done signals it took, its
-    workflow tasks that failed (by cause), and the time from its last group start to its last event (the
-    continue-as-new; no group starts meanwhile)."""
-    runs = sorted(
-        [w async for w in client.list_workflows(f"WorkflowId = '{run_id}'")], key=lambda w: w.start_time
-    )
-    out = []
-    for i, w in enumerate(runs):
-        events = [e async for e in client.get_workflow_handle(run_id, run_id=w.run_id).fetch_history_events()]
-        t = lambda e: e.event_time.ToNanoseconds() / 1e9  # noqa: E731
-        starts = [
-            t(e)
-            for e in events
-            if e.event_type == EventType.EVENT_TYPE_START_CHILD_WORKFLOW_EXECUTION_INITIATED
-        ]
-        failed = Counter(
-            WorkflowTaskFailedCause.Name(e.workflow_task_failed_event_attributes.cause).removeprefix(
-                "WORKFLOW_TASK_FAILED_CAUSE_"
-            )
-            for e in events
-            if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED
-        )
-        out.append(
-            {
-                "segment": i,
-                "status": w.status.name if w.status is not None else None,
-                "start_s": round((w.start_time - runs[0].start_time).total_seconds(), 2),
-                "duration_s": round(t(events[-1]) - t(events[0]), 2),
-                "events": len(events),
-                "history_bytes": sum(e.ByteSize() for e in events),
-                "carried_input_bytes": events[0].workflow_execution_started_event_attributes.input.ByteSize(),
-                "groups_started": len(starts),
-                "group_done_signals": sum(
-                    1 for e in events if e.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED
-                ),
-                "workflow_task_failures": dict(failed),
-                "last_start_to_end_s": round(t(events[-1]) - max(starts), 2) if starts else None,
-            }
-        )
-    return out
-
-
-def rejected_continue_as_new(segs: list[dict[str, Any]]) -> int:
-    """Workflow tasks of the run's segments that the server rejected for an event that arrived while they
-    were in flight (``UNHANDLED_COMMAND``): in a segment that continued as new, only the task carrying the
-    continue-as-new can be (the run's other tasks issue no closing command)."""
-    return sum(
-        s["workflow_task_failures"].get("UNHANDLED_COMMAND", 0)
-        for s in segs
-        if s["status"] == "CONTINUED_AS_NEW"
-    )
+    samples: list[Sample] = field(default_factory=list)
+    checks: list[dict[str, Any]] = field(default_factory=list)
+    """Each tenth's history samples and run view, as the tenth is reached."""
+    server: list[dict[str, Any]] = field(default_factory=list)
+    """The dev server's gauges (`server_metrics.parse`) at each sample: ``{"t", "rollouts", ...}``."""
 
 
 async def measure(
-    client: Client, store: RunStore, cfg: Config, run_id: str, home: Path, pids: dict[str, int], every: float
-) -> tuple[list[Sample], list[dict[str, Any]], Any]:
-    """Submit the run, sample until it ends; returns (samples, per-tenth checks, the run's result)."""
+    client: Client,
+    store: RunStore,
+    cfg: Config,
+    run_id: str,
+    home: Path,
+    pids: dict[str, int],
+    every: float,
+    metrics_port: int,
+    got: Measured,
+    stop: asyncio.Event,
+    save: Callable[[], None],
+    save_s: float,
+) -> Any:
+    """Submit the run, sample into ``got`` until it ends (or ``stop`` is set: then None), calling ``save``
+    every ``save_s`` seconds; returns the run's result."""
     total = cfg.run.num_groups * cfg.run.group_size
     ends = bounds(total)
     tasks, turns = len(resolve_path(cfg.run.task_file).read_text().splitlines()), cfg.rollout.max_turns
@@ -300,36 +203,81 @@ async def measure(
         task_queue=cfg.temporal.task_queue,
     )
     result = asyncio.ensure_future(handle.result())
-    samples: list[Sample] = [read_sample(0.0, 0, home, pids)]
-    checks: list[dict[str, Any]] = []
+    stopped = asyncio.ensure_future(stop.wait())
+    got.samples.append(read_sample(0.0, 0, home, pids))
+    gauges = await asyncio.to_thread(server_metrics.scrape, metrics_port)
+    got.server.append({"t": 0.0, "rollouts": 0, **gauges})
+    saved = time.monotonic()
     while True:
         finished = result.done()
         n = sum(store.count_rollouts(run_id).values())
-        samples.append(read_sample(time.monotonic() - t0, n, home, pids))
-        while len(checks) < len(ends) and n >= ends[len(checks)]:
-            part = len(checks) + 1
+        got.samples.append(read_sample(time.monotonic() - t0, n, home, pids))
+        gauges = await asyncio.to_thread(server_metrics.scrape, metrics_port)
+        got.server.append({"t": got.samples[-1].t, "rollouts": n, **gauges})
+        while len(got.checks) < len(ends) and n >= ends[len(got.checks)]:
+            part = len(got.checks) + 1
             check = {
                 "part": part,
                 "at_rollouts": n,
                 **await histories(client, run_id, history_picks(part, cfg.run.num_groups, tasks, turns)),
             }
             check["run"] = await run_view(client, run_id)
-            checks.append(check)
+            got.checks.append(check)
             print(f"long_run: tenth {part}: {json.dumps(check)}", file=sys.stderr, flush=True)
-            partial = {"samples": [sample_dict(s) for s in samples], "checks": checks}
-            (home / "long_run_partial.json").write_text(json.dumps(partial))
-        if finished:
+        if finished or stop.is_set():
             break
-        s = samples[-1]
+        if time.monotonic() - saved >= save_s:
+            save()
+            saved = time.monotonic()
+        s = got.samples[-1]
         print(
             f"long_run: t={s.t:.0f}s rollouts={n}/{total} worker={s.worker_rss >> 20}MiB "
-            f"server={s.server_rss >> 20}MiB store={s.store_bytes >> 20}MiB "
+            f"server={s.server_rss >> 20}MiB heap_inuse={int(gauges.get('heap_inuse', 0)) >> 20}MiB "
+            f"goroutines={int(gauges.get('goroutines', 0))} store={s.store_bytes >> 20}MiB "
             f"temporal={s.temporal_bytes >> 20}MiB load={s.load1:.2f}",
             file=sys.stderr,
             flush=True,
         )
-        await asyncio.wait({result}, timeout=every)
-    return samples, checks, result.result()
+        await asyncio.wait({result, stopped}, timeout=every, return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    return result.result() if result.done() else None
+
+
+def setup(args: argparse.Namespace, total: int, retention_s: float | None) -> dict[str, Any]:
+    return {
+        "stack": "stack.stack.up: Temporal dev server (SQLite) + one worker, separate processes",
+        "engine": "simengine, scripted policy from a transcripts file, no delay",
+        "environment": f"math, scripted: k-1 wrong answers, then the right one; k = 1..{args.turns}",
+        "rollouts": total,
+        "group_size": args.group_size,
+        "inflight_groups": args.inflight_groups,
+        "groups_per_run_segment": args.segment_groups,
+        "admission": args.admission,
+        "sample_s": args.sample_s,
+        "turns": args.turns,
+        "temporal_retention_s": retention_s,
+        "temporal_dynamic_config": server_metrics.dynamic_config(args.dynamic_config),
+        "cpus": os.cpu_count(),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+    }
+
+
+def partial(args: argparse.Namespace, total: int, got: Measured, retention_s: float | None) -> dict[str, Any]:
+    """The result so far of a run still going (``"partial": true``): its samples, tenths reached and the
+    server's gauges; `--rescore` cannot complete it (no segments), the numbers in it are as measured."""
+    return {
+        "benchmark": "long_run",
+        "partial": True,
+        "command": "python bench/long_run.py " + shlex.join(sys.argv[1:]),
+        "run_id": args.run_id,
+        "setup": setup(args, total, retention_s),
+        "rollouts": total,
+        "rollouts_recorded": got.samples[-1].rollouts if got.samples else 0,
+        "checks": got.checks,
+        "server_metrics": got.server,
+        "samples": [sample_dict(s) for s in got.samples],
+    }
+    return {**res, "server_memory": server_memory.summary(res)}
 
 
 async def main(args: argparse.Namespace) -> dict[str, Any]:
@@ -340,62 +288,71 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         temporal_port=procs.free_port(), ui_port=procs.free_port(), task_queue=task_queue,
         worker_metrics_port=None, worker_sdk_metrics_port=None, start_timeout_s=300,
     )  # fmt: skip
+    metrics_port, dynamic = procs.free_port(), server_metrics.dynamic_config(args.dynamic_config)
     task_file, transcripts = write_workload(home, args.turns)
     port = procs.free_port()
     url = f"http://127.0.0.1:{port}"
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)  # stop sampling; the segments so far are still read
+    got, retention_s = Measured(), None
+    total = (args.rollouts // args.group_size) * args.group_size
+
+    def save() -> None:
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(partial(args, total, got, retention_s)) + "\n")
+
     engine_pid = procs.spawn("simengine", engine_argv(port, transcripts), home)
     wall0 = time.time()
     try:
         procs.wait_until(lambda: procs.http_ok(f"{url}/health"), 60, "simengine", pid=engine_pid)
-        info = await asyncio.to_thread(stack.up, scfg, home, True, ("temporal", "worker"))
+        with server_metrics.server_flags(metrics_port, dynamic):
+            info = await asyncio.to_thread(stack.up, scfg, home, True, ("temporal", "worker"))
         print(f"long_run: stack up in {home} ({info.ready_s})", file=sys.stderr, flush=True)
         cfg = make_config(url, task_file, task_queue, args)
         client = await connect(info.temporal_address)
         ns = await client.workflow_service.describe_namespace(DescribeNamespaceRequest(namespace="default"))
         retention_s = ns.config.workflow_execution_retention_ttl.ToSeconds()
         store = RunStore(home)
-        samples, checks, progress = await measure(
-            client, store, cfg, args.run_id, home, info.pids, args.sample_s
-        )
+        progress = await measure(
+            client, store, cfg, args.run_id, home, info.pids, args.sample_s, metrics_port, got, stop, save,
+            args.save_s,
+        )  # fmt: skip
         outcomes = store.count_rollouts(args.run_id)
         segs = await segments(client, args.run_id)
     finally:
         await asyncio.to_thread(stack.down, home)
         procs.stop_pid(engine_pid)
         procs.pid_path(home, "simengine").unlink(missing_ok=True)
-    total = cfg.run.num_groups * cfg.run.group_size
-    rows = tenths(samples, checks, total)
-    return {
+    recorded = sum(outcomes.values())
+    if progress is None:  # stopped early: tenths of what its samples saw recorded, without history checks
+        seen = got.samples[-1].rollouts
+        rows = tenths(got.samples, [], seen - seen % 10) if seen >= 10 else []
+    else:
+        rows = tenths(got.samples, got.checks, total)
+    res = {
         "benchmark": "long_run",
         "command": "python bench/long_run.py " + shlex.join(sys.argv[1:]),
         "run_id": args.run_id,
-        "setup": {
-            "stack": "stack.stack.up: Temporal dev server (SQLite) + one worker, separate processes",
-            "engine": "simengine, scripted policy from a transcripts file, no delay",
-            "environment": f"math, scripted: k-1 wrong answers, then the right one; k = 1..{args.turns}",
-            "rollouts": total,
-            "group_size": args.group_size,
-            "inflight_groups": args.inflight_groups,
-            "groups_per_run_segment": args.segment_groups,
-            "admission": args.admission,
-            "sample_s": args.sample_s,
-            "turns": args.turns,
-            "temporal_retention_s": retention_s,
-            "cpus": os.cpu_count(),
-            "date": time.strftime("%Y-%m-%d %H:%M"),
-        },
+        "setup": setup(args, total, retention_s),
         "rollouts": total,
+        **({"stopped_early": True, "rollouts_recorded": recorded} if progress is None else {}),
         "outcomes": outcomes,
         "run_segments": len(segs),
         "rejected_continue_as_new": rejected_continue_as_new(segs),
-        "run_result": progress.model_dump(mode="json"),
+        "run_result": progress.model_dump(mode="json") if progress is not None else None,
         "wall_s": round(time.time() - wall0, 1),
-        "acceptance": acceptance(rows, retention_s),
+        "acceptance": acceptance(rows, retention_s) if rows else None,
         "segments_summary": segment_summary(segs),
         "deciles": rows,
+        **({"checks": got.checks} if progress is None else {}),
         "segments": segs,
-        "samples": [sample_dict(s) for s in samples],
+        "server_metrics": got.server,
+        "samples": [sample_dict(s) for s in got.samples],
     }
+    return {**res, "server_memory": server_memory.summary(res)}
 
 
 async def read_back(home: Path, result: dict[str, Any], turns: int, run_id: str) -> dict[str, Any]:
@@ -408,10 +365,13 @@ async def read_back(home: Path, result: dict[str, Any], turns: int, run_id: str)
         info = await asyncio.to_thread(stack.up, cfg, home.resolve(), True, ("temporal",))
         client = await connect(info.temporal_address)
         segs = await segments(client, run_id)
-        hist = [await histories(client, run_id, history_picks(k, groups, tasks, turns)) for k in range(1, 11)]
+        picks = range(1, 11) if whole(result) else range(0)  # a run stopped early: its segments only
+        hist = [await histories(client, run_id, history_picks(k, groups, tasks, turns)) for k in picks]
     finally:
         await asyncio.to_thread(stack.down, home.resolve())
-    rows = [{**row, **h} for row, h in zip(result["deciles"], hist, strict=True)]
+    rows = result["deciles"]
+    if hist:
+        rows = [{**row, **h} for row, h in zip(rows, hist, strict=True)]
     return {
         **result,
         "deciles": rows,
@@ -429,19 +389,31 @@ def tenths(samples: list[Sample], checks: list[dict[str, Any]], total: int) -> l
     return rows
 
 
+def whole(result: dict[str, Any]) -> bool:
+    """Whether a saved result is of a run that ended (not one stopped early, nor the result so far)."""
+    return not (result.get("stopped_early") or result.get("partial"))
+
+
 def rescore(result: dict[str, Any]) -> dict[str, Any]:
-    """A saved result with its tenths and acceptance computed again from its samples (after a change to
-    long_run_stats.py); the history samples and run views are kept."""
+    """A saved result with its tenths, acceptance and server memory computed again from its samples (after
+    a change to long_run_stats.py or server_memory.py); the history samples and run views are kept. A run
+    stopped early (or the result so far) gets the tenths of the rollouts its samples saw recorded."""
     samples = [Sample(**s) for s in result["samples"]]
-    computed = deciles(samples, result["rollouts"])
-    keep = [
-        {k: v for k, v in row.items() if k not in computed[0] or k == "part"} for row in result["deciles"]
-    ]
-    rows = tenths(samples, keep, result["rollouts"])
+    seen = samples[-1].rollouts
+    total = result["rollouts"] if whole(result) else seen - seen % 10
+    rows: list[dict[str, Any]] = []
+    if total >= 10:
+        computed = deciles(samples, total)
+        keep = [
+            {k: v for k, v in row.items() if k not in computed[0] or k == "part"}
+            for row in (result["deciles"] if whole(result) else [])
+        ]
+        rows = tenths(samples, keep, total)
     return {
         **result,
         "deciles": rows,
-        "acceptance": acceptance(rows, result["setup"].get("temporal_retention_s")),
+        "acceptance": acceptance(rows, result["setup"].get("temporal_retention_s")) if rows else None,
+        "server_memory": server_memory.summary(result),
     }
 
 
@@ -455,6 +427,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--segment-groups", type=int, default=500, help="run.groups_per_run_segment")
     p.add_argument("--admission", action="store_true", help="adaptive admission (default: the fixed cap)")
     p.add_argument("--sample-s", type=float, default=5.0, help="seconds between samples")
+    p.add_argument(
+        "--save-s", type=float, default=60.0, help="seconds between writes of the result so far to --out"
+    )
+    p.add_argument(
+        "--dynamic-config",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a dynamic config value of the dev server (temporal server start-dev --dynamic-config-value)",
+    )
     p.add_argument("--run-id", default="long-run")
     p.add_argument(
         "--home", help="stack home (default: a fresh temporary directory; with --rescore: read its segments)"
@@ -487,7 +469,7 @@ if __name__ == "__main__":
         a.out.write_text(json.dumps(res, indent=2) + "\n")
     if a.html:
         a.html.parent.mkdir(parents=True, exist_ok=True)
-        a.html.write_text(page(res))
+        a.html.write_text(page(res, server_memory.charts(res)))
     print(
         json.dumps(
             {

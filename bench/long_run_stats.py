@@ -14,6 +14,7 @@ rows.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from html import escape
 from typing import Any
@@ -256,10 +257,10 @@ def _points(rows: list[dict[str, Any]], key: str) -> list[tuple[float, float]]:
     return out
 
 
-def page(result: dict[str, Any]) -> str:
+def page(result: dict[str, Any], extra: Sequence[str] = ()) -> str:
     """A self-contained HTML page of the result: its acceptance numbers, charts per tenth (throughput,
     RSS, CPU per rollout, bytes per rollout, sampled history lengths, the run's carried state; from
-    records/report/svg.py) and a table of the tenths."""
+    records/report/svg.py), the ``extra`` charts (SVG) given and a table of the tenths."""
     from durable_rollouts.records.report import svg
 
     rows = result["deciles"]
@@ -301,7 +302,12 @@ def page(result: dict[str, Any]) -> str:
         ),
         chart("run", "bytes / events", [(name, key) for key, name in RUN_SERIES]),
     ]
-    acc = {**result.get("acceptance", {}), **result.get("segments_summary", {})}
+    charts += list(extra)
+    acc = {
+        **(result.get("acceptance") or {}),
+        **result.get("segments_summary", {}),
+        **{f"server {k}": v for k, v in (result.get("server_memory") or {}).items()},
+    }
     items = "".join(f"<li>{escape(k)}: {escape(str(v))}</li>" for k, v in acc.items())
     head = "".join(f"<th>{escape(h)}</th>" for _, h in TABLE)
     body = "".join(

@@ -8,6 +8,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
+from bench import server_memory, server_metrics
 from bench.long_run_stats import (
     MIB,
     Sample,
@@ -163,3 +164,139 @@ def test_segment_summary_states_the_carried_state_failures_and_continue_as_new_g
     assert out["continue_as_new_gap_s_mean"] == pytest.approx(22.0 / 3, abs=0.01)
     assert out["continue_as_new_gap_s_max"] == 16.0
     assert segment_summary([])["segments"] == 0
+
+
+EXPOSITION = """# HELP memory_heapinuse memory_heapinuse
+# TYPE memory_heapinuse gauge
+memory_heapinuse{service_name="frontend"} 2.3281664e+07
+memory_heapinuse{service_name="history"} 2.3011328e+07
+memory_heap{service_name="history"} 1.9897408e+07
+num_goroutines{service_name="history"} 2326
+cache_size{cache_type="mutablestate",service_name="history"} 8096
+cache_usage{cache_type="mutablestate",service_name="history"} 4
+cache_pinned_usage{cache_type="mutablestate",service_name="history"} 0
+cache_size{cache_type="events",service_name="history"} 524288
+cache_size{cache_type="nexus_endpoint_registry_readthrough",service_name="frontend"} 100
+cache_requests{cache_type="events",namespace_id="x",operation="EventsCachePutEvent",service_name="history"} 2
+"""
+"""Lines as the dev server (Temporal 1.32) writes them: runtime gauges once per service, caches by type."""
+
+
+def test_parse_keeps_the_history_services_runtime_and_cache_gauges() -> None:
+    got = server_metrics.parse(EXPOSITION)
+    assert got == {
+        "heap_inuse": 23011328.0,  # the history service's copy, not the frontend's
+        "heap_alloc": 19897408.0,
+        "goroutines": 2326.0,
+        "cache_mutablestate_size": 8096.0,
+        "cache_mutablestate_usage": 4.0,
+        "cache_mutablestate_pinned": 0.0,
+        "cache_events_size": 524288.0,
+    }
+    assert server_metrics.parse("# only comments\n") == {}
+
+
+def test_dynamic_config_values_and_the_flags_they_become() -> None:
+    dyn = server_metrics.dynamic_config(["history.hostLevelCacheMaxSize=256", "a.b=x=y"])
+    assert dyn == {"history.hostLevelCacheMaxSize": "256", "a.b": "x=y"}
+    assert server_metrics.extra_argv(9000, dyn) == [
+        "--metrics-port", "9000",
+        "--dynamic-config-value", "history.hostLevelCacheMaxSize=256",
+        "--dynamic-config-value", "a.b=x=y",
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="--dynamic-config: 'nokey' is not KEY=VALUE"):
+        server_metrics.dynamic_config(["nokey"])
+
+
+def test_the_real_dev_server_takes_the_flags_and_reports_its_heap_and_cache_bound(tmp_path) -> None:
+    """The stack's dev server started inside `server_flags`: its endpoint answers with the runtime gauges,
+    and the mutable-state cache's bound is the dynamic config value given (not the dev server's 8096)."""
+    from durable_rollouts.config.models import StackConfig
+    from durable_rollouts.stack import procs, stack
+
+    cfg = StackConfig(temporal_port=procs.free_port(), ui_port=procs.free_port(), start_timeout_s=120)
+    port = procs.free_port()
+    try:
+        with server_metrics.server_flags(port, {"history.hostLevelCacheMaxSize": "300"}):
+            stack.up(cfg, tmp_path, True, ("temporal",))
+        assert stack.temporal_argv is not None and "--metrics-port" not in stack.temporal_argv(tmp_path, 1, 2)
+        got = server_metrics.scrape(port)
+    finally:
+        stack.down(tmp_path)
+    assert got["cache_mutablestate_size"] == 300
+    assert got["heap_inuse"] > 1_000_000 and got["goroutines"] > 10
+    assert server_metrics.scrape(port, timeout_s=1.0) == {}  # stopped: nothing answers
+
+
+def _gauges(t: float, n: int, heap_mib: float, entries: int, bound: int = 1000) -> dict:
+    return {
+        "t": t,
+        "rollouts": n,
+        "heap_inuse": heap_mib * MIB,
+        "heap_alloc": heap_mib * MIB * 0.9,
+        "goroutines": 4000.0,
+        "cache_mutablestate_usage": float(entries),
+        "cache_mutablestate_size": float(bound),
+        "cache_mutablestate_pinned": 3.0,
+    }
+
+
+def _memory_result(leak_mib_per_1000: float) -> dict:
+    """A run of 4,000 rollouts read every 100: the cache gains 1 entry per rollout up to its bound of 1,000
+    and the heap 0.1 MiB per entry (20 MiB at the start), plus ``leak_mib_per_1000`` all along."""
+    gauges, samples = [], []
+    for i in range(41):
+        n, t = 100 * i, 10.0 * i
+        entries = min(n, 1000)
+        heap = 20 + 0.1 * entries + leak_mib_per_1000 * n / 1000
+        gauges.append(_gauges(t, n, heap, entries))
+        samples.append({"t": t, "server_rss": int((heap + 100) * MIB)})
+    return {"server_metrics": gauges, "samples": samples, "setup": {"temporal_dynamic_config": {}}}
+
+
+def test_a_cache_bound_heap_stops_growing_when_the_cache_is_full() -> None:
+    rows = server_memory.readings(_memory_result(0.0))
+    assert len(rows) == 41
+    assert rows[5] == {
+        "t": 50.0, "rollouts": 500, "rss_mib": 170.0, "heap_inuse_mib": 70.0, "heap_alloc_mib": 63.0,
+        "heap_idle_mib": 0.0, "heap_released_mib": 0.0, "goroutines": 4000, "cache_entries": 500,
+        "cache_bound": 1000, "cache_pinned": 3,
+    }  # fmt: skip
+    out = server_memory.growth(rows)
+    assert out["cache_full_at_rollouts"] == 1000  # 95 % of the bound: 950 entries, first read at 1,000
+    assert out["heap_inuse_mib_first_full_last"] == [20.0, 120.0, 120.0]
+    assert out["heap_inuse_mib_per_1000_rollouts_before_full"] == pytest.approx(100.0)
+    assert out["heap_inuse_mib_per_1000_rollouts_after_full"] == pytest.approx(0.0)
+    assert out["rss_mib_per_1000_rollouts_after_full"] == pytest.approx(0.0)
+
+
+def test_a_leak_keeps_its_slope_after_the_cache_is_full() -> None:
+    out = server_memory.summary(_memory_result(5.0))
+    assert out["heap_inuse_mib_per_1000_rollouts_after_full"] == pytest.approx(5.0)
+    assert out["heap_inuse_mib_first_full_last"][2] == pytest.approx(20 + 100 + 20.0)
+    assert out["dynamic_config"] == {}
+
+
+def test_no_gauges_no_figures_and_a_cache_never_full() -> None:
+    assert server_memory.growth([]) == {}
+    assert server_memory.charts({"server_metrics": [{"t": 0.0, "rollouts": 0}]}) == []
+    result = _memory_result(0.0)
+    result["server_metrics"] = [g for g in result["server_metrics"] if g["rollouts"] <= 800]
+    result["server_metrics"].append({"t": 90.0, "rollouts": 900})  # the endpoint did not answer
+    out = server_memory.growth(server_memory.readings(result))
+    assert out["cache_full_at_rollouts"] is None
+    assert out["heap_inuse_mib_per_1000_rollouts_after_full"] is None
+    assert out["heap_inuse_mib_per_1000_rollouts_before_full"] == pytest.approx(100.0)
+    assert server_memory.slope(server_memory.readings(result)[:1], "heap_inuse_mib") is None
+
+
+def test_the_page_carries_the_server_memory_charts() -> None:
+    rows = deciles(_run(400, 10.0), 400)
+    result = {"rollouts": 400, "command": "x", "deciles": rows, **_memory_result(0.0)}
+    result["server_memory"] = server_memory.summary(result)
+    html = page(result, server_memory.charts(result))
+    root = ET.fromstring(html.split("\n", 1)[1])
+    svgs = root.findall(".//svg")
+    assert len(svgs) == 8  # the six per tenth and the server's two
+    assert "Temporal server memory" in html and "mutable-state cache entries" in html
+    assert "server cache_full_at_rollouts: 1000" in html
