@@ -6,6 +6,7 @@ a 400 naming them."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -191,3 +192,21 @@ async def test_a_codex_episode_extends_the_stored_tokens(tmp_path: Path) -> None
     # The tool's output is rendered as a tool message by the template, and the tools were offered.
     assert segs[2].token_ids == eng.ids("<|tool|>Done!<|end|><|assistant|>")
     assert all(json.dumps(t).count("apply_patch") == 1 for t in eng.rendered_tools if t)
+
+
+def test_the_docs_table_names_every_field_served() -> None:
+    from tests import REPO_ROOT
+
+    text = (REPO_ROOT / "docs" / "harness.md").read_text()
+    section = text.split("## The Responses API", 1)[1].split("\n## ", 1)[0]
+    table = section.split("| field |", 1)[1]
+    named = {
+        name
+        for line in table.splitlines()
+        if line.startswith("| `")
+        for name in re.findall(r"`([a-z_]+)`", line.split("|")[1])
+    }
+    served = (
+        responses._HANDLED | set(responses._CHAT_FIELDS) | set(responses.IGNORED) | set(responses._REFUSED)
+    )
+    assert named == served
