@@ -7,6 +7,9 @@
 #     own, by pid, scraping an in-process worker).
 #   - docker-registry: Debian's image registry is installed if missing (tests/integration/test_image_registry.py
 #     starts its own, by pid, on 127.0.0.1).
+#   - haproxy and iproute2: Debian's haproxy (the TLS proxy verifying client certificates in front of Temporal)
+#     and iproute2 (ip netns, tc) are installed if missing (tests/integration/test_multihost.py builds a cluster
+#     of network namespaces and starts its own proxy, by pid).
 #   - docker-compose: Debian's docker-compose is installed if missing; the project's image
 #     durable-rollouts:local is built offline (tests/integration/test_compose.py runs the local stack).
 #   - PostgreSQL: Debian's postgresql is installed if initdb is missing (Debian keeps it under
@@ -20,11 +23,12 @@ mkdir -p "$state"
 started_dockerd=""
 
 if ! command -v dockerd >/dev/null || ! command -v debootstrap >/dev/null || ! command -v prometheus >/dev/null \
-    || ! command -v docker-compose >/dev/null || ! command -v docker-registry >/dev/null; then
+    || ! command -v docker-compose >/dev/null || ! command -v docker-registry >/dev/null \
+    || ! command -v haproxy >/dev/null || ! command -v tc >/dev/null; then
   if [ "$(id -u)" = 0 ]; then
-    apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q docker.io debootstrap prometheus docker-compose docker-registry >/dev/null
+    apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q docker.io debootstrap prometheus docker-compose docker-registry haproxy iproute2 >/dev/null
   else
-    echo "docker.io, debootstrap, prometheus, docker-compose or docker-registry is missing; install them (apt-get install docker.io debootstrap prometheus docker-compose docker-registry) as root" >&2
+    echo "docker.io, debootstrap, prometheus, docker-compose, docker-registry, haproxy or iproute2 is missing; install them (apt-get install docker.io debootstrap prometheus docker-compose docker-registry haproxy iproute2) as root" >&2
   fi
 fi
 
