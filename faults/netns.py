@@ -8,7 +8,10 @@ Faults, each healed by its own context manager's exit (or `Network.heal`):
 
 - partition of two hosts: a ``blackhole`` route to the other's address in each (everything else still flows);
 - latency, loss and bandwidth of a host's link: ``tc qdisc ... netem`` (delay, jitter, loss) with a ``tbf``
-  (rate) below it, on both ends of the host's veth pair, so both directions see them.
+  (rate) below it, on both ends of the host's veth pair, so both directions see them. On a kernel built
+  without ``sch_netem``, delay, jitter and loss come from a user-space wire (faults/linkrelay.py) spliced
+  between the host's link and the bridge (the ``tbf`` stays in the kernel); each host's link then carries
+  one segment per frame (``gso_max_segs 1``), set when the host is added.
 
 Invariants: names carry a random tag, so two networks (two test runs) never share a namespace name; every
 namespace and process made here is recorded on the `Network`, and `Network.close` stops the processes (by
@@ -25,6 +28,7 @@ import secrets
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -91,13 +95,21 @@ class LinkFault:
         if self.rate_kbit is not None and self.rate_kbit <= 0:
             raise ValueError(f"link fault {self}: rate_kbit must be > 0")
 
-    def tc_commands(self, dev: str) -> list[list[str]]:
-        """The ``tc`` arguments that install this fault on ``dev`` (empty: no fault)."""
+    @property
+    def needs_netem(self) -> bool:
+        """Whether it delays or drops (else it only caps the rate)."""
+        return bool(self.delay_ms or self.jitter_ms or self.loss_pct)
+
+    def tc_commands(self, dev: str, netem_ok: bool = True) -> list[list[str]]:
+        """The ``tc`` arguments that install this fault on ``dev`` (empty: no fault); with ``netem_ok``
+        False, only the rate cap (the rest is the user-space wire's)."""
         netem: list[str] = []
         if self.delay_ms or self.jitter_ms:
             netem += ["delay", f"{self.delay_ms:g}ms"] + ([f"{self.jitter_ms:g}ms"] if self.jitter_ms else [])
         if self.loss_pct:
             netem += ["loss", f"{self.loss_pct:g}%"]
+        if not netem_ok:
+            netem = []
         tbf = None
         if self.rate_kbit is not None:  # burst: at least one MTU-sized packet, else nothing passes
             burst = max(1600, self.rate_kbit * 1000 // 8 // 100)
@@ -128,6 +140,8 @@ class Network:
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     _made: list[str] = field(default_factory=list)
     _stop_signals: dict[int, int] = field(default_factory=dict)
+    _relays: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    _netem: bool | None = None
 
     def __post_init__(self) -> None:
         net = ipaddress.ip_network(self.subnet)
@@ -161,6 +175,7 @@ class Network:
         _ip("-n", self.switch, "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", ns)
         _ip("-n", self.switch, "link", "set", port, "master", "br0", "up")
         _ip("-n", ns, "addr", "add", f"{address}/{self._net.prefixlen}", "dev", "eth0")
+        _ip("-n", ns, "link", "set", "dev", "eth0", "gso_max_segs", "1")  # frames within the MTU (docstring)
         _ip("-n", ns, "link", "set", "eth0", "up")
         host = Host(name=name, netns=ns, address=address, port=port)
         self.hosts[name] = host
@@ -181,12 +196,23 @@ class Network:
     ) -> subprocess.Popen[bytes]:
         """Start ``argv`` inside the host (its own process group), recorded for `close` (which sends it
         ``stop_signal`` first); output to ``log``."""
+        return self._spawn(self._host(host).netns, argv, env, log, cwd, stop_signal)
+
+    def _spawn(
+        self,
+        netns: str,
+        argv: Sequence[str],
+        env: Mapping[str, str] | None = None,
+        log: Path | None = None,
+        cwd: Path | None = None,
+        stop_signal: int = signal.SIGTERM,
+    ) -> subprocess.Popen[bytes]:
         out: IO[bytes] | int = subprocess.DEVNULL
         if log is not None:
             out = log.open("ab")
         try:
             proc = subprocess.Popen(
-                self.argv(host, argv), env=dict(env) if env is not None else None, cwd=cwd,
+                ["ip", "netns", "exec", netns, *argv], env=dict(env) if env is not None else None, cwd=cwd,
                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
             )  # fmt: skip
         finally:
@@ -239,19 +265,59 @@ class Network:
         finally:
             self.mend(a, b)
 
+    def netem_available(self) -> bool:
+        """Whether the kernel has ``sch_netem`` (probed once, on the switch's loopback)."""
+        if self._netem is None:
+            probe = ["qdisc", "add", "dev", "lo", "root", "netem", "delay", "0ms"]
+            try:
+                _tc(self.switch, *probe)
+                self._netem = True
+                _tc(self.switch, "qdisc", "del", "dev", "lo", "root", check=False)
+            except NetnsError:
+                self._netem = False
+        return self._netem
+
     def degrade(self, host: Host | str, fault: LinkFault) -> None:
         """Put ``fault`` on the host's link, both ends (replacing any earlier one)."""
         h = self._host(host)
         self.heal(h)
+        netem = self.netem_available()
         for ns, dev in ((h.netns, "eth0"), (self.switch, h.port)):
-            for cmd in fault.tc_commands(dev):
+            for cmd in fault.tc_commands(dev, netem_ok=netem):
                 _tc(ns, *cmd)
+        if fault.needs_netem and not netem:
+            self._splice(h, fault)
+
+    def _splice(self, h: Host, fault: LinkFault) -> None:
+        """Put a user-space wire (faults/linkrelay.py) between the host's switch port and the bridge."""
+        wire, tap = f"q{h.port[1:]}", f"r{h.port[1:]}"
+        _ip("-n", self.switch, "link", "add", wire, "type", "veth", "peer", "name", tap)
+        _ip("-n", self.switch, "link", "set", wire, "up")
+        argv = [sys.executable, "-m", "durable_rollouts.faults.linkrelay", h.port, wire,
+                "--delay-ms", f"{fault.delay_ms:g}", "--jitter-ms", f"{fault.jitter_ms:g}",
+                "--loss-pct", f"{fault.loss_pct:g}"]  # fmt: skip
+        relay = subprocess.Popen(
+            ["ip", "netns", "exec", self.switch, *argv], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            stdin=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
+        self.procs.append(relay)
+        self._relays[h.name] = relay
+        assert relay.stdout is not None
+        if not relay.stdout.readline().startswith(b"linkrelay"):  # its one line: its sockets are bound
+            raise NetnsError(f"the link relay of {h.name} exited with {relay.wait(5)}")
+        _ip("-n", self.switch, "link", "set", h.port, "nomaster")
+        _ip("-n", self.switch, "link", "set", tap, "master", "br0", "up")
 
     def heal(self, host: Host | str) -> None:
         """Remove any link fault of the host (idempotent)."""
         h = self._host(host)
         for ns, dev in ((h.netns, "eth0"), (self.switch, h.port)):
             _tc(ns, "qdisc", "del", "dev", dev, "root", check=False)
+        relay = self._relays.pop(h.name, None)
+        if relay is not None:
+            self.stop(relay, timeout=5)
+            _ip("-n", self.switch, "link", "del", f"q{h.port[1:]}", check=False)
+            _ip("-n", self.switch, "link", "set", h.port, "master", "br0")
 
     @contextlib.contextmanager
     def degraded(self, host: Host | str, fault: LinkFault) -> Iterator[None]:
