@@ -67,7 +67,13 @@ if docker info >/dev/null 2>&1; then
   bash environments/harbor/base_images.sh || echo "Harbor examples' base image failed; Harbor tests will say why" >&2
   bash environments/harness/build_image.sh || echo "harness image build failed; harness tests will say why" >&2
   bash environments/codex/build_image.sh || echo "codex image build failed; codex tests will say why" >&2
-  bash workers/image/build_local_image.sh || echo "project image build failed; the compose test will say why" >&2
+  # The project's image (~3-12 min) only where the compose test may run: the whole suite, or a command naming
+  # it (its fixture builds the image itself too, so a test run elsewhere still gets a fresh one).
+  case " $* " in
+    *test_compose*|*" -q -ra") bash workers/image/build_local_image.sh || echo "project image build failed; the compose test will say why" >&2 ;;
+    *" tests/"*|*" environments/"*|*" integrations/"*) ;;
+    *) bash workers/image/build_local_image.sh || echo "project image build failed; the compose test will say why" >&2 ;;
+  esac
 fi
 
 "$@"
