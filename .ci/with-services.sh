@@ -70,7 +70,7 @@ if docker info >/dev/null 2>&1; then
   # The project's image (~3-12 min) only where the compose test may run: the whole suite, or a command naming
   # it (its fixture builds the image itself too, so a test run elsewhere still gets a fresh one).
   case " $* " in
-    *test_compose*|*" -q -ra") bash workers/image/build_local_image.sh || echo "project image build failed; the compose test will say why" >&2 ;;
+    *test_compose*) bash workers/image/build_local_image.sh || echo "project image build failed; the compose test will say why" >&2 ;;
     *" tests/"*|*" environments/"*|*" integrations/"*) ;;
     *) bash workers/image/build_local_image.sh || echo "project image build failed; the compose test will say why" >&2 ;;
   esac
