@@ -3,7 +3,11 @@ record counts of the groups in flight, the sandbox pool) and its look at groups 
 
 Invariants:
 - Read-only except for the dispatch log, whose rows are keyed by (run, seq): a retried poll writes the
-  previous decision once.
+  previous decision once, and for the re-publish it starts to an engine held out of rotation.
+- An engine that serves an older policy version than the current one (restarted from its files, or a new
+  replica; ``engines.rejoin``) gives no reading (one line of the poll's errors says why), so it ages out of
+  the healthy engines and no new group goes to it; its re-publish is started in the background (at most one
+  per engine and version in this worker) and the first poll that finds it current gives its reading again.
 - An engine that does not answer, or answers with an incomplete /metrics, gives no reading (the error is
   returned as one line); the workflow keeps its older reading, which ages out and makes it unhealthy.
 - Every engine is asked at once with a short timeout, so one hung engine delays a poll by at most that.
@@ -40,6 +44,7 @@ from durable_rollouts.activities.calls import Options, options
 from durable_rollouts.activities.closed_groups import closed_among, unended_members
 from durable_rollouts.contracts.activity_io import ClosedGroupsInput, TerminatedGroup, TerminatedGroupInput
 from durable_rollouts.contracts.types import (
+    EngineReading,
     FleetPoll,
     GroupCounts,
     GroupResult,
@@ -49,6 +54,7 @@ from durable_rollouts.contracts.types import (
     RolloutResult,
 )
 from durable_rollouts.engines.metrics import fetch_reading
+from durable_rollouts.engines.rejoin import EngineGate, Held
 from durable_rollouts.sandboxes.pool import SandboxPool
 from durable_rollouts.store.runstore import RunStore
 
@@ -134,9 +140,11 @@ class DispatchActivities:
     """The activities of the dispatcher: the poll RunWorkflow makes each admission round, and its checks of
     groups that closed without reporting (registered by every worker)."""
 
-    def __init__(self, store: RunStore, pool: SandboxPool) -> None:
+    def __init__(self, store: RunStore, pool: SandboxPool, gate: EngineGate | None = None) -> None:
         self.store = store
         self.pool = pool
+        self.gate = gate or EngineGate(store)
+        """Which engines serve the current policy version (and re-publishes to those that do not)."""
         self._http: httpx.AsyncClient | None = None
 
     @property
@@ -148,6 +156,7 @@ class DispatchActivities:
     async def aclose(self) -> None:
         if self._http is not None:
             await self._http.aclose()
+        await self.gate.aclose()
 
     @options(
         Options(
@@ -176,17 +185,24 @@ class DispatchActivities:
                     now,
                 )
             )
-        results = await asyncio.gather(
-            *(fetch_reading(self.http, url, url, now) for url in inp.engine_urls), return_exceptions=True
+        policies = await asyncio.to_thread(self.store.policies)
+        results, holds = await asyncio.gather(
+            asyncio.gather(
+                *(fetch_reading(self.http, url, url, now) for url in inp.engine_urls), return_exceptions=True
+            ),
+            asyncio.gather(*(self.gate.held(url, policies) for url in inp.engine_urls)),
         )
-        readings, errors = [], []
+        readings: list[EngineReading] = []
+        errors: list[str] = []
         backlog = None
         if backlog_read is not None:
             backlog, backlog_errors = await backlog_read
             errors += backlog_errors
-        for url, r in zip(inp.engine_urls, results, strict=True):
+        for url, r, held in zip(inp.engine_urls, results, holds, strict=True):
             if isinstance(r, BaseException):
                 errors.append(f"{url}: {type(r).__name__}: {r}"[:300])
+            elif isinstance(held, Held):
+                errors.append(held.describe()[:300])
             else:
                 readings.append(r)
         counts = await asyncio.to_thread(self.store.group_counts, inp.run_id, inp.groups)

@@ -41,6 +41,7 @@ from durable_rollouts.contracts.activity_io import (
 )
 from durable_rollouts.contracts.types import EnvTraits, Outcome, PrepareResult, RetrySettings, TurnResult
 from durable_rollouts.engines.client import EngineClient
+from durable_rollouts.engines.rejoin import EngineGate
 from durable_rollouts.engines.watchdog import watching
 from durable_rollouts.environments import registry
 from durable_rollouts.environments.base import calling
@@ -81,6 +82,9 @@ class RolloutActivities:
         self.engine = engine
         self.turns = ModelTurns(store, engine, env_steps.steps if env_steps is not None else None)
         """The model turns (``turns.model``), with the env steps they run inline."""
+        self.gate = EngineGate(store)
+        """Holds a turn back from an engine that serves an older policy version than the current one
+        (``engines.rejoin``: restarted, or a new replica) and starts its re-publish."""
 
     @options(
         Options(
@@ -149,13 +153,18 @@ class RolloutActivities:
         env step, which records it, or goes uncounted). Its engine calls are watched for a stalled engine
         (``engine.stall_timeout_s``, ``engines.watchdog``): a hung engine fails the call as EngineStalled
         within seconds, not after request_timeout_s, and it is not retried in place.
+
+        No turn goes to an engine held out of rotation (``engines.rejoin``): the call fails as
+        EngineUnavailable (retried, failed over or waited out) until it serves the current version.
         """
         info = activity.info()
         queued = max(0.0, (info.started_time - info.current_attempt_scheduled_time).total_seconds())
         with watching(inp.stall_timeout_s):
             try:
+                await self.gate.admit(inp.engine_url)
                 return await heartbeating(self.turns.turn(inp, info.attempt, queued))
             except RolloutError as e:
+                self.gate.forget(inp.engine_url)  # it may come back restarted: asked before its next turn
                 raise e.to_application_error() from e
 
     @options(Options(timedelta(seconds=60), RECORD_RETRY, local=True))

@@ -8,7 +8,9 @@ spawn (``stack.proctree``); `up` first stops what is left of a dead stack's tree
 restarted engine finds nothing of its predecessor running. Neither imports torch or vLLM in-process.
 Once the engine is healthy, the bundled policy it serves is recorded in the home's run store as a published
 version (``stack.policy_version``, bound to the model directory's weights), so the trainer feed accepts its
-samples; starting again is a no-op, and a version id already bound to other weights stops the stack.
+samples; starting again is a no-op, and a version id already bound to other weights stops the stack. When the
+store holds a newer published version for the engine (`up` in the middle of training), that version is pushed
+to it before `up` returns (``engines.rejoin``); until then the workers send it no turn.
 """
 
 from __future__ import annotations
@@ -242,6 +244,7 @@ def _start(cfg: StackConfig, home: Path, components: Collection[str], started: d
         check_logprob_mode(engine_url, cfg.logprob_mode)
         set_weight_version(engine_url, cfg.policy_version)
         _register_policy(cfg, home, engine_url)
+        _rejoin(home, engine_url)
     return StackInfo(home, address, ui_url, engine_url, cfg.task_queue, home / "logs", dict(started), ready)
 
 
@@ -266,6 +269,27 @@ def _register_policy(cfg: StackConfig, home: Path, engine_url: str) -> None:
         )
     except PolicyError as e:
         raise StackError(f"cannot record the served policy: {e}") from None
+
+
+def _rejoin(home: Path, engine_url: str) -> None:
+    """Bring the engine to the store's current policy version when a newer one than the bundled policy was
+    published to it (a `stack up` in the middle of training): the latest weights are pushed through the
+    publish protocol before anything is admitted to it (``engines.rejoin``); nothing when it is current.
+
+    Raises:
+        StackError: The engine refused the push (the message names the step).
+    """
+    import httpx
+
+    from durable_rollouts.engines.policy import PolicyError
+    from durable_rollouts.engines.rejoin import rejoin
+    from durable_rollouts.store import open_store
+
+    try:
+        with httpx.Client(timeout=httpx.Timeout(300.0, connect=5.0)) as http:
+            rejoin(engine_url, open_store(home=home), http)
+    except PolicyError as e:
+        raise StackError(f"cannot bring the engine to the current policy: {e}") from None
 
 
 def _stop_started(home: Path, started: dict[str, int]) -> None:
