@@ -63,8 +63,9 @@ def slope(rows: list[dict[str, Any]], key: str) -> float | None:
 def growth(rows: list[dict[str, Any]], full: float = 0.95) -> dict[str, Any]:
     """Where the memory went, before and after the mutable-state cache filled (its entries reached
     ``full`` of its bound): the reading at which it filled, and the heap's and RSS's growth per 1,000
-    rollouts before and after. A cache-bound heap stops growing once the cache is full; a leak keeps its
-    slope. {} for no readings."""
+    rollouts before and after, and over the readings of the last half of the run's rollouts (past the
+    warm-up: the server's pools, the garbage collector's target). A cache-bound heap stops growing once
+    the cache is full; a leak keeps its slope. {} for no readings."""
     if not rows:
         return {}
     bound = rows[-1]["cache_bound"]
@@ -73,6 +74,7 @@ def growth(rows: list[dict[str, Any]], full: float = 0.95) -> dict[str, Any]:
     after = [] if fill is None else rows[fill:]
     first, last = rows[0], rows[-1]
     peak = max(rows, key=lambda r: r["heap_inuse_mib"])
+    late = [r for r in rows if r["rollouts"] >= last["rollouts"] / 2]
     return {
         "cache_bound_entries": bound,
         "cache_entries_last": last["cache_entries"],
@@ -98,6 +100,8 @@ def growth(rows: list[dict[str, Any]], full: float = 0.95) -> dict[str, Any]:
         "heap_inuse_mib_per_1000_rollouts_after_full": slope(after, "heap_inuse_mib"),
         "rss_mib_per_1000_rollouts_before_full": slope(before, "rss_mib"),
         "rss_mib_per_1000_rollouts_after_full": slope(after, "rss_mib"),
+        "heap_inuse_mib_per_1000_rollouts_last_half": slope(late, "heap_inuse_mib"),
+        "rss_mib_per_1000_rollouts_last_half": slope(late, "rss_mib"),
         "readings": len(rows),
         "rollouts_last": last["rollouts"],
     }

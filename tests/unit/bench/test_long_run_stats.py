@@ -268,11 +268,13 @@ def test_a_cache_bound_heap_stops_growing_when_the_cache_is_full() -> None:
     assert out["heap_inuse_mib_per_1000_rollouts_before_full"] == pytest.approx(100.0)
     assert out["heap_inuse_mib_per_1000_rollouts_after_full"] == pytest.approx(0.0)
     assert out["rss_mib_per_1000_rollouts_after_full"] == pytest.approx(0.0)
+    assert out["heap_inuse_mib_per_1000_rollouts_last_half"] == pytest.approx(0.0)  # readings 2,000-4,000
 
 
 def test_a_leak_keeps_its_slope_after_the_cache_is_full() -> None:
     out = server_memory.summary(_memory_result(5.0))
     assert out["heap_inuse_mib_per_1000_rollouts_after_full"] == pytest.approx(5.0)
+    assert out["rss_mib_per_1000_rollouts_last_half"] == pytest.approx(5.0)
     assert out["heap_inuse_mib_first_full_last"][2] == pytest.approx(20 + 100 + 20.0)
     assert out["dynamic_config"] == {}
 
