@@ -25,6 +25,7 @@ from typing import Any
 from temporalio.client import Client
 from temporalio.worker import Interceptor, UnsandboxedWorkflowRunner, Worker
 
+from durable_rollouts.activities.batch import BatchActivities
 from durable_rollouts.activities.dispatch import DispatchActivities
 from durable_rollouts.activities.environment import EnvironmentActivities
 from durable_rollouts.activities.harness import HarnessActivities
@@ -121,6 +122,7 @@ def build_workers(
     sandbox_acts = SandboxActivities(store, sandboxes, pool)
     env_acts = EnvironmentActivities(store, engine, sandbox_acts)
     rollout_acts = RolloutActivities(store, engine, env_acts)
+    batch_acts = BatchActivities(rollout_acts)
     harness_acts = HarnessActivities(store, engine, sandbox_acts, GatewayServer(store))
     dispatch_acts = DispatchActivities(store, pool)
     runner: dict[str, Any] = {} if sandboxed else {"workflow_runner": UnsandboxedWorkflowRunner()}
@@ -128,6 +130,7 @@ def build_workers(
         cache_workflow_bytecode()
     activities = (
         rollout_acts.all()
+        + batch_acts.all()
         + env_acts.all()
         + sandbox_acts.all()
         + sandbox_acts.placement()

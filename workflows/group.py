@@ -23,6 +23,11 @@ Invariants:
 - A cancelled run tells its groups ``cancel_all``: every running member is cancelled (reason
   ``run-cancelled``, its record says so), a member not started yet is recorded cancelled without running,
   no slot runs again, and the group closes with its full size as always.
+- With ``group.batch_rollouts`` (``RolloutInput.batched``) the members run together in one batch activity
+  (``activities.batch``), under the same rules: a cancel of any member (shed, retry, cancel_member,
+  cancel_all) stops the batch; the told members are recorded cancelled (or keep the record they already
+  have), the others run on in the next batch, resuming from the store; a batch that failed past its
+  retries leaves its unrecorded members failed (infra). The group reports what the store holds.
 """
 
 from __future__ import annotations
@@ -33,13 +38,15 @@ import zlib
 
 from temporalio import workflow
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
-from temporalio.exceptions import ChildWorkflowError, TerminatedError
+from temporalio.exceptions import ActivityError, ChildWorkflowError, TerminatedError
 
 with workflow.unsafe.imports_passed_through():
+    from durable_rollouts.activities.batch import BatchActivities, batch_timeout
     from durable_rollouts.activities.rollout import RolloutActivities
     from durable_rollouts.admission.controller import CANCEL_REASON
     from durable_rollouts.config.models import Config
-    from durable_rollouts.contracts.activity_io import FinalizeGroupInput
+    from durable_rollouts.contracts.activity_io import FinalizeGroupInput, StoredOutcome
+    from durable_rollouts.contracts.batch import BatchInput
     from durable_rollouts.contracts.types import (
         EngineTarget,
         EnvTraits,
@@ -50,9 +57,11 @@ with workflow.unsafe.imports_passed_through():
         RetrySettings,
         RolloutInput,
         RolloutResult,
+        RolloutState,
         rollout_id,
         sampling_params,
     )
+    from durable_rollouts.errors import failure_reason
     from durable_rollouts.workflows import search_attributes as sa
     from durable_rollouts.workflows.calls import call
     from durable_rollouts.workflows.grpo import group_stats
@@ -95,6 +104,7 @@ def rollout_template(cfg: Config, run_id: str, env: EnvTraits) -> RolloutInput:
         revision=REVISION,
         local_model_calls=cfg.rollout.local_model_calls and not env.uses_sandbox,
         in_group=inline_members(cfg, env),
+        batched=batch_members(cfg, env),
     )
 
 
@@ -103,6 +113,13 @@ def inline_members(cfg: Config, env: EnvTraits) -> bool:
     every step is a local activity of the workflow (inline env steps, no sandbox, no harness)."""
     eligible = env.inline_steps and not env.uses_sandbox and not env.harness
     return cfg.group.inline_rollouts and cfg.rollout.local_model_calls and eligible
+
+
+def batch_members(cfg: Config, env: EnvTraits) -> bool:
+    """Whether the run's groups run their rollouts in one batch activity (``group.batch_rollouts``): only
+    rollouts of environments with inline steps and neither a sandbox nor a harness."""
+    eligible = env.inline_steps and not env.uses_sandbox and not env.harness
+    return cfg.group.batch_rollouts and eligible
 
 
 def member_input(inp: GroupInput, i: int, attempt: int = 0) -> RolloutInput:
@@ -242,13 +259,32 @@ def finalize_input(
     )
 
 
+class _Tries:
+    """How often one slot ran again, and why (its attempt number counts them all)."""
+
+    def __init__(self) -> None:
+        self.attempt = self.redispatched = self.infra_retried = 0
+
+
+class _InBatch:
+    """A running member of the group's batch (``group.batch_rollouts``): no workflow of its own."""
+
+
+IN_BATCH = _InBatch()
+
+
 @workflow.defn(name="GroupWorkflow")
 class GroupWorkflow:
     def __init__(self) -> None:
         self._done = 0
         self._size = 0
-        self._running: dict[str, workflow.ChildWorkflowHandle | RolloutWorkflow] = {}
-        """Running members: a child workflow's handle, or the rollout running inline (in_group)."""
+        self._running: dict[str, workflow.ChildWorkflowHandle | RolloutWorkflow | _InBatch] = {}
+        """Running members: a child workflow's handle, the rollout running inline (in_group), or
+        ``IN_BATCH``: the member runs in the group's batch activity."""
+        self._batch: asyncio.Task[list[RolloutResult]] | None = None
+        """The batch activity running (``group.batch_rollouts``)."""
+        self._batch_told: dict[str, str] = {}
+        """Members of the running batch told to cancel, with their reasons."""
         self._told: set[str] = set()
         self._retry: set[str] = set()
         """Members an operator asked to run again (``retry``)."""
@@ -260,13 +296,25 @@ class GroupWorkflow:
         """Members done and running; ``members``: the live state of each running inline member (what a
         rollout workflow's ``state`` query answers)."""
         inline = {rid: m.state() for rid, m in self._running.items() if isinstance(m, RolloutWorkflow)}
-        return {"done": self._done, "size": self._size, "running": sorted(self._running), "members": inline}
+        batch = sorted(rid for rid, m in self._running.items() if isinstance(m, _InBatch))
+        return {
+            "done": self._done,
+            "size": self._size,
+            "running": sorted(self._running),
+            "members": inline,
+            "batch": batch,
+        }
 
     async def _tell(self, rid: str, reason: str) -> None:
         """Tell a running member to cancel with ``reason`` (a signal to a child; a call to an inline one)."""
         member = self._running[rid]
         if isinstance(member, RolloutWorkflow):
             member.cancel_for(reason)
+            return
+        if isinstance(member, _InBatch):  # the batch stops; its other members run on in the next one
+            self._batch_told.setdefault(rid, reason)
+            if self._batch is not None and not self._batch.done():
+                self._batch.cancel()
             return
         try:
             await member.signal(RolloutWorkflow.cancel_for, reason)
@@ -314,7 +362,10 @@ class GroupWorkflow:
         self._size = inp.size
         workflow.set_current_details(f"task={inp.task_id} members=0/{inp.size}")
         attempts: list[RolloutResult] = []
-        await asyncio.gather(*(self._slot(inp, i, attempts) for i in range(inp.size)))
+        if inp.template.batched:
+            await self._batches(inp, attempts)
+        else:
+            await asyncio.gather(*(self._slot(inp, i, attempts) for i in range(inp.size)))
         record, advantages = close_group(
             inp.run_id, inp.group_id, inp.task_id, inp.size, attempts, inp.advantage_eps, inp.on_infra_failure
         )
@@ -332,9 +383,9 @@ class GroupWorkflow:
         """Run slot i to its end; with redispatch, a member cancelled for admission is started again (at
         most MAX_REDISPATCH times), a member an operator retried is started again whenever it ended
         cancelled, and a member that failed for infrastructure at most ``inp.infra_retries`` times."""
-        attempt = redispatched = infra_retried = 0
+        tries = _Tries()
         while True:
-            m = member_input(inp, i, attempt)
+            m = member_input(inp, i, tries.attempt)
             if self._cancelled is not None:  # the run was cancelled before this member started
                 attempts.append(await self._record_unrun(m, Outcome.CANCELLED, self._cancelled))
                 break
@@ -350,27 +401,115 @@ class GroupWorkflow:
                     terminated = isinstance(e.cause, TerminatedError)  # by hand: never run again
                     result = await self._record_dead_member(m, e)
             attempts.append(result)
-            if self._cancelled is not None:
+            if self._cancelled is not None or not self._again(inp, m, result, tries, terminated):
                 break
-            cancelled = result.outcome == Outcome.CANCELLED
-            if cancelled and m.rollout_id in self._retry:
-                attempt += 1
-                continue
-            shed = cancelled and result.reason == CANCEL_REASON and inp.redispatch_cancelled
-            if shed and redispatched < MAX_REDISPATCH:
-                attempt, redispatched = attempt + 1, redispatched + 1
-                continue
-            if (
-                _infra(result)
-                and not terminated
-                and infra_retried < inp.infra_retries
-                and workflow.patched(INFRA_RETRIES.id)
-            ):
-                attempt, infra_retried = attempt + 1, infra_retried + 1
-                continue
-            break
+        self._slot_done(inp)
+
+    def _slot_done(self, inp: GroupInput) -> None:
         self._done += 1
         workflow.set_current_details(f"task={inp.task_id} members={self._done}/{inp.size}")
+
+    def _again(
+        self, inp: GroupInput, m: RolloutInput, result: RolloutResult, tries: _Tries, terminated: bool = False
+    ) -> bool:
+        """Whether the slot whose member ``m`` ended with ``result`` runs again (under the next attempt id,
+        counted in ``tries``): an operator's retry, an admission shed with redispatch, an infra failure."""
+        cancelled = result.outcome == Outcome.CANCELLED
+        if cancelled and m.rollout_id in self._retry:
+            tries.attempt += 1
+            return True
+        shed = cancelled and result.reason == CANCEL_REASON and inp.redispatch_cancelled
+        if shed and tries.redispatched < MAX_REDISPATCH:
+            tries.attempt, tries.redispatched = tries.attempt + 1, tries.redispatched + 1
+            return True
+        if (
+            _infra(result)
+            and not terminated
+            and tries.infra_retried < inp.infra_retries
+            and workflow.patched(INFRA_RETRIES.id)
+        ):
+            tries.attempt, tries.infra_retried = tries.attempt + 1, tries.infra_retried + 1
+            return True
+        return False
+
+    async def _batches(self, inp: GroupInput, attempts: list[RolloutResult]) -> None:
+        """``group.batch_rollouts``: every slot's member runs in one batch activity, then the slots that
+        run again (a retry, a redispatch, an infra retry) and the members a cancel of another interrupted
+        run in the next batch, until every slot has ended (the rules of ``_slot``)."""
+        tries = {i: _Tries() for i in range(inp.size)}
+        pending = {i: self._batch_member(inp, i, 0) for i in range(inp.size)}
+        while pending:
+            if self._cancelled is not None:  # the run was cancelled: nothing starts again
+                for i, m in list(pending.items()):
+                    attempts.append(await self._record_stored(m, Outcome.CANCELLED, self._cancelled))
+                    del pending[i]
+                    self._slot_done(inp)
+                break
+            ended = await self._run_batch(inp, list(pending.values()))
+            for i, m in list(pending.items()):
+                result = ended.get(m.rollout_id)
+                if result is None:  # interrupted by another member's cancel: resumes in the next batch
+                    continue
+                attempts.append(result)
+                if self._cancelled is None and self._again(inp, m, result, tries[i]):
+                    pending[i] = self._batch_member(inp, i, tries[i].attempt)
+                else:
+                    del pending[i]
+                    self._slot_done(inp)
+
+    def _batch_member(self, inp: GroupInput, i: int, attempt: int) -> RolloutInput:
+        """Slot i's member under ``attempt``, its start time in its state (its time limit counts from it
+        across batches)."""
+        m = member_input(inp, i, attempt)
+        return m.model_copy(update={"state": RolloutState(started_at=workflow.now().timestamp())})
+
+    async def _run_batch(self, inp: GroupInput, members: list[RolloutInput]) -> dict[str, RolloutResult]:
+        """Run ``members`` in one batch activity; the results of those that ended, by rollout id."""
+        self._batch_told = {}
+        for m in members:
+            self._running[m.rollout_id] = IN_BATCH
+        ids = " ".join(m.rollout_id.rsplit("/", 1)[-1] for m in members)
+        workflow.set_current_details(
+            f"task={inp.task_id} members={self._done}/{inp.size} | batch of {len(members)} in activity"
+            f" run_batch (its heartbeat details: each rollout's turn and phase): slots {ids}"
+        )
+        run = call(
+            BatchActivities.run_batch, BatchInput(members=members), start_to_close=batch_timeout(members)
+        )
+        self._batch = asyncio.ensure_future(run)
+        try:
+            return {r.rollout_id: r for r in await self._batch}
+        except (ActivityError, asyncio.CancelledError) as e:
+            if not self._batch_told:
+                if isinstance(e, asyncio.CancelledError):
+                    raise  # the group itself was cancelled
+                reason = failure_reason(e)  # failed past its retries: those it did not end fail with it
+                return {m.rollout_id: await self._record_stored(m, Outcome.FAILED, reason) for m in members}
+            told = [m for m in members if m.rollout_id in self._batch_told]
+            return {
+                m.rollout_id: await self._record_stored(m, Outcome.CANCELLED, self._batch_told[m.rollout_id])
+                for m in told
+            }
+        finally:
+            self._batch = None
+            for m in members:
+                del self._running[m.rollout_id]
+
+    async def _record_stored(self, m: RolloutInput, outcome: Outcome, reason: str) -> RolloutResult:
+        """Record a batch member the batch did not end; what the store holds (a member that ended in the
+        batch after all keeps its record)."""
+        stored: StoredOutcome = await call(
+            RolloutActivities.finalize_rollout, finalize_rollout_input(m, outcome, reason)
+        )
+        return RolloutResult(
+            rollout_id=m.rollout_id,
+            sample_index=m.sample_index,
+            outcome=stored.outcome,
+            reason=stored.reason,
+            reward=stored.reward,
+            scorable=stored.scorable,
+            wasted_tokens=stored.wasted_tokens,
+        )
 
     async def _run_child(self, inp: GroupInput, m: RolloutInput) -> RolloutResult:
         """Run a member as a child workflow (its own history and search attributes) to its result."""

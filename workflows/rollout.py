@@ -52,7 +52,7 @@ with workflow.unsafe.imports_passed_through():
         TurnResult,
     )
     from durable_rollouts.errors import EngineUnavailable, failure_details, failure_reason, is_error
-    from durable_rollouts.turns.budget import turn_budget, turn_truncation
+    from durable_rollouts.turns.sequence import Ended, run_turns, score_truncated
     from durable_rollouts.workflows import search_attributes as sa
     from durable_rollouts.workflows.calls import call
     from durable_rollouts.workflows.harness_steps import HarnessSteps
@@ -81,14 +81,7 @@ def pick_engine(urls: list[str], key: str) -> str:
     return replica_order(urls, key)[0]
 
 
-class _Ended(Exception):
-    """Raised inside the turn loop when a limit or the environment ends the rollout."""
-
-    def __init__(
-        self, outcome: Outcome, reason: str | None = None, reward: float | None = None, details: Any = None
-    ) -> None:
-        super().__init__(reason)
-        self.outcome, self.reason, self.reward, self.details = outcome, reason, reward, details
+_Ended = Ended  # raised by the turn sequence (turns.sequence) and by the harness's end
 
 
 @workflow.defn(name="RolloutWorkflow")
@@ -280,32 +273,25 @@ class RolloutWorkflow:
         raise _Ended(Outcome.COMPLETED, None, (await self._env_step(inp, True, score_only=True)).reward)
 
     async def _turns(self, inp: RolloutInput) -> None:
-        s = self._s
-        while True:
-            if s.turn >= inp.max_turns:
-                raise await self._score_truncated(inp, TruncationReason.MAX_TURNS)
-            if inp.step_token_budget and s.step_sampled >= inp.step_token_budget:
-                await self._await_newer_policy(inp)
-            budget = turn_budget(s.tokens, inp.max_total_tokens, inp.sampling.max_tokens)
-            if budget.truncated is not None:
-                raise await self._score_truncated(inp, budget.truncated)
-            last = s.turn + 1 >= inp.max_turns
-            turn = await self._generate(inp, budget.max_tokens, last)
-            ended = turn.truncated_reason or turn_truncation(
-                turn.finish_reason, turn.end, inp.max_total_tokens
-            )
-            if ended is not None:
-                raise await self._score_truncated(inp, ended)
-            step = turn.env if turn.env is not None else await self._env_step(inp, last=last)
-            s.turn += 1
-            if step.done:
-                raise _Ended(Outcome.COMPLETED, None, step.reward)
-            s.tokens += step.observation_tokens
-            if step.truncated_reason is not None:
-                raise await self._score_truncated(inp, step.truncated_reason)
-            if not self._in_group and workflow.info().is_continue_as_new_suggested():
-                await workflow.wait_condition(workflow.all_handlers_finished)
-                workflow.continue_as_new(inp.model_copy(update={"state": s}))
+        """The turn sequence (``turns.sequence``), each step an activity of this workflow."""
+        await run_turns(inp, self._s, self)
+
+    # The steps of the turn sequence (turns.sequence.TurnSteps).
+
+    async def generate(self, inp: RolloutInput, max_tokens: int, last: bool) -> TurnResult:
+        return await self._generate(inp, max_tokens, last)
+
+    async def env_step(self, inp: RolloutInput, last: bool, score_only: bool = False) -> EnvStepResult:
+        return await self._env_step(inp, last, score_only)
+
+    async def await_newer_policy(self, inp: RolloutInput) -> None:
+        await self._await_newer_policy(inp)
+
+    async def turn_done(self, inp: RolloutInput) -> None:
+        """Continue as new when the server suggests it (never inside a group: its history is the group's)."""
+        if not self._in_group and workflow.info().is_continue_as_new_suggested():
+            await workflow.wait_condition(workflow.all_handlers_finished)
+            workflow.continue_as_new(inp.model_copy(update={"state": self._s}))
 
     async def _await_newer_policy(self, inp: RolloutInput) -> None:
         """Partial rollouts: wait (durable timers, no engine resources held) for the next publish."""
@@ -437,10 +423,7 @@ class RolloutWorkflow:
 
     async def _score_truncated(self, inp: RolloutInput, reason: TruncationReason) -> _Ended:
         """A truncated rollout, scored by the environment only if the run asks for it."""
-        if not inp.score_truncated:
-            return _Ended(Outcome.TRUNCATED, reason.value)
-        step = await self._env_step(inp, last=True, score_only=True)
-        return _Ended(Outcome.TRUNCATED, reason.value, step.reward)
+        return await score_truncated(inp, self, reason)
 
     async def _finalize(self, inp: RolloutInput, ended: _Ended) -> RolloutResult:
         self._enter(Phase.FINALIZE, index=False)

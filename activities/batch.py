@@ -1,0 +1,291 @@
+"""The batch activity: a group's rollouts run together inside one activity (``group.batch_rollouts``).
+
+Temporal records the batch, not each turn: a 1-turn rollout costs its share of one activity instead of a
+workflow with its tasks and events (docs/measurements/cost.md).
+
+Invariants:
+- One turn logic: each member runs the rollout workflow's own turn sequence (``turns.sequence``), its
+  steps the implementations the rollout's activities run (``turns.model.ModelTurns.turn`` with its inline
+  env step, ``turns.step.EnvSteps.step``, ``RolloutActivities.finalize_rollout``), awaited in process.
+- Durable at the store's grain: every turn's segment, env step and record is written once, keyed by
+  (rollout id, turn) and rollout id. A retried batch (its worker died, it timed out) runs every member
+  again from its first turn: a stored turn is read back, never sampled again, and a recorded member
+  returns its record without running.
+- Exactly one record per member that ends here (completed, truncated, failed by cause); a member the batch
+  did not end (the batch cancelled, or failed past its retries) is recorded by its group, whose record
+  call returns the stored one if the member had ended after all (``workflows.group``).
+- Retries as a rollout workflow's: model calls under the run's ``[engine]`` retry settings, then failover
+  to the next replica (``engine.failover``) or waits until ``engine.outage_budget_s`` is spent; env steps
+  under ``ENV_RETRY``. The attempt number in a call's request id and segment counts across the batch's
+  own retries (``attempt_base``), so no two tries of a turn share a request id.
+- Heartbeats every ``HEARTBEAT_EVERY_S`` name every member still running (turn, phase, replica, since
+  when): an operator finds a stuck batch in the web UI as its group's pending activity, and a cancel of
+  the batch reaches it through the heartbeat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+from datetime import timedelta
+from typing import TypeVar
+
+from temporalio import activity
+from temporalio.common import RetryPolicy
+
+from durable_rollouts.activities.calls import Options, options
+from durable_rollouts.activities.environment import ENV_RETRY
+from durable_rollouts.activities.heartbeat import HEARTBEAT_EVERY_S
+from durable_rollouts.activities.rollout import RolloutActivities
+from durable_rollouts.contracts.activity_io import EnvStepInput, GenerateInput, PrepareInput
+from durable_rollouts.contracts.batch import BatchInput
+from durable_rollouts.contracts.types import (
+    EnvStepResult,
+    Outcome,
+    RolloutInput,
+    RolloutResult,
+    RolloutState,
+    TruncationReason,
+    TurnResult,
+)
+from durable_rollouts.engines.watchdog import watching
+from durable_rollouts.errors import EngineUnavailable, RolloutError, failure_details, failure_reason
+from durable_rollouts.turns.sequence import Ended, run_turns, score_truncated
+from durable_rollouts.workflows.rollout import OUTAGE_BACKOFF_MAX_S, rollout_replicas
+from durable_rollouts.workflows.rollout_record import finalize_rollout_input
+from durable_rollouts.workflows.search_attributes import utc_text
+
+T = TypeVar("T")
+
+BATCH_RETRY = RetryPolicy(
+    initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=30), maximum_attempts=10
+)
+"""A batch whose worker died, or that failed outside a member's own failures (the store, a bug), runs
+again and resumes from the store; past these attempts its group records the members it did not end as
+failed (infra)."""
+BATCH_MARGIN_S = 120.0
+"""A batch may run this long past its members' ``rollout.timeout_s`` (their scoring and records)."""
+ATTEMPTS_PER_TRY = 100
+"""Attempt numbers each try of the batch owns for a call (its tries stay below this, so attempt numbers
+of two tries of the batch never meet)."""
+
+
+class BatchActivities:
+    """The batch activity; runs its members' steps through the rollout's activities' implementations."""
+
+    def __init__(self, rollouts: RolloutActivities) -> None:
+        self.rollouts = rollouts
+
+    @options(
+        Options(timedelta(hours=1), BATCH_RETRY, heartbeat=timedelta(seconds=10), wait_cancellation=True)
+    )
+    @activity.defn
+    async def run_batch(self, inp: BatchInput) -> list[RolloutResult]:
+        """Run every member to its record; their results in the input's order. The caller derives the
+        start-to-close timeout from the members' ``timeout_s`` (``batch_timeout``)."""
+        base = (activity.info().attempt - 1) * ATTEMPTS_PER_TRY
+        live: dict[str, _Member] = {}
+        members = [_Member(self.rollouts, m, base, live) for m in inp.members]
+        tasks = [asyncio.ensure_future(m.run()) for m in members]
+        everything = asyncio.gather(*tasks)
+        try:
+            while True:
+                activity.heartbeat(in_flight(live))
+                done, _ = await asyncio.wait({everything}, timeout=HEARTBEAT_EVERY_S)
+                if done:
+                    return everything.result()
+        finally:  # cancelled, or a member failed outside its own failures: stop the others
+            for t in tasks:
+                t.cancel()
+            with contextlib.suppress(BaseException):
+                await everything
+
+    def all(self) -> list:
+        return [self.run_batch]
+
+
+def batch_timeout(members: list[RolloutInput]) -> timedelta:
+    """Start-to-close timeout of a batch of ``members``."""
+    return timedelta(seconds=max(m.timeout_s for m in members) + BATCH_MARGIN_S)
+
+
+def in_flight(live: dict[str, _Member]) -> list[str]:
+    """The heartbeat's details: one line per member still running (what an operator sees of the batch)."""
+    return [m.describe() for m in live.values()]
+
+
+class _Member:
+    """One rollout of a batch: the steps of its turn sequence (``turns.sequence.TurnSteps``)."""
+
+    def __init__(self, acts: RolloutActivities, m: RolloutInput, base: int, live: dict[str, _Member]) -> None:
+        self.acts, self.m, self.base, self.live = acts, m, base, live
+        self.s = m.state.model_copy() if m.state is not None else RolloutState()
+        if self.s.started_at is None:
+            self.s.started_at = time.time()
+        self.ref = m.ref()
+        self.order = rollout_replicas(m)
+        self.engine = self.order[0]
+        self.phase, self.since = "prepare", time.time()
+
+    def describe(self) -> str:
+        s = self.s
+        return (
+            f"{self.m.rollout_id}: {self.phase} turn={s.turn} tokens={s.tokens} engine={self.engine}"
+            f" since {utc_text(self.since)}"
+        )
+
+    def _at(self, phase: str) -> None:
+        self.phase, self.since = phase, time.time()
+
+    async def run(self) -> RolloutResult:
+        """The member's result: its record as stored (written now, or by an earlier try of the batch)."""
+        rid = self.m.rollout_id
+        row = await asyncio.to_thread(self.acts.store.rollout, rid)
+        if row is not None:  # ended in an earlier try of the batch
+            return self._result(Outcome(row["outcome"]), row["reason"], row["reward"], bool(row["scorable"]))
+        self.live[rid] = self
+        try:
+            ended = await self._ended()
+            self._at("finalize")
+            record = finalize_rollout_input(
+                self.m, ended.outcome, ended.reason, ref=self.ref, reward=ended.reward, state=self.s,
+                ended_at=time.time(), failure=ended.details,
+            )  # fmt: skip
+            stored = await self.acts.finalize_rollout(record)
+            return self._result(stored.outcome, stored.reason, stored.reward, stored.scorable)
+        finally:
+            self.live.pop(rid, None)
+
+    def _result(
+        self, outcome: Outcome, reason: str | None, reward: float | None, scorable: bool
+    ) -> RolloutResult:
+        return RolloutResult(
+            rollout_id=self.m.rollout_id,
+            sample_index=self.m.sample_index,
+            outcome=outcome,
+            reason=reason,
+            reward=reward,
+            scorable=scorable,
+            num_tokens=self.s.tokens,
+            turns=self.s.turn,
+        )
+
+    async def _ended(self) -> Ended:
+        """How the member ends: the turn sequence's verdict, its wall-clock limit, or a final failure."""
+        m, s = self.m, self.s
+        assert s.started_at is not None
+        try:
+            try:
+                left = m.timeout_s - (time.time() - s.started_at)
+                if left <= 0:
+                    raise TimeoutError
+                with watching(m.engine.stall_timeout_s):
+                    await asyncio.wait_for(run_turns(m, s, self), timeout=left)
+            except TimeoutError:
+                raise await score_truncated(m, self, TruncationReason.TIMEOUT) from None
+        except Ended as end:
+            return end
+        except RolloutError as e:
+            app = e.to_application_error()
+            return Ended(Outcome.FAILED, failure_reason(app), details=failure_details(app))
+        raise AssertionError("turn sequence returned without an outcome")
+
+    async def _tried(
+        self, call: Callable[[int], Awaitable[T]], attempts: int, first_s: float, most_s: float
+    ) -> T:
+        """``call(attempt)`` until it succeeds, fails for good, or ``attempts`` are spent (0: no limit)."""
+        n = 0
+        while True:
+            n += 1
+            try:
+                return await call(self.base + n)
+            except RolloutError as e:
+                if not e.retryable or (attempts and n >= attempts):
+                    raise
+            await asyncio.sleep(min(most_s, first_s * 2.0 ** (n - 1)))
+
+    # The steps of the turn sequence (turns.sequence.TurnSteps).
+
+    async def generate(self, inp: RolloutInput, max_tokens: int, last: bool) -> TurnResult:
+        s, r = self.s, inp.retry
+        while True:
+            self._at("generate")
+            gen = self._generate_input(inp, max_tokens, last)
+            try:
+                turn = await self._tried(
+                    lambda a, g=gen: self.acts.turns.turn(g, a), r.max_attempts, r.initial_s, r.max_s
+                )
+                break
+            except EngineUnavailable as e:
+                if inp.engine.failover and s.engine_failovers + 1 < len(self.order):
+                    s.engine_failovers += 1
+                    s.reprefill_tokens += s.tokens  # the new replica prefills the whole context again
+                    self.engine = self.order[s.engine_failovers]
+                    continue
+                await self._ride_out_outage(inp, e)
+        s.outage_since = None
+        s.tokens = turn.end
+        s.sampled_tokens += turn.end - turn.start
+        s.step_sampled += turn.end - turn.start
+        if turn.policy_version is not None:
+            s.version = turn.policy_version
+        return turn
+
+    def _generate_input(self, inp: RolloutInput, max_tokens: int, last: bool) -> GenerateInput:
+        s = self.s
+        prepare = None
+        if s.tokens == 0:  # the first call builds the prompt (stored once)
+            prepare = PrepareInput(
+                ref=self.ref, engine_url=self.engine, stall_timeout_s=inp.engine.stall_timeout_s
+            )
+        return GenerateInput(
+            ref=self.ref,
+            turn=s.turn,
+            engine_url=self.engine,
+            sampling=inp.sampling,
+            max_tokens=max_tokens,
+            env_after=self._step_input(last),
+            max_total_tokens=inp.max_total_tokens,
+            prepare=prepare,
+            stall_timeout_s=inp.engine.stall_timeout_s,
+        )
+
+    def _step_input(self, last: bool, score_only: bool = False) -> EnvStepInput:
+        return EnvStepInput(
+            ref=self.ref, turn=self.s.turn, last_turn=last, score_only=score_only, engine_url=self.engine
+        )
+
+    async def _ride_out_outage(self, inp: RolloutInput, e: BaseException) -> None:
+        """Wait for the engine to come back, or re-raise ``e`` once the outage budget is spent."""
+        s = self.s
+        now = time.time()
+        if s.outage_since is None:
+            s.outage_since = now
+        left = inp.engine.outage_budget_s - (now - s.outage_since)
+        if left <= 0:
+            raise e
+        s.outage_waits += 1
+        delay = min(left, OUTAGE_BACKOFF_MAX_S, 2.0 ** min(s.outage_waits, 5))
+        self._at(f"engine unavailable (wait {s.outage_waits}, retrying in {delay:.0f}s)")
+        activity.logger.warning(
+            "rollout %s: engine %s unavailable; retrying in %.0fs", self.ref.rollout_id, self.engine, delay
+        )
+        await asyncio.sleep(delay)
+
+    async def env_step(self, inp: RolloutInput, last: bool, score_only: bool = False) -> EnvStepResult:
+        self._at("env")
+        step = self._step_input(last, score_only)
+        steps = self.acts.turns.steps
+        assert steps is not None, "a worker that runs batches runs their env steps"
+        retry = ENV_RETRY
+        first = retry.initial_interval.total_seconds()
+        most = retry.maximum_interval.total_seconds() if retry.maximum_interval else first
+        return await self._tried(lambda a: steps.step(step, a), retry.maximum_attempts, first, most)
+
+    async def await_newer_policy(self, inp: RolloutInput) -> None:
+        raise AssertionError("group.batch_rollouts excludes rollout.step_token_budget (config validation)")
+
+    async def turn_done(self, inp: RolloutInput) -> None:
+        self._at("generate")

@@ -1,0 +1,19 @@
+"""The input of the batch activity (``activities.batch``, ``group.batch_rollouts``).
+
+Invariant: as in ``contracts.types``, only keys, settings and small scalars; token arrays stay in the store.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+from durable_rollouts.contracts.types import RolloutInput
+
+
+class BatchInput(BaseModel):
+    """Rollouts run together inside one activity: each member's full input (its ``state`` carries the
+    time the member's attempt started, from which its ``timeout_s`` counts across batch retries)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    members: list[RolloutInput]
