@@ -24,6 +24,11 @@ added up per rollout. The arithmetic is in ``cost_stats.py`` (unit-tested); this
 
     python bench/orchestration_cost.py --old cb3230d --out bench/results/orchestration_cost.json
 
+The batched path (``group.batch_rollouts``) against the default, in one sitting:
+
+    python bench/orchestration_cost.py --variant batched:group.batch_rollouts=true \
+        --out bench/results/orchestration_cost_batched.json
+
 CPU-seconds and events per rollout do not depend on what else runs on the machine; rates do.
 Invariant: it stops everything it started (workers and engine by pid, the Temporal server by its pid file)
 however it ends, and removes the extracted checkout.
@@ -190,8 +195,8 @@ async def run_histories(
     client: Client, rid: str, groups: int, size: int, inline: bool = False
 ) -> dict[str, Any]:
     """Counts of a sample of rollouts and groups (spread over the run) and of every segment of the run;
-    ``inline``: the groups run their rollouts inline (``group.inline_rollouts``), which have no history of
-    their own (every event is the group's)."""
+    ``inline``: the groups run their rollouts inline (``group.inline_rollouts``) or in a batch activity
+    (``group.batch_rollouts``); such rollouts have no history of their own (every event is the group's)."""
     picks = sorted({groups * j // ROLLOUT_SAMPLE for j in range(ROLLOUT_SAMPLE)})
     if inline:
         rollouts = [count_events([])]
@@ -295,7 +300,8 @@ class Sitting:
         )
         if not measure:
             return {}
-        inline = bool(dict(self.code.sets).get("group.inline_rollouts"))
+        sets = dict(self.code.sets)  # members without a workflow of their own: inline, or in a batch
+        inline = bool(sets.get("group.inline_rollouts") or sets.get("group.batch_rollouts"))
         hist = await run_histories(self.client, rid, rollouts // a.group_size, a.group_size, inline)
         if inline:
             closes = await asyncio.to_thread(stored_close_times, self.home, rid)
