@@ -245,8 +245,8 @@ class _Handler:
         """Server-sent events computed from the stored answer; a client gone mid-stream ends it (its retry
         is answered from the store again, with the same events)."""
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
         try:
+            await resp.prepare(request)
             for event in events:
                 await resp.write(event)
             await resp.write_eof()
