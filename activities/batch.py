@@ -30,6 +30,7 @@ import contextlib
 import time
 from collections.abc import Awaitable, Callable
 from datetime import timedelta
+from functools import partial
 from typing import TypeVar
 
 from temporalio import activity
@@ -215,7 +216,7 @@ class _Member:
             gen = self._generate_input(inp, max_tokens, last)
             try:
                 turn = await self._tried(
-                    lambda a, g=gen: self.acts.turns.turn(g, a), r.max_attempts, r.initial_s, r.max_s
+                    partial(self.acts.turns.turn, gen), r.max_attempts, r.initial_s, r.max_s
                 )
                 break
             except EngineUnavailable as e:
@@ -282,7 +283,7 @@ class _Member:
         retry = ENV_RETRY
         first = retry.initial_interval.total_seconds()
         most = retry.maximum_interval.total_seconds() if retry.maximum_interval else first
-        return await self._tried(lambda a: steps.step(step, a), retry.maximum_attempts, first, most)
+        return await self._tried(partial(steps.step, step), retry.maximum_attempts, first, most)
 
     async def await_newer_policy(self, inp: RolloutInput) -> None:
         raise AssertionError("group.batch_rollouts excludes rollout.step_token_budget (config validation)")
