@@ -305,7 +305,8 @@ async def resolve(client: Client, wid: str, store: RunStore | None = None) -> Ta
 
 async def _inline_member(client: Client, store: RunStore, wid: str) -> Target | None:
     """``wid`` as a member running inside its group's workflow: a slot id ``<run>/<group>/<i>[r<n>]`` of a
-    running group whose run has ``group.inline_rollouts`` on, without a record yet; None otherwise.
+    running group whose run has ``group.inline_rollouts`` (or ``group.batch_rollouts``: in its group's
+    batch) on, without a record yet; None otherwise.
 
     Read from the store and the group's description, not from the group's ``progress`` query: a group
     whose members hold local calls answers queries only when it next completes a workflow task."""
@@ -314,7 +315,8 @@ async def _inline_member(client: Client, store: RunStore, wid: str) -> Target | 
         return None
     run_id, group_id, _ = parts
     run = await asyncio.to_thread(store.get_run, run_id)
-    if run is None or not json.loads(run["config_json"]).get("group", {}).get("inline_rollouts"):
+    group = json.loads(run["config_json"]).get("group", {}) if run is not None else {}
+    if not (group.get("inline_rollouts") or group.get("batch_rollouts")):  # members without a workflow
         return None
     try:
         desc = await client.get_workflow_handle(f"{run_id}/{group_id}").describe()

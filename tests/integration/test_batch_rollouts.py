@@ -21,6 +21,7 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client, WorkflowFailureError
 from temporalio.testing import WorkflowEnvironment
 
+from durable_rollouts.cli import ops
 from durable_rollouts.contracts.types import group_id, rollout_id
 from durable_rollouts.simengine import SimEngine, SimSettings
 from durable_rollouts.stack import procs
@@ -199,3 +200,36 @@ async def test_a_run_cancelled_mid_batch_records_its_members_cancelled(
     cancelled = [r for r in rollouts if r["outcome"] == "cancelled"]
     assert cancelled and all(r["reason"] == RUN_CANCEL_REASON and not r["scorable"] for r in cancelled)
     assert {r["outcome"] for r in rollouts} <= {"cancelled", "completed"}
+
+
+@pytest.mark.timeout(150)
+async def test_cancelling_one_member_stops_its_batch_and_the_others_resume_from_the_store(
+    client: Client, task_queue: str, tmp_path: Path, ledger: Callable[..., Awaitable[Any]]
+) -> None:
+    """``rollouts cancel`` of one batched member (turns of about eight seconds, three per rollout): the
+    batch stops at its next heartbeat, the member is recorded cancelled (reason ``manual``), and the
+    group's next batch runs the others on from their stored turns, none asked of the engine again."""
+    run_id = "batched-member-cancel"
+    ids = [rollout_id(run_id, group_id(0), i) for i in range(3)]
+    sim, tasks = scripted(tmp_path, 3, decode_ms_per_token=1000)
+    requests = counting(sim)
+    async with sim.serve(port=0) as url, worker(client, task_queue, tmp_path, sandboxed=False) as store:
+        handle = await start_run(client, batched_config(url, task_queue, 1, 3, 3, tasks), run_id)
+        for _ in range(1200):  # until the first turns are stored
+            if (ids[0], 0) in stored_turns(store, ids):
+                break
+            await asyncio.sleep(0.05)
+        said = await ops.cancel(client, store, ids[0])
+        assert said.startswith(f"cancelled {ids[0]}"), said
+        at_cancel = stored_turns(store, ids)
+        result = await asyncio.wait_for(handle.result(), 120)
+        rollouts = {r["rollout_id"]: r for r in export(store, run_id)[0]}
+        await ledger(store, run_id, client=client)
+    assert result.done and sorted(rollouts) == sorted(ids)
+    assert (rollouts[ids[0]]["outcome"], rollouts[ids[0]]["reason"]) == ("cancelled", "manual")
+    assert all((rollouts[r]["outcome"], rollouts[r]["reward"]) == ("completed", 1.0) for r in ids[1:])
+    scheduled = (await group_events(client, f"{run_id}/{group_id(0)}")).count(
+        EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
+    )
+    assert scheduled == 2, "the others must run on in a second batch"
+    assert all(requests[k] == 1 for k in at_cancel), {k: requests[k] for k in at_cancel}
