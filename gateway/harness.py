@@ -95,13 +95,24 @@ async def poll(box: Sandbox) -> int | None:
         " || echo VANISHED",
         30,
     )
-    out = res.output.strip()
-    if out.endswith("RUNNING"):
+    return exit_code_of(res.output)
+
+
+def exit_code_of(output: str) -> int | None:
+    """`poll`'s reading of its command's output: the exit code, or None while the harness runs; the notes
+    the sandbox may append (``[...]`` lines, e.g. after a slow read of the output) are not part of it.
+
+    Raises:
+        SandboxGone: the process vanished, or the output says neither.
+    """
+    out = output.strip()
+    said = [line.strip() for line in out.splitlines() if line.strip() and not line.lstrip().startswith("[")]
+    if said and said[-1] == "RUNNING":
         return None
-    if out.endswith("VANISHED"):
+    if said and said[-1] == "VANISHED":
         raise SandboxGone("the harness process vanished without an exit code")
     try:
-        return int(out.splitlines()[-1])
+        return int(said[-1])
     except (ValueError, IndexError):
         raise SandboxGone(f"unreadable harness exit code: {out[-100:]!r}") from None
 
