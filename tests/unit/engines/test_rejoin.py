@@ -96,3 +96,34 @@ async def test_an_engine_that_does_not_answer_is_not_held_out_by_the_gate(tmp_pa
         await gate.admit("http://127.0.0.1:9")
     finally:
         await gate.aclose()
+
+
+@pytest.mark.timeout(60)
+async def test_the_dispatchers_poll_gives_no_reading_of_a_stale_engine_so_it_is_not_healthy(
+    tmp_path: Path,
+) -> None:
+    from temporalio.testing import ActivityEnvironment
+
+    from durable_rollouts.activities.dispatch import DispatchActivities
+    from durable_rollouts.contracts.dispatch import PollFleetInput
+    from durable_rollouts.sandboxes.pool import SandboxPool
+
+    store = RunStore(tmp_path)
+    async with SimEngine(SimSettings(policy="random", weight_version="v0")).serve(port=0) as url:
+        acts = DispatchActivities(store, SandboxPool(store))
+        inp = PollFleetInput(run_id="r", engine_urls=[url], groups=[])
+        try:
+            for v in ("v0", "v1"):
+                store.put_policy(v, f"h{v}", str(tmp_path / v), [url])
+                store.finish_policy(v, [url])
+            held = await ActivityEnvironment().run(acts.poll_fleet, inp)
+            assert held.readings == []
+            assert held.errors == [Held(url, "v0", "v1").describe()]
+            async with httpx.AsyncClient() as http:
+                reply = await http.post(f"{url}/update_weight_version", json={"new_version": "v1"})
+                reply.raise_for_status()
+            back = await ActivityEnvironment().run(acts.poll_fleet, inp)
+            assert [r.engine_id for r in back.readings] == [url] and back.errors == []
+        finally:
+            await asyncio.to_thread(acts.gate.pushes.wait, 30)  # the engine serves on this loop
+            await acts.aclose()
