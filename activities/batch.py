@@ -29,7 +29,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable, Callable
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from functools import partial
 from typing import TypeVar
 
@@ -39,6 +39,7 @@ from temporalio.common import RetryPolicy
 from durable_rollouts.activities.calls import Options, options
 from durable_rollouts.activities.environment import ENV_RETRY
 from durable_rollouts.activities.heartbeat import HEARTBEAT_EVERY_S
+from durable_rollouts.activities.members import finalize_rollout_input, rollout_replicas
 from durable_rollouts.activities.rollout import RolloutActivities
 from durable_rollouts.contracts.activity_io import EnvStepInput, GenerateInput, PrepareInput
 from durable_rollouts.contracts.batch import BatchInput
@@ -53,10 +54,7 @@ from durable_rollouts.contracts.types import (
 )
 from durable_rollouts.engines.watchdog import watching
 from durable_rollouts.errors import EngineUnavailable, RolloutError, failure_details, failure_reason
-from durable_rollouts.turns.sequence import Ended, run_turns, score_truncated
-from durable_rollouts.workflows.rollout import OUTAGE_BACKOFF_MAX_S, rollout_replicas
-from durable_rollouts.workflows.rollout_record import finalize_rollout_input
-from durable_rollouts.workflows.search_attributes import utc_text
+from durable_rollouts.turns.sequence import OUTAGE_BACKOFF_MAX_S, Ended, run_turns, score_truncated
 
 T = TypeVar("T")
 
@@ -110,6 +108,11 @@ class BatchActivities:
 def batch_timeout(members: list[RolloutInput]) -> timedelta:
     """Start-to-close timeout of a batch of ``members``."""
     return timedelta(seconds=max(m.timeout_s for m in members) + BATCH_MARGIN_S)
+
+
+def utc_text(ts: float) -> str:
+    """Epoch seconds as the UTC text the live details show (as ``rollouts stuck`` shows a rollout's)."""
+    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def in_flight(live: dict[str, _Member]) -> list[str]:

@@ -8,6 +8,8 @@ benchmarks call.
   segment stored (idempotent on (rollout id, turn)), and an inline environment's step run inside it.
 - ``step``: the environment's step on a stored turn: parse, act (recorded before it runs), observe (the
   observation's tokens stored), score.
+- ``sequence``: the turn sequence of a rollout (budget, model turn, verdicts, env step, until an outcome),
+  run by the rollout workflow and by the batch activity alike, each with its own steps.
 - ``engine``: what a turn needs of an engine (``engines.client.EngineClient`` is one).
 - ``clock``: the store seconds a turn spends (transfer time).
 

@@ -27,6 +27,9 @@ from durable_rollouts.contracts.types import (
 )
 from durable_rollouts.turns.budget import turn_budget, turn_truncation
 
+OUTAGE_BACKOFF_MAX_S = 30.0
+"""Longest wait between two tries of an engine that is out (the outage budget bounds the total)."""
+
 
 class Ended(Exception):
     """Raised by the sequence when a limit or the environment ends the rollout."""

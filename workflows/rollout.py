@@ -31,6 +31,7 @@ from temporalio.exceptions import ActivityError, ApplicationError
 
 with workflow.unsafe.imports_passed_through():
     from durable_rollouts.activities.environment import EnvironmentActivities
+    from durable_rollouts.activities.members import rollout_replicas
     from durable_rollouts.activities.rollout import RolloutActivities, engine_retry
     from durable_rollouts.admission.replicas import replica_order
     from durable_rollouts.contracts.activity_io import (
@@ -52,7 +53,12 @@ with workflow.unsafe.imports_passed_through():
         TurnResult,
     )
     from durable_rollouts.errors import EngineUnavailable, failure_details, failure_reason, is_error
-    from durable_rollouts.turns.sequence import Ended, run_turns, score_truncated
+    from durable_rollouts.turns.sequence import (
+        OUTAGE_BACKOFF_MAX_S,
+        Ended,
+        run_turns,
+        score_truncated,
+    )
     from durable_rollouts.workflows import search_attributes as sa
     from durable_rollouts.workflows.calls import call
     from durable_rollouts.workflows.harness_steps import HarnessSteps
@@ -62,18 +68,6 @@ with workflow.unsafe.imports_passed_through():
     from durable_rollouts.workflows.search_attributes import utc_text, waiting_on
 
 T = TypeVar("T")
-OUTAGE_BACKOFF_MAX_S = 30.0
-"""Longest wait between two tries of an engine that is out (the outage budget bounds the total)."""
-
-
-def rollout_replicas(inp: RolloutInput) -> list[str]:
-    """The rollout's replicas in preference order: the dispatcher's choice for its group first, then the
-    rest in the rollout's own hash order (its failovers)."""
-    order = replica_order(inp.engine.urls, inp.rollout_id)
-    if inp.preferred_engine in order:
-        order.remove(inp.preferred_engine)
-        order.insert(0, inp.preferred_engine)
-    return order
 
 
 def pick_engine(urls: list[str], key: str) -> str:
