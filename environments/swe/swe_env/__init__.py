@@ -37,12 +37,13 @@ image, its FAIL_TO_PASS and PASS_TO_PASS tests run after the agent, reward 1 onl
 
 from __future__ import annotations
 
+import logging
 import secrets
 import shlex
 import xml.etree.ElementTree as ET
 from typing import Any, ClassVar, cast
 
-from durable_rollouts.environments.base import Prompt, Sandbox, SandboxPlan, Task, TurnContext
+from durable_rollouts.environments.base import Prompt, Sandbox, SandboxPlan, Score, Task, TurnContext
 from durable_rollouts.environments.tool_env import ToolCallEnvironment
 from durable_rollouts.errors import EnvironmentFailure
 from durable_rollouts.sandboxes.base import SandboxSpec
@@ -60,6 +61,7 @@ SYSTEM_PROMPT = (
     "working directory; there is no network. Call submit() when the bug is fixed: hidden tests then score "
     "your change."
 )
+log = logging.getLogger(__name__)
 EXIT_MARK = "swe-exit: "
 """Line the scoring command prints with the test command's exit status, before the report."""
 
@@ -68,15 +70,20 @@ class SweEnvironment(ToolCallEnvironment):
     """SWE-style repository tasks in per-task images (see the module docstring)."""
 
     name: ClassVar[str] = "swe"
-    env_version: ClassVar[str] = "swe-v1"
-    verifier_version: ClassVar[str] = "swe-tests-v1"
+    env_version: ClassVar[str] = "swe-v2"
+    verifier_version: ClassVar[str] = "swe-tests-v2"
     task_model: ClassVar[type[Task]] = SweTask
+
+    def __init__(self, image_pattern: str | None = None) -> None:
+        self.image_pattern = image_pattern
+        """Names the image of a SWE-bench row that names none (`swe_env.harness.image_name`); None: the
+        operator's ``DURABLE_ROLLOUTS_SWE_IMAGE_PATTERN``, else SWE-bench's published name."""
 
     def validate_task(self, obj: dict[str, Any], where: str = "task") -> Task:
         """A `SweBenchTask` for a SWE-bench row (it has ``instance_id``), else a `SweTask`."""
         if "instance_id" not in obj:
             return super().validate_task(obj, where)
-        return swebench.validate_row(obj, where)
+        return swebench.validate_row(obj, where, self.image_pattern)
 
     def prompt(self, task: Task) -> Prompt:
         t = _swe(task)
@@ -105,7 +112,7 @@ class SweEnvironment(ToolCallEnvironment):
             setup_timeout_s=t.setup_timeout_s,
         )
 
-    async def score(self, ctx: TurnContext, text: str | None) -> float | None:
+    async def score(self, ctx: TurnContext, text: str | None) -> float | Score | None:
         t = _swe(ctx.task)
         box = self.sandbox_of(ctx)
         if isinstance(t, SweBenchTask):
@@ -170,21 +177,41 @@ def reward_from_junit(xml_text: str, expected_tests: int) -> float:
     return max(total - bad, 0) / total
 
 
-async def _score_swebench(t: SweBenchTask, box: Sandbox) -> float:
-    """SWE-bench's rule on the agent's workdir: 1.0 when every FAIL_TO_PASS and PASS_TO_PASS test passes."""
+async def _score_swebench(t: SweBenchTask, box: Sandbox) -> Score:
+    """SWE-bench's rule on the agent's workdir, graded by the swebench package: 1.0 when resolved.
+
+    Its metrics: ``fail_to_pass`` and ``pass_to_pass`` (the shares that passed) and ``test_patch_<applier>``
+    = 1.0 for the applier that applied the test patch (``git``, ``patch``, ``stdlib``); each applier that
+    failed before it is logged with its cause.
+    """
     token = secrets.token_hex(8)
     hidden, files = swebench.hidden_files(t)
     for name, content in files.items():
         await box.write_file(f"{hidden}/{name}", content)
-    res = await box.exec(swebench.scoring_command(t, hidden, token), timeout_s=t.test_timeout_s + 60)
+    res = await box.exec(swebench.scoring_command(t, hidden, token), timeout_s=t.test_timeout_s + 120)
     head, mark, tail = res.output.partition(EXIT_MARK)
+    applied, tried = swebench.appliers(head)
     if not mark:
         if res.timed_out:
-            return 0.0  # the tests (the agent's code) ran out of time before the status was printed
+            return Score(reward=0.0)  # the tests (the agent's code) ran out of time before the status
         raise EnvironmentFailure(f"task {t.id}: the scoring copy failed: {head.strip()[-300:]}")
     if tail.startswith("patch"):
-        raise EnvironmentFailure(f"task {t.id}: its test_patch does not apply to the agent's repository")
-    return swebench.resolved(t, tail)
+        raise EnvironmentFailure(
+            f"task {t.id}: its test_patch does not apply to the agent's repository: {'; '.join(tried)}"
+        )
+    for failure in tried:
+        log.info("task %s: test_patch not applied by %s (applied by %s)", t.id, failure, applied)
+    log_file = swebench.log_name(token)
+    text = (await box.read_file(log_file, max_bytes=swebench.LOG_LIMIT + 4096)).decode("utf-8", "replace")
+    await box.exec(f"rm -f {log_file}")
+    report = swebench.grade(t, text)
+    status = report.get("tests_status") or {}
+    metrics = {f"test_patch_{applied}": 1.0}
+    for key, name in (("FAIL_TO_PASS", "fail_to_pass"), ("PASS_TO_PASS", "pass_to_pass")):
+        counts = status.get(key) or {"success": [], "failure": []}
+        total = len(counts["success"]) + len(counts["failure"])
+        metrics[name] = len(counts["success"]) / total if total else (0.0 if not status else 1.0)
+    return Score(reward=1.0 if report["resolved"] else 0.0, metrics=metrics)
 
 
 def _swe(task: Task | dict[str, Any]) -> SweTask | SweBenchTask:

@@ -39,6 +39,10 @@ SWEBENCH = Path(__file__).parent / "data" / "swebench.jsonl"
 """The bundled SWE-bench-style rows (two instances, two images)."""
 BREAKING = Path(__file__).parent / "data" / "swebench_breaking.json"
 """For each bundled row, a diff that fixes its FAIL_TO_PASS tests but breaks a PASS_TO_PASS test."""
+PUBLISHED = Path(__file__).parent / "data" / "swebench_published.jsonl"
+"""Two SWE-bench rows as published (no image field): django and sympy, in images built from their sdists."""
+PUBLISHED_BREAKING = Path(__file__).parent / "data" / "swebench_published_breaking.json"
+"""For each row of `PUBLISHED`, a broken fix (its FAIL_TO_PASS test still fails)."""
 MODES = ("reference", "wrong")
 
 

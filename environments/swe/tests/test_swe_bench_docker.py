@@ -14,10 +14,9 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 from swe_env import SweBenchTask, SweEnvironment
-from swe_env.swebench import resolved
 from swe_env.transcripts import SWEBENCH, turns
 
-from durable_rollouts.environments.base import Step, TurnContext
+from durable_rollouts.environments.base import Score, Step, TurnContext
 from durable_rollouts.sandboxes import DockerBackend
 
 Setup = Callable[..., Awaitable[TurnContext]]
@@ -48,7 +47,10 @@ async def test_reference_patch_scores_one_and_a_patch_breaking_pass_to_pass_scor
     async def one(task: SweBenchTask, mode: str) -> tuple[float | None, list[Step]]:
         ctx = await sandbox_for(task, f"swebench-{task.id}-{mode}")
         steps = await _play(env, ctx, turns(task, mode) if mode != "untouched" else [])
-        return await env.score(ctx, None), steps
+        score = await env.score(ctx, None)
+        assert isinstance(score, Score)
+        assert score.metrics["test_patch_stdlib"] == 1.0  # these images have neither git nor patch
+        return score.reward, steps
 
     cases = [(t, m) for t in rows for m in ("reference", "wrong", "untouched")]
     results = await asyncio.gather(*(one(t, m) for t, m in cases))
@@ -65,7 +67,7 @@ async def test_reference_patch_scores_one_and_a_patch_breaking_pass_to_pass_scor
 async def test_the_breaking_patch_passes_fail_to_pass_and_fails_a_pass_to_pass_test(
     env: SweEnvironment, rows: list[SweBenchTask], sandbox_for: Setup
 ) -> None:
-    """What the 0.0 above is made of: the tests' own statuses, read from the scoring log."""
+    """What the 0.0 above is made of: the tests' own statuses in swebench's report of the scoring log."""
     from swe_env import swebench
 
     for task in rows:
@@ -76,7 +78,10 @@ async def test_the_breaking_patch_passes_fail_to_pass_and_fails_a_pass_to_pass_t
         for name, content in files.items():
             await ctx.sandbox.write_file(f"{hidden}/{name}", content)
         res = await ctx.sandbox.exec(swebench.scoring_command(task, hidden, "t0"), timeout_s=120)
-        got = swebench.statuses(res.output)
-        assert all(got[t] == "PASSED" for t in task.FAIL_TO_PASS), got
-        assert any(got[t] == "FAILED" for t in task.PASS_TO_PASS), got
-        assert resolved(task, res.output) == 0.0
+        tried = swebench.appliers(res.output)
+        assert tried == ("stdlib", ["git: not in the image", "patch: not in the image"]), res.output
+        report = swebench.grade(task, (await ctx.sandbox.read_file(swebench.log_name("t0"))).decode())
+        got = report["tests_status"]
+        assert got["FAIL_TO_PASS"] == {"success": task.FAIL_TO_PASS, "failure": []}, got
+        assert got["PASS_TO_PASS"]["failure"], got
+        assert report["parser"] == "parse_log_pytest" and report["resolved"] is False
