@@ -131,7 +131,8 @@ class _Member:
         self.ref = m.ref()
         self.order = rollout_replicas(m)
         self.engine = self.order[0]
-        self.phase, self.since = "prepare", time.time()
+        self.phase, self.since = "starting", time.time()
+        live[m.rollout_id] = self  # listed from the batch's first heartbeat on
 
     def describe(self) -> str:
         s = self.s
@@ -146,11 +147,12 @@ class _Member:
     async def run(self) -> RolloutResult:
         """The member's result: its record as stored (written now, or by an earlier try of the batch)."""
         rid = self.m.rollout_id
-        row = await asyncio.to_thread(self.acts.store.rollout, rid)
-        if row is not None:  # ended in an earlier try of the batch
-            return self._result(Outcome(row["outcome"]), row["reason"], row["reward"], bool(row["scorable"]))
-        self.live[rid] = self
         try:
+            row = await asyncio.to_thread(self.acts.store.rollout, rid)
+            if row is not None:  # ended in an earlier try of the batch
+                outcome = Outcome(row["outcome"])
+                return self._result(outcome, row["reason"], row["reward"], bool(row["scorable"]))
+            self._at("prepare")
             ended = await self._ended()
             self._at("finalize")
             record = finalize_rollout_input(

@@ -75,6 +75,17 @@ def stored_turns(store: RunStore, rids: list[str]) -> set[tuple[str, int]]:
     }
 
 
+async def batch_heartbeat(client: Client, wid: str) -> list[str]:
+    """The heartbeat details of group ``wid``'s running batch, as the web UI shows its pending activity."""
+    for _ in range(100):
+        desc = await client.get_workflow_handle(wid).describe()
+        for pa in desc.raw_description.pending_activities:
+            if pa.activity_type.name == "run_batch" and pa.heartbeat_details.payloads:
+                return json.loads(pa.heartbeat_details.payloads[0].data)
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"{wid}: no batch with heartbeat details within 10 s")
+
+
 async def group_events(client: Client, wid: str) -> list[int]:
     return [e.event_type async for e in client.get_workflow_handle(wid).fetch_history_events()]
 
@@ -190,6 +201,11 @@ async def test_a_run_cancelled_mid_batch_records_its_members_cancelled(
             if store.unrecorded_with_segments(f"{run_id}/"):
                 break
             await asyncio.sleep(0.05)
+        beat = await batch_heartbeat(client, f"{run_id}/{group_id(0)}")
+        # what an operator sees of a running batch: one line per member in flight, named by id
+        assert sorted(line.split(": ")[0] for line in beat) == [
+            rollout_id(run_id, group_id(0), i) for i in (0, 1)
+        ]
         await handle.cancel()
         with pytest.raises(WorkflowFailureError):
             await asyncio.wait_for(handle.result(), 90)
