@@ -4,8 +4,11 @@ Both sides run the same math rollouts (render prompt via /tokenize, one token-in
 verify) at the same concurrency against one vLLM-CPU engine serving the bundled policy. The pipeline side
 adds everything durability costs: a real Temporal dev server, workflows, activities, the run store.
 Rounds alternate (bare, pipeline, bare, ...) in one process, and the ratio is taken over the totals.
+With ``--batched`` each round also runs the pipeline with ``group.batch_rollouts`` (a group's rollouts in
+one activity), after the default pipeline, and its ratio to the bare loop is reported beside the default's.
 
     python bench/pipeline_vs_bare.py --groups 16 --group-size 4 --rounds 2 --out bench/results/pipeline.json
+    python bench/pipeline_vs_bare.py --batched --out bench/results/pipeline_batched.json
 """
 
 from __future__ import annotations
@@ -49,8 +52,10 @@ async def main(args: argparse.Namespace) -> dict:
             'temporal.task_queue="bench"',
         ],
     )
+    batched = cfg.model_copy(update={"group": cfg.group.model_copy(update={"batch_rollouts": True})})
     bare_s: list[float] = []
     pipe_s: list[float] = []
+    batch_s: list[float] = []
     try:
         procs.wait_until(lambda: procs.http_ok(f"{url}/health"), 300, "vLLM", pid=pid)
         procs.set_weight_version(url, "v0")
@@ -61,12 +66,14 @@ async def main(args: argparse.Namespace) -> dict:
             for r in range(args.rounds):
                 bare_s.append((await bare_round(engine, url, cfg, tasks, f"bare-{r}"))[0])
                 pipe_s.append(await pipeline_round(env.client, cfg, f"pipe-{r}"))
+                if args.batched:
+                    batch_s.append(await pipeline_round(env.client, batched, f"batched-{r}"))
         await engine.aclose()
     finally:
         procs.stop_pid(pid)
     bare_rps = n * args.rounds / sum(bare_s)
     pipe_rps = n * args.rounds / sum(pipe_s)
-    return {
+    out = {
         "rollouts_per_round": n,
         "rounds": args.rounds,
         "bare_s": bare_s,
@@ -75,6 +82,14 @@ async def main(args: argparse.Namespace) -> dict:
         "pipeline_rollouts_per_s": round(pipe_rps, 2),
         "ratio_pipeline_over_bare": round(pipe_rps / bare_rps, 3),
     }
+    if batch_s:
+        batch_rps = n * args.rounds / sum(batch_s)
+        out |= {
+            "batched_s": batch_s,
+            "batched_rollouts_per_s": round(batch_rps, 2),
+            "ratio_batched_over_bare": round(batch_rps / bare_rps, 3),
+        }
+    return out
 
 
 if __name__ == "__main__":
@@ -83,6 +98,9 @@ if __name__ == "__main__":
     parser.add_argument("--groups", type=int, default=16)
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--batched", action="store_true", help="also run the pipeline with group.batch_rollouts"
+    )
     parser.add_argument("--out", type=Path, default=None)
     a = parser.parse_args()
     result = asyncio.run(main(a))
