@@ -23,6 +23,7 @@ from temporalio.testing import WorkflowEnvironment
 
 from durable_rollouts.cli import ops
 from durable_rollouts.contracts.types import group_id, rollout_id
+from durable_rollouts.faults.proxy import Fault, FaultProxy
 from durable_rollouts.simengine import SimEngine, SimSettings
 from durable_rollouts.stack import procs
 from durable_rollouts.store import RunStore
@@ -249,3 +250,44 @@ async def test_cancelling_one_member_stops_its_batch_and_the_others_resume_from_
     )
     assert scheduled == 2, "the others must run on in a second batch"
     assert all(requests[k] == 1 for k in at_cancel), {k: requests[k] for k in at_cancel}
+
+
+@pytest.mark.timeout(150)
+async def test_an_engine_restart_mid_batch_is_waited_out_and_no_stored_turn_is_sampled_again(
+    client: Client,
+    task_queue: str,
+    tmp_path: Path,
+    ledger: Callable[..., Awaitable[Any]],
+    fault_proxy: Callable[[str], Awaitable[FaultProxy]],
+) -> None:
+    """The only engine refuses every connection for four seconds while batches hold rollouts part-way
+    through (three turns each), as a restart does: the batch's calls retry (and past their retries wait
+    the outage out, ``engine.outage_budget_s``), every rollout completes, and the turns stored before the
+    outage are not asked of the engine again."""
+    groups, size, turns = 3, 4, 3
+    run_id = "batched-outage"
+    ids = [rollout_id(run_id, group_id(g), i) for g in range(groups) for i in range(size)]
+    sim, tasks = scripted(tmp_path, turns, decode_ms_per_token=100)
+    requests = counting(sim)
+    async with sim.serve(port=0) as upstream, worker(client, task_queue, tmp_path, sandboxed=False) as store:
+        proxy = await fault_proxy(upstream)
+        handle = await start_run(
+            client, batched_config(proxy.url, task_queue, groups, size, turns, tasks), run_id
+        )
+        for _ in range(1200):  # until some rollout has a turn stored and no record
+            recorded = {r["rollout_id"] for r in store.rollouts(run_id)}
+            if {rid for rid, _ in stored_turns(store, ids)} - recorded:
+                break
+            await asyncio.sleep(0.05)
+        proxy.set(Fault.RESET)
+        at_outage = stored_turns(store, ids)
+        await asyncio.sleep(4.0)
+        refused = proxy.hits
+        proxy.clear()
+        result = await asyncio.wait_for(handle.result(), 120)
+        rollouts, _ = export(store, run_id)
+        await ledger(store, run_id, client=client)
+    assert refused > 0, "no call met the outage"
+    assert result.done and sorted(r["rollout_id"] for r in rollouts) == sorted(ids)
+    assert {(r["outcome"], r["reward"]) for r in rollouts} == {("completed", 1.0)}
+    assert all(requests[k] == 1 for k in at_outage), {k: requests[k] for k in at_outage}
