@@ -140,6 +140,7 @@ class Cluster:
         self.net = Network()
         self.workers: dict[str, subprocess.Popen[bytes]] = {}
         self._pg_root: Path | None = None
+        self._docker_roots: list[Path] = []
         try:
             for name in ("temporal", "store", "engine", *workers, "driver"):
                 self.net.add_host(name)
@@ -162,6 +163,9 @@ class Cluster:
     @property
     def engine_url(self) -> str:
         return f"http://{self.host('engine').address}:{ENGINE_PORT}"
+
+    def engine_url_at(self, port: int) -> str:
+        return f"http://{self.host('engine').address}:{port}"
 
     def env(self, part: str, **extra: str) -> dict[str, str]:
         """The environment of a part's commands: Temporal over mutual TLS and the store, from the variables
@@ -244,12 +248,30 @@ class Cluster:
         ], log=self.logs / "postgres.log", cwd=Path("/"), stop_signal=2)  # fmt: skip  # SIGINT: fast shutdown
         self.wait_reachable("driver", address, STORE_PORT, pg, "PostgreSQL")
 
-    def start_engine(self, *args: str) -> None:
-        """The simulated engine (``python -m durable_rollouts.simengine``) on the engine host's address."""
+    def start_engine(self, *args: str, port: int = ENGINE_PORT) -> None:
+        """A simulated engine (``python -m durable_rollouts.simengine``) on the engine host's address."""
         argv = [sys.executable, "-m", "durable_rollouts.simengine", "--host", self.host("engine").address,
-                "--port", str(ENGINE_PORT), *args]  # fmt: skip
-        eng = self.net.spawn("engine", argv, env=self.env("engine"), log=self.logs / "engine.log")
-        self.wait_reachable("driver", self.host("engine").address, ENGINE_PORT, eng, "the simulated engine")
+                "--port", str(port), *args]  # fmt: skip
+        eng = self.net.spawn("engine", argv, env=self.env("engine"), log=self.logs / f"engine-{port}.log")
+        self.wait_reachable("driver", self.host("engine").address, port, eng, "the simulated engine")
+
+    def start_dockerd(self, part: str) -> str:
+        """A Docker daemon of its own on host ``part`` (its socket, data root and exec root in a short
+        folder under /tmp: a unix socket path is < 108 bytes; no bridge, no iptables: sandboxes run without
+        a network); its socket URL once it answers."""
+        root = Path(tempfile.mkdtemp(prefix="/tmp/dr-mh-"))
+        self._docker_roots.append(root)
+        url = f"unix://{root}/docker.sock"
+        argv = ["dockerd", "--host", url, "--data-root", str(root / "data"),
+                "--exec-root", str(root / "exec"), "--pidfile", str(root / "docker.pid"),
+                "--bridge", "none", "--iptables=false", "--ip6tables=false"]  # fmt: skip
+        proc = self.net.spawn(part, argv, log=self.logs / f"dockerd-{part}.log")
+        deadline = time.monotonic() + 90
+        while subprocess.run(["docker", "-H", url, "info"], capture_output=True).returncode != 0:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise NetnsError(f"dockerd on {part} did not answer; see {self.logs}/dockerd-{part}.log")
+            time.sleep(0.5)
+        return url
 
     def start_worker(self, name: str, *args: str) -> subprocess.Popen[bytes]:
         """``rollouts worker`` on host ``name``, reaching Temporal over mutual TLS (replacing an earlier
@@ -285,6 +307,7 @@ class Cluster:
     def close(self) -> list[str]:
         """Stop every part and delete every namespace; what was left behind (one line each)."""
         left = self.net.close()
-        if self._pg_root is not None:
-            shutil.rmtree(self._pg_root, ignore_errors=True)
+        for root in [self._pg_root, *self._docker_roots]:
+            if root is not None:
+                shutil.rmtree(root, ignore_errors=True)
         return left

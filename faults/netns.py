@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-__all__ = ["Host", "LinkFault", "NetnsError", "Network", "available", "namespaces"]
+__all__ = ["Host", "LinkFault", "NetnsError", "Network", "available", "enter", "namespaces"]
 
 
 class NetnsError(RuntimeError):
@@ -46,9 +46,18 @@ def available() -> str | None:
     """None when this process can make network namespaces, else why not (one line)."""
     if shutil.which("ip") is None or shutil.which("tc") is None:
         return "iproute2 (ip, tc) is not installed (apt-get install iproute2)"
+    if shutil.which("nsenter") is None:
+        return "nsenter is not installed (apt-get install util-linux)"
     if os.geteuid() != 0:
         return "network namespaces need root (CAP_SYS_ADMIN and CAP_NET_ADMIN)"
     return None
+
+
+def enter(netns: str) -> list[str]:
+    """The argv prefix that runs a program in network namespace ``netns``, and only there: ``nsenter``
+    enters its network namespace and execs the program (same pid). Unlike ``ip netns exec`` it makes no
+    mount namespace, whose fresh /sys hides the cgroup mounts a Docker daemon needs."""
+    return ["nsenter", f"--net=/run/netns/{netns}", "--"]
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -59,9 +68,7 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
 
 
 def _tc(ns: str, *args: str, check: bool = True) -> None:
-    done = subprocess.run(
-        ["ip", "netns", "exec", ns, "tc", *args], capture_output=True, text=True, timeout=30
-    )
+    done = subprocess.run([*enter(ns), "tc", *args], capture_output=True, text=True, timeout=30)
     if check and done.returncode != 0:
         raise NetnsError(f"tc {' '.join(args)} in {ns}: {done.stderr.strip() or done.returncode}")
 
@@ -182,8 +189,8 @@ class Network:
         return host
 
     def argv(self, host: Host | str, argv: Sequence[str]) -> list[str]:
-        """``argv`` run inside the host's namespace (``ip netns exec`` execs it: same pid)."""
-        return ["ip", "netns", "exec", self._host(host).netns, *argv]
+        """``argv`` run inside the host's network namespace (`enter`: same pid)."""
+        return [*enter(self._host(host).netns), *argv]
 
     def spawn(
         self,
@@ -212,7 +219,7 @@ class Network:
             out = log.open("ab")
         try:
             proc = subprocess.Popen(
-                ["ip", "netns", "exec", netns, *argv], env=dict(env) if env is not None else None, cwd=cwd,
+                [*enter(netns), *argv], env=dict(env) if env is not None else None, cwd=cwd,
                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
             )  # fmt: skip
         finally:
@@ -297,7 +304,7 @@ class Network:
                 "--delay-ms", f"{fault.delay_ms:g}", "--jitter-ms", f"{fault.jitter_ms:g}",
                 "--loss-pct", f"{fault.loss_pct:g}"]  # fmt: skip
         relay = subprocess.Popen(
-            ["ip", "netns", "exec", self.switch, *argv], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            [*enter(self.switch), *argv], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
             stdin=subprocess.DEVNULL, start_new_session=True,
         )  # fmt: skip
         self.procs.append(relay)
@@ -332,7 +339,7 @@ class Network:
         """``tc qdisc show`` of the host's ``eth0`` (what a fault installed, for checks and logs)."""
         h = self._host(host)
         done = subprocess.run(
-            ["ip", "netns", "exec", h.netns, "tc", "qdisc", "show", "dev", "eth0"],
+            [*enter(h.netns), "tc", "qdisc", "show", "dev", "eth0"],
             capture_output=True, text=True, timeout=30,
         )  # fmt: skip
         return done.stdout
