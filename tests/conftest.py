@@ -107,8 +107,9 @@ class Engine:
     home: Path
 
 
-def start_engine(home: Path, **overrides: object) -> Engine:
-    """Start a real vLLM engine on the bundled tiny policy and wait until it serves."""
+def start_engine(home: Path, health_timeout_s: float = 300, **overrides: object) -> Engine:
+    """Start a real vLLM engine on the bundled tiny policy and wait until it serves (at most
+    ``health_timeout_s``)."""
     from durable_rollouts.stack import procs
 
     if not (MODEL_DIR / "config.json").exists():
@@ -118,7 +119,11 @@ def start_engine(home: Path, **overrides: object) -> Engine:
     pid = procs.spawn("engine", procs.engine_argv(cfg), home, env=procs.engine_env(cfg))
     try:
         procs.wait_until(
-            lambda: procs.http_ok(f"{url}/health"), 300, "vLLM", pid=pid, log=procs.log_path(home, "engine")
+            lambda: procs.http_ok(f"{url}/health"),
+            health_timeout_s,
+            "vLLM",
+            pid=pid,
+            log=procs.log_path(home, "engine"),
         )
         procs.set_weight_version(url, POLICY_VERSION)
     except BaseException:
