@@ -153,9 +153,12 @@ class Score(BaseModel):
 class Sandbox(Protocol):
     """The rollout's sandbox, as an environment sees it (bound to its container; paths relative)."""
 
-    async def exec(self, cmd: str, timeout_s: float | None = None, once_key: str | None = None) -> ExecResult:
-        """Run ``cmd`` in the working directory. With ``once_key`` (letters, digits, ``._-``), at most once
-        per key in this sandbox: a retried step whose worker died mid-command gets the first run's result
+    async def exec(
+        self, cmd: str, timeout_s: float | None = None, once_key: str | None = None, user: str | None = None
+    ) -> ExecResult:
+        """Run ``cmd`` in the working directory (as ``user`` when given: one of the sandbox spec's
+        ``exec_users``; else as the spec's ``user``). With ``once_key`` (letters, digits, ``._-``), at most
+        once per key in this sandbox: a retried step whose worker died mid-command gets the first run's result
         (``replayed``), waiting for it to end, instead of running it again. A key's scope is its part before
         the first dot; a claim forgets every other scope's keys, so key a step's commands by its turn
         (``turn-N``, ``score-N.prepare``); a replay into a fresh sandbox passes none."""

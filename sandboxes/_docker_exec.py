@@ -33,7 +33,8 @@ _STATUS_PREFIX = b"dr-status: "
 ONCE_DIR = "/tmp/.dr-once"
 """Where a keyed exec (``once_key``) keeps its record in the sandbox: ``<key>/`` with the wrapper's pid, the
 capped output, the status lines and a ``done`` mark. A key's scope is its part before the first dot; a
-claim removes the records of every other scope (a step's keys share one: only the latest step's stay)."""
+claim removes the records of every other scope (a step's keys share one: only the latest step's stay). The
+folder is shared by the sandbox's users (mode 1777): each removes only what it may."""
 
 # Runs as the sandbox user in the workdir. The command gets its own process group (timeout's); after it
 # exits or times out the whole group is SIGKILLed, so background children and fork bombs die with it.
@@ -61,9 +62,12 @@ replay() {
 if [ -n "$5" ]; then
   r=__ONCE__; d=$r/$5; c=$r/.claim.$$
   [ -d "$d" ] && replay
-  if mkdir -p "$r" 2>/dev/null && mkdir "$c" 2>/dev/null && echo $$ > "$c/pid" && mv -T "$c" "$d" 2>/dev/null
+  { [ -d "$r" ] || mkdir -m 1777 "$r" 2>/dev/null; }
+  if [ -d "$r" ] && mkdir "$c" 2>/dev/null && echo $$ > "$c/pid" && mv -T "$c" "$d" 2>/dev/null
   then
-    for x in "$r"/*; do case "${x##*/}" in "${5%%.*}" | "${5%%.*}".*) ;; *) rm -rf -- "$x" ;; esac; done
+    for x in "$r"/*; do
+      case "${x##*/}" in "${5%%.*}" | "${5%%.*}".*) ;; *) rm -rf -- "$x" 2>/dev/null ;; esac
+    done
     : > "$d/out"; : > "$d/status"; s0=$(date +%s%N)
   else
     rm -rf -- "$c" 2>/dev/null
@@ -185,8 +189,10 @@ def stream_exec(
     stdout_cap: int,
     stdin: bytes | None = None,
     watch_status: bool = False,
+    user: str | None = None,
 ) -> RawExec:
-    """Run one exec as the sandbox user in the workdir and collect its output.
+    """Run one exec as the sandbox user (or ``user``, numeric ``uid:gid``) in the workdir and collect its
+    output.
 
     stdout beyond `stdout_cap` is counted and dropped; after `deadline_s` the socket is shut down and the
     result is marked abandoned. With `watch_status`, reading stops soon after the wrapper reports the exit
@@ -195,7 +201,7 @@ def stream_exec(
     spec = handle.spec
     with docker_errors(f"exec in sandbox {handle.name}"):
         exec_id = api.exec_create(
-            handle.container_id, argv, stdin=stdin is not None, user=spec.user, workdir=spec.workdir
+            handle.container_id, argv, stdin=stdin is not None, user=user or spec.user, workdir=spec.workdir
         )["Id"]
         sock = api.exec_start(exec_id, socket=True)
     raw_sock: socket.socket = getattr(sock, "_sock", sock)

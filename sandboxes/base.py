@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import posixpath
+import re
 from collections.abc import Set as AbstractSet
 from typing import Protocol, runtime_checkable
 
@@ -31,6 +32,9 @@ GATEWAY_MOUNT = "/.dr-gateway"
 
 GATEWAY_ROOT_ENV = "DR_GATEWAY_DIR"
 """Environment variable naming the host folder of the gateways' sockets (default /tmp/dr-gateway)."""
+
+USER_PATTERN = r"^([0-9]+|[A-Za-z_][A-Za-z0-9_.-]{0,31})(:([0-9]+|[A-Za-z_][A-Za-z0-9_.-]{0,31}))?$"
+"""A sandbox user in Docker's ``--user`` forms: ``uid``, ``uid:gid``, ``name``, ``name:group`` (or mixed)."""
 
 _MAX_PATH_CHARS = 1024
 """Longest relative path accepted by `validate_relative_path`."""
@@ -62,8 +66,25 @@ class SandboxSpec(BaseModel):
     tmp_size_mb: int = Field(default=64, ge=1, le=65536)
     """Size cap of the /tmp tmpfs in MiB."""
 
-    user: str = Field(default="1000:1000", pattern=r"^[0-9]+:[0-9]+$")
-    """Non-root `uid:gid` every process runs as."""
+    user: str = Field(default="1000:1000", pattern=USER_PATTERN)
+    """The user commands and file operations run as: ``uid:gid``, ``uid``, ``name`` or ``name:group`` (names
+    resolved in the image's /etc/passwd at create: `sandboxes.users`). Never root unless `allow_root`."""
+
+    exec_users: dict[str, str] = Field(default_factory=dict)
+    """Other users a command may run as (``exec``'s ``user``), in `user`'s forms, each -> what named it (for
+    messages, e.g. ``tasks/x/task.toml [verifier].user``); resolved and checked at create, like `user`."""
+
+    user_source: str = ""
+    """What named `user`, for messages (e.g. ``tasks/x/task.toml [agent].user``); empty: the sandbox's own."""
+
+    allow_root: bool = False
+    """Let `user` or an `exec_users` entry be root in the sandbox (uid or gid 0). Honoured only on a Docker
+    daemon that remaps users (root in the container is an unprivileged host user); on any other the
+    backend refuses the sandbox (`sandboxes.users.SandboxUserRefused`). Capabilities stay dropped."""
+
+    env: dict[str, str] = Field(default_factory=dict)
+    """Environment variables of every command (besides the backend's HOME, LANG and PYTHONUNBUFFERED, which
+    they may override)."""
 
     command_timeout_s: float = Field(default=60.0, gt=0.0, le=86400.0)
     """Default wall-clock limit of one command when `exec` is given none."""
@@ -108,13 +129,17 @@ class SandboxSpec(BaseModel):
     def _check_workdir(cls, value: str) -> str:
         return _check_mount_path(value, "workdir")
 
-    @field_validator("user")
-    @classmethod
-    def _check_user(cls, value: str) -> str:
-        uid, gid = (int(part) for part in value.split(":"))
-        if uid == 0 or gid == 0:
-            raise ValueError(f"sandbox user must be non-root, got {value!r}")
-        return value
+    @model_validator(mode="after")
+    def _check_users(self) -> SandboxSpec:
+        for user in (self.user, *self.exec_users):
+            if not re.fullmatch(USER_PATTERN, user):
+                raise ValueError(f"user {user!r} is not uid, uid:gid, name or name:group")
+            if is_literal_root(user) and not self.allow_root:
+                raise ValueError(f"sandbox user must be non-root unless allow_root is set, got {user!r}")
+        for key in self.env:
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+                raise ValueError(f"env: {key!r} is not an environment variable name")
+        return self
 
     @field_validator("labels")
     @classmethod
@@ -123,6 +148,11 @@ class SandboxSpec(BaseModel):
         if reserved:
             raise ValueError(f"labels starting with {RESERVED_LABEL_PREFIX!r} are reserved: {reserved}")
         return value
+
+
+def is_literal_root(user: str) -> bool:
+    """Whether ``user`` names root without looking at an image (uid or gid 0, or ``root`` by name)."""
+    return any(part == "root" or (part.isdigit() and int(part) == 0) for part in user.split(":"))
 
 
 def gateway_dir(key: str) -> str:
@@ -269,10 +299,16 @@ class SandboxBackend(Protocol):
         ...
 
     def exec(
-        self, handle: SandboxHandle, cmd: str, timeout_s: float | None = None, once_key: str | None = None
+        self,
+        handle: SandboxHandle,
+        cmd: str,
+        timeout_s: float | None = None,
+        once_key: str | None = None,
+        user: str | None = None,
     ) -> ExecResult:
-        """Run a shell command as the sandbox user in the workdir; with ``once_key``, at most once per key
-        in this sandbox (a repeat returns the first run's result, ``replayed``)."""
+        """Run a shell command as the sandbox user (or ``user``, one of ``spec.exec_users``) in the workdir;
+        with ``once_key``, at most once per key in this sandbox (a repeat returns the first run's result,
+        ``replayed``)."""
         ...
 
     def write_file(self, handle: SandboxHandle, path: str, content: bytes | str) -> None:
@@ -316,10 +352,17 @@ class AsyncSandboxBackend:
         return await asyncio.to_thread(self.backend.create, key, run_id, spec)
 
     async def exec(
-        self, handle: SandboxHandle, cmd: str, timeout_s: float | None = None, once_key: str | None = None
+        self,
+        handle: SandboxHandle,
+        cmd: str,
+        timeout_s: float | None = None,
+        once_key: str | None = None,
+        user: str | None = None,
     ) -> ExecResult:
-        """See `SandboxBackend.exec`."""
-        return await asyncio.to_thread(self.backend.exec, handle, cmd, timeout_s, once_key)
+        """See `SandboxBackend.exec` (``user`` passed on only when given: backends without it still work)."""
+        if user is None:
+            return await asyncio.to_thread(self.backend.exec, handle, cmd, timeout_s, once_key)
+        return await asyncio.to_thread(self.backend.exec, handle, cmd, timeout_s, once_key, user)
 
     async def write_file(self, handle: SandboxHandle, path: str, content: bytes | str) -> None:
         """See `SandboxBackend.write_file`."""
@@ -373,8 +416,10 @@ class BoundSandbox:
     def __init__(self, backend: AsyncSandboxBackend, handle: SandboxHandle) -> None:
         self.backend, self.handle = backend, handle
 
-    async def exec(self, cmd: str, timeout_s: float | None = None, once_key: str | None = None) -> ExecResult:
-        return await self.backend.exec(self.handle, cmd, timeout_s, once_key)
+    async def exec(
+        self, cmd: str, timeout_s: float | None = None, once_key: str | None = None, user: str | None = None
+    ) -> ExecResult:
+        return await self.backend.exec(self.handle, cmd, timeout_s, once_key, user)
 
     async def write_file(self, path: str, content: bytes | str) -> None:
         await self.backend.write_file(self.handle, path, content)

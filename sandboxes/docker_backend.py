@@ -1,9 +1,10 @@
 """Docker sandbox backend: hardened containers driven through the local daemon's API.
 
-Invariant: every container is created hardened (no network, no capabilities, no-new-privileges, non-root,
-read-only root with size-capped tmpfs workdir and /tmp, memory/CPU/pids limits, init) and labelled for the
-reaper; a command's processes never outlive its exec; a dead, removed or frozen container is raised as
-`SandboxGone`, never returned as command output.
+Invariant: every container is created hardened (no network, no capabilities, no-new-privileges, non-root
+unless the spec allows root and the daemon remaps users (`sandboxes.users`), read-only root with size-capped
+tmpfs workdir and /tmp, memory/CPU/pids limits, init) and labelled for the reaper; a command's processes
+never outlive its exec; a dead, removed or frozen container is raised as `SandboxGone`, never returned as
+command output.
 
 All methods block and are thread-safe; call them from asyncio through `AsyncSandboxBackend`.
 """
@@ -46,6 +47,7 @@ from durable_rollouts.sandboxes.base import (
     gateway_binds,
     validate_relative_path,
 )
+from durable_rollouts.sandboxes.users import UserResolver
 
 LABEL_PROJECT = "durable-rollouts"
 LABEL_RUN = "durable-rollouts.run"
@@ -82,9 +84,15 @@ def container_name(key: str) -> str:
     return f"dr-{clean}-{digest}" if clean else f"dr-{digest}"
 
 
+_LATER_FIELDS = ("mounts", "gateway", "exec_users", "user_source", "allow_root", "env")
+"""Spec fields added after the first release: left out of the digest while at their defaults."""
+
+
 def _spec_digest(spec: SandboxSpec) -> str:
-    # A spec without mounts hashes as it did before mounts existed (running sandboxes stay reattachable).
-    exclude = ({"mounts"} if not spec.mounts else set()) | ({"gateway"} if not spec.gateway else set())
+    # A spec with later fields at their defaults hashes as it did before they existed (running sandboxes stay
+    # reattachable across an upgrade).
+    exclude = {f for f in _LATER_FIELDS if getattr(spec, f) == SandboxSpec.model_fields[f].get_default(
+        call_default_factory=True)}  # fmt: skip
     return hashlib.sha256(spec.model_dump_json(exclude=exclude).encode()).hexdigest()[:16]
 
 
@@ -104,6 +112,7 @@ class DockerBackend:
         self.api = self.client.api
         self._locks = [threading.Lock() for _ in range(64)]
         self._host: str | None = None
+        self._users = UserResolver(self.api)
 
     def host(self) -> str:
         """The daemon's name as ``docker info`` reports it (asked once): the ``RolloutSandboxHost`` of
@@ -193,7 +202,10 @@ class DockerBackend:
                 f"`sudo sandboxes/image/build_image.sh` (offline, debootstrap) or "
                 f"`docker build -t {spec.image} sandboxes/image`"
             ) from exc
-        uid, gid = spec.user.split(":")
+        ids = self._users.of(spec, spec.user, name)
+        for user in spec.exec_users:
+            self._users.of(spec, user, name)
+        uid, gid = ids.uid, ids.gid
         host_config = self.api.create_host_config(
             network_mode="none",
             cap_drop=["ALL"],
@@ -224,7 +236,7 @@ class DockerBackend:
             working_dir=spec.workdir,
             labels=labels,
             hostname="sandbox",
-            environment={"HOME": spec.workdir, "LANG": "C.UTF-8", "PYTHONUNBUFFERED": "1"},
+            environment={"HOME": spec.workdir, "LANG": "C.UTF-8", "PYTHONUNBUFFERED": "1", **spec.env},
             network_disabled=True,
             host_config=host_config,
         )
@@ -337,9 +349,14 @@ class DockerBackend:
     # ------------------------------------------------------------------------------------------ commands
 
     def exec(
-        self, handle: SandboxHandle, cmd: str, timeout_s: float | None = None, once_key: str | None = None
+        self,
+        handle: SandboxHandle,
+        cmd: str,
+        timeout_s: float | None = None,
+        once_key: str | None = None,
+        user: str | None = None,
     ) -> ExecResult:
-        """Run `bash -c cmd` as the sandbox user in the workdir, stdin closed.
+        """Run `bash -c cmd` as the sandbox user (or ``user``) in the workdir, stdin closed.
 
         The command runs in its own process group, which is SIGKILLed when the command exits or (after
         SIGTERM and a 1 s grace) when `timeout_s` passes: background jobs and fork bombs die with it. Only a
@@ -356,6 +373,7 @@ class DockerBackend:
                 an exec with a key already used does not run ``cmd`` but waits for the first run to end and
                 returns its result, ``replayed`` (a retried step whose worker died mid-command). A key's
                 scope is its part before the first dot; a claim forgets the keys of every other scope.
+            user: Run as this user instead of ``spec.user``: one of ``spec.exec_users`` (checked at create).
 
         Returns:
             The command's result, including timeouts and processes killed for memory.
@@ -373,6 +391,9 @@ class DockerBackend:
             return ExecResult(exit_code=2, output=f"[command rejected: it {why}]")
         if once_key is not None and not ONCE_KEY.fullmatch(once_key):
             raise ValueError(f"once_key must match {ONCE_KEY.pattern}, got {once_key!r}")
+        if user is not None and user != spec.user and user not in spec.exec_users:
+            raise ValueError(f"user {user!r} is not the sandbox's user nor one of its exec_users")
+        ids = self._users.of(spec, user or spec.user, handle.name)
         limit = str(spec.output_limit_bytes)
         argv = ["/bin/sh", "-c", EXEC_WRAPPER, "dr-exec", f"{timeout:.3f}", limit, cmd, f"{KILL_AFTER_S:g}",
                 once_key or ""]  # fmt: skip
@@ -384,6 +405,7 @@ class DockerBackend:
             deadline_s=timeout + KILL_AFTER_S + STREAM_GRACE_S,
             stdout_cap=spec.output_limit_bytes,
             watch_status=True,
+            user=ids.docker,
         )
         duration = time.monotonic() - start
         finished = b"dr-status: rc=" in raw.stderr
@@ -475,8 +497,9 @@ class DockerBackend:
         stdin: bytes | None,
         max_bytes: int,
     ) -> bytes:
+        user = self._users.of(handle.spec, handle.spec.user, handle.name).docker
         raw = stream_exec(
-            self.api, handle, argv, deadline_s=FILE_OP_TIMEOUT_S, stdout_cap=max_bytes, stdin=stdin
+            self.api, handle, argv, deadline_s=FILE_OP_TIMEOUT_S, stdout_cap=max_bytes, stdin=stdin, user=user
         )
         exit_code = None if raw.abandoned else self._exit_code(handle, raw.exec_id)
         if exit_code == 0:

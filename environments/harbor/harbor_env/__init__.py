@@ -13,7 +13,12 @@ How one rollout goes (``run.env = "harbor"``, ``run.task_file`` a Harbor dataset
    the sandbox's writable working directory (``[environment].workdir``, else the Dockerfile's last
    ``WORKDIR``, else ``/app``). Limits: ``cpus``, ``memory_mb``; ``storage_mb`` caps the working directory
    (a tmpfs: it also stays below the memory limit). ``/logs``, ``/tests`` and ``/solution`` are small
-   writable tmpfs folders. Same hardening as every sandbox: no network, no capabilities, non-root.
+   tmpfs folders every user of the sandbox may write. ``[environment].env`` is every command's environment.
+   The agent's commands run as ``[agent].user`` (unset: the sandbox's non-root user), the verifier as
+   ``[verifier].user`` (unset: the agent's); root only on a daemon that remaps users (``sandboxes.users``).
+   Same hardening as every sandbox otherwise: no network, no capabilities. ``[environment.healthcheck]``
+   runs last in setup, before the agent's first turn, by Harbor's rule (failures within
+   ``start_period_sec`` do not count; ``retries`` consecutive failures after it fail the rollout).
 3. ``prompt``: the tool format, ``Task id: <name>``, the instruction (``instruction.md``), the working
    directory. Every turn is one tool call (``environments.tool_calls``: bash, write_file, read_file, submit),
    recorded with the turn before it runs. ``[agent].timeout_sec`` is the rollout's wall-clock limit from
@@ -39,9 +44,10 @@ from durable_rollouts.environments.tool_env import ToolCallEnvironment
 from durable_rollouts.errors import EnvironmentFailure, TaskFileError
 from durable_rollouts.sandboxes.base import ImageBuild, SandboxSpec
 from harbor_env import verifier
+from harbor_env.config import HealthcheckConfig, healthcheck_bound_s, user_name
 from harbor_env.tasks import HarborTask, load_dataset
 
-__all__ = ["HarborEnvironment", "HarborTask", "image_tag", "load_dataset"]
+__all__ = ["HarborEnvironment", "HarborTask", "healthcheck_script", "image_tag", "load_dataset"]
 
 SYSTEM_PROMPT = (
     "You are an agent solving a task in a Linux container. Each turn, call exactly one tool by writing\n"
@@ -52,6 +58,8 @@ SYSTEM_PROMPT = (
 SEED_DIR = "/.harbor-seed"
 MOUNTS = {"/logs": 32, "/tests": 32, "/solution": 32}
 """Writable tmpfs folders every Harbor sandbox has besides its working directory and /tmp (MiB)."""
+SHARED_DIRS = ("/logs/agent", "/logs/verifier")
+"""Writable by every user of the sandbox (mode 777), with `MOUNTS`: the verifier may run as another user."""
 HEADROOM_MB = 64
 """Memory kept free of tmpfs contents for the processes themselves."""
 
@@ -98,17 +106,23 @@ class HarborEnvironment(ToolCallEnvironment):
                 "image": image_tag(t), "workdir": t.workdir, "memory_mb": memory,
                 "cpus": float(env.cpus) if env.cpus is not None else default.cpus,
                 "workdir_size_mb": workdir_mb, "mounts": dict(MOUNTS), "command_timeout_s": timeout,
+                "env": {**default.env, **env.env}, **users(t, default),
             }
         )  # fmt: skip
         SandboxSpec.model_validate(spec.model_dump())  # the copy skipped validation
+        setup = [
+            f"if [ -d {SEED_DIR} ]; then cp -r {SEED_DIR}/. ./; fi",
+            "mkdir -p /logs/agent /logs/verifier && chmod 777 " + " ".join([*MOUNTS, *SHARED_DIRS]),
+        ]
+        setup_timeout = 600.0
+        if env.healthcheck is not None:
+            setup.append(healthcheck_script(env.healthcheck))
+            setup_timeout = max(setup_timeout, healthcheck_bound_s(env.healthcheck) + 30)
         return SandboxPlan(
             spec=spec,
             image_build=image_build(t, spec.image),
-            setup=[
-                f"if [ -d {SEED_DIR} ]; then cp -r {SEED_DIR}/. ./; fi",
-                "mkdir -p /logs/agent /logs/verifier",
-            ],
-            setup_timeout_s=600,
+            setup=setup,
+            setup_timeout_s=setup_timeout,
             timeout_s=t.cfg.agent.timeout_sec,
         )
 
@@ -118,8 +132,50 @@ class HarborEnvironment(ToolCallEnvironment):
         executables = {p.removeprefix("tests/") for p in t.executables if p.startswith("tests/")}
         ver = t.cfg.verifier
         return await verifier.verify(
-            self.sandbox_of(ctx), t.id, tests, executables, ver.timeout_sec, ver.env, once=f"score-{ctx.turn}"
-        )
+            self.sandbox_of(ctx), t.id, tests, executables, ver.timeout_sec, ver.env,
+            once=f"score-{ctx.turn}", user=verifier_user(t),
+        )  # fmt: skip
+
+
+def users(t: HarborTask, default: SandboxSpec) -> dict[str, Any]:
+    """The spec fields naming the task's users: ``[agent].user`` as the sandbox's user, ``[verifier].user``
+    (when another) as an exec user, each with the task file and field that named it; root allowed when
+    the task names a user (the sandbox host still refuses it unless its daemon remaps users)."""
+    agent, ver = user_name(t.cfg.agent.user), verifier_user(t)
+    where = f"task {t.id} ({t.source}/task.toml)"
+    out: dict[str, Any] = {}
+    if agent is not None:
+        out.update(user=agent, user_source=f"{where} [agent].user = {agent!r}")
+    if ver is not None and ver != (agent or default.user):
+        out["exec_users"] = {ver: f"{where} [verifier].user = {ver!r}"}
+    if agent is not None or ver is not None:
+        out["allow_root"] = True
+    return out
+
+
+def verifier_user(t: HarborTask) -> str | None:
+    """Who the verifier runs as: ``[verifier].user``; None (unset): the sandbox's user, the agent's."""
+    return user_name(t.cfg.verifier.user)
+
+
+def healthcheck_script(hc: HealthcheckConfig) -> str:
+    """Harbor's ``run_healthcheck`` as one shell command: run ``command`` (each run under ``timeout_sec``)
+    until it succeeds; a failure that starts within ``start_period_sec`` waits ``start_interval_sec`` and
+    does not count; after it, ``retries`` consecutive failures (``interval_sec`` apart) fail the check."""
+    import shlex
+
+    start_ms = int(hc.start_period_sec * 1000)
+    return (
+        "hc0=$(date +%s%N); n=0; while :; do "
+        "early=$(( ($(date +%s%N) - hc0) / 1000000 < " + str(start_ms) + " )); "
+        f"if timeout -k 1 {hc.timeout_sec:g} bash -c {shlex.quote(hc.command)} </dev/null "
+        ">/tmp/.harbor-healthcheck.log 2>&1; then exit 0; fi; "
+        f'if [ "$early" = 1 ]; then sleep {hc.start_interval_sec:g}; continue; fi; '
+        f"n=$((n + 1)); if [ $n -ge {hc.retries} ]; then "
+        f"echo {shlex.quote(f'health check failed after {hc.retries} consecutive retries: {hc.command}')}; "
+        "tail -c 300 /tmp/.harbor-healthcheck.log; exit 1; fi; "
+        f"sleep {hc.interval_sec:g}; done"
+    )
 
 
 def image_build(t: HarborTask, tag: str) -> ImageBuild:

@@ -8,10 +8,15 @@ with two differences, both at submit and both one line naming the task directory
 - An unknown field is an error (Harbor ignores it): a misspelt ``timeout_secs`` would otherwise silently
   fall back to a default.
 - A field this pipeline cannot honour is refused, never ignored (`unsupported`): multi-step tasks, a
-  separate verifier environment, compose sidecar hooks, GPUs/TPUs, MCP servers, skills, health checks,
-  artifacts, Windows, a user to run as (sandboxes always run as a non-root user), container environment
-  variables, and any network mode other than ``no-network`` unless the dataset's network policy says to
-  run such tasks without network (sandboxes never have one).
+  separate verifier environment, compose sidecar hooks, GPUs/TPUs, MCP servers, skills, artifacts,
+  Windows, ``${VAR}`` templates (Harbor fills them from the host's environment), and any network mode
+  other than ``no-network`` unless the dataset's network policy says to run such tasks without network
+  (sandboxes never have one). Empty lists and tables and zero counts (``artifacts = []``, ``gpus = 0``,
+  an empty ``[environment.env]``) ask for nothing and are accepted, as Harbor accepts them.
+
+Users (``[agent].user``, ``[verifier].user``) are honoured: a uid or a name the task's image knows, root
+included where the sandbox host's daemon remaps users (``sandboxes.users``). Health checks
+(``[environment.healthcheck]``) run before the agent's first turn, with Harbor's retry rule.
 
 ``tests/test_harbor_crosscheck.py`` parses every example task with Harbor's own model (in a Python 3.12
 venv) and compares it with this one.
@@ -25,6 +30,8 @@ import tomllib
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from durable_rollouts.sandboxes.base import USER_PATTERN
 
 NetworkMode = Literal["no-network", "public", "allowlist"]
 ORG_NAME_PATTERN = r"^[a-zA-Z0-9][a-zA-Z0-9._-]*/[a-zA-Z0-9][a-zA-Z0-9._-]*$"
@@ -53,6 +60,17 @@ class PackageInfo(_Strict):
         if not re.match(ORG_NAME_PATTERN, v) or ".." in v:
             raise ValueError(f"package name must be in 'org/name' format, got {v!r}")
         return v
+
+
+class HealthcheckConfig(_Strict):
+    """Harbor's ``[environment.healthcheck]`` (Docker HEALTHCHECK semantics)."""
+
+    command: str
+    interval_sec: float = 5.0
+    timeout_sec: float = 30.0
+    start_period_sec: float = 0.0
+    start_interval_sec: float = 5.0
+    retries: int = 3
 
 
 class _Phase(_Strict):
@@ -87,7 +105,7 @@ class EnvironmentConfig(_Strict):
     mcp_servers: list[dict[str, Any]] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
     skills_dir: str | None = None
-    healthcheck: dict[str, Any] | None = None
+    healthcheck: HealthcheckConfig | None = None
     workdir: str | None = None
     network_mode: NetworkMode = "public"
     allowed_hosts: list[str] | None = None
@@ -208,6 +226,43 @@ def _field(loc: list[str]) -> str:
     return f"[{loc[0]}].{'.'.join(loc[1:])}"
 
 
+def user_name(user: str | int | None) -> str | None:
+    """``[agent].user`` / ``[verifier].user`` as a sandbox user (a uid as its digits); None when unset."""
+    return None if user is None else str(user)
+
+
+def bad_user(user: str | int | None) -> bool:
+    """Whether a task's user is neither unset, a uid, nor a user name in Docker's ``--user`` forms."""
+    if user is None:
+        return False
+    if isinstance(user, int):
+        return user < 0
+    return re.fullmatch(USER_PATTERN, user) is None
+
+
+def _healthcheck_checks(hc: HealthcheckConfig | None) -> list[tuple[bool, str, str]]:
+    if hc is None:
+        return []
+    field = "[environment.healthcheck]"
+    return [
+        (not hc.command.strip(), f"{field}.command", "empty"),
+        (not 0 < hc.timeout_sec <= 3600, f"{field}.timeout_sec", f"{hc.timeout_sec}: must be in (0, 3600]"),
+        (hc.retries < 0, f"{field}.retries", "must not be negative"),
+        (min(hc.interval_sec, hc.start_interval_sec, hc.start_period_sec) < 0, field,
+         "intervals and the start period must not be negative"),
+        (healthcheck_bound_s(hc) > 86400, field, "its retries and periods add up to more than a day"),
+    ]  # fmt: skip
+
+
+def healthcheck_bound_s(hc: HealthcheckConfig) -> float:
+    """Longest a health check can take by Harbor's rule (the start period, then ``retries`` failures)."""
+    return (
+        hc.start_period_sec
+        + hc.start_interval_sec
+        + (max(hc.retries, 1) + 1) * (hc.timeout_sec + hc.interval_sec)
+    )
+
+
 def unsupported(cfg: TaskConfig, network_policy: str | None) -> tuple[str, str] | None:
     """The first field of ``cfg`` the pipeline cannot honour, as (field, why); None when it can run it.
 
@@ -226,10 +281,10 @@ def unsupported(cfg: TaskConfig, network_policy: str | None) -> tuple[str, str] 
         (env.tpu is not None, "[environment].tpu", "sandboxes have no TPU"),
         (bool(env.mcp_servers), "[environment].mcp_servers", "MCP servers are not supported"),
         (env.skills_dir is not None, "[environment].skills_dir", "agent skills are not supported"),
-        (env.healthcheck is not None, "[environment].healthcheck", "health checks are not supported"),
-        (bool(env.env), "[environment].env", "container environment variables are not supported"),
-        (agent.user is not None, "[agent].user", "sandboxes always run commands as a non-root user"),
-        (ver.user is not None, "[verifier].user", "sandboxes always run commands as a non-root user"),
+        (any("${" in v for v in env.env.values()), "[environment].env",
+         "${VAR} templates are resolved from the host by Harbor; give literal values"),
+        (bad_user(agent.user), "[agent].user", f"{agent.user!r}: a uid, or a user name (name or name:group)"),
+        (bad_user(ver.user), "[verifier].user", f"{ver.user!r}: a uid, or a user name (name or name:group)"),
         (ver.environment_mode == "separate" or ver.environment is not None, "[verifier].environment",
          "a separate verifier environment is not supported (the verifier shares the agent's container)"),
         (bool(ver.collect), "[verifier].collect", "collect hooks (compose services) are not supported"),
@@ -246,6 +301,7 @@ def unsupported(cfg: TaskConfig, network_policy: str | None) -> tuple[str, str] 
          f"{env.storage_mb}: below 16"),
         (env.workdir is not None and not str(env.workdir).startswith("/"), "[environment].workdir",
          f"{env.workdir!r}: must be an absolute path"),
+        *_healthcheck_checks(env.healthcheck),
     ]  # fmt: skip
     for bad, field, why in checks:
         if bad:

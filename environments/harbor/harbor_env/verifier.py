@@ -24,6 +24,7 @@ import tarfile
 
 from durable_rollouts.environments.base import Sandbox, Score
 from durable_rollouts.errors import EnvironmentFailure
+from durable_rollouts.sandboxes.base import ExecResult
 
 REWARD_MARK = "harbor-reward-file: "
 TESTS_DIR = "/tests"
@@ -45,22 +46,22 @@ def tests_tar(files: dict[str, bytes], executables: set[str]) -> bytes:
 
 async def verify(
     box: Sandbox, task_id: str, tests: dict[str, bytes], executables: set[str], timeout_s: float,
-    env: dict[str, str], once: str | None = None,
+    env: dict[str, str], once: str | None = None, user: str | None = None,
 ) -> Score:  # fmt: skip
     """Run ``tests`` (``tests/`` of the task, relative paths) as Harbor's verifier does; the reward.
 
     With ``once`` (an exec key scope, e.g. ``score-N``), the copy and the verifier run once per sandbox: a
-    retry (its worker died mid-verifier) waits for the first run and reads its reward. Its own upload of
-    the tests is then removed at once (it sat in the working directory while the first run went on)."""
+    retry (its worker died mid-verifier) waits for the first run and reads its reward. ``user``: who the
+    copy and the tests run as (``[verifier].user``; None: the sandbox's user). The upload of the tests is
+    written and removed as the sandbox's user, who owns the working directory."""
     bundle = f".harbor-tests-{secrets.token_hex(8)}.tar"
     await box.write_file(bundle, tests_tar(tests, executables))
     prepare = (
         f"rm -f {VERIFIER_DIR}/reward.txt {VERIFIER_DIR}/reward.json && mkdir -p {VERIFIER_DIR} && "
-        f"find {TESTS_DIR} -mindepth 1 -delete && tar -xf {bundle} -C {TESTS_DIR} && rm -f {bundle}"
+        f"find {TESTS_DIR} -mindepth 1 -delete && tar -xf {bundle} -C {TESTS_DIR} --no-same-owner"
     )
-    res = await box.exec(prepare, timeout_s=60, once_key=f"{once}.prepare" if once else None)
-    if res.replayed:
-        await box.exec(f"rm -f {bundle}", timeout_s=60)
+    res = await _exec(box, prepare, 60, f"{once}.prepare" if once else None, user)
+    await box.exec(f"rm -f {bundle}", timeout_s=60)
     if res.exit_code != 0:
         raise EnvironmentFailure(f"task {task_id}: could not copy tests/ to {TESTS_DIR}: {res.output[-300:]}")
     exports = "".join(f"export {k}={shlex.quote(v)}; " for k, v in sorted(env.items()))
@@ -68,7 +69,7 @@ async def verify(
         f"chmod +x {TESTS_DIR}/test.sh; {exports}"
         f"{TESTS_DIR}/test.sh > {VERIFIER_DIR}/test-stdout.txt 2>&1 </dev/null"
     )
-    res = await box.exec(run, timeout_s=timeout_s, once_key=f"{once}.run" if once else None)
+    res = await _exec(box, run, timeout_s, f"{once}.run" if once else None, user)
     if res.timed_out:
         raise EnvironmentFailure(
             f"task {task_id}: the verifier ran past its timeout ([verifier].timeout_sec = {timeout_s:g} s)"
@@ -80,6 +81,14 @@ async def verify(
     )
     out = await box.exec(read, timeout_s=60)
     return parse_reward(task_id, out.output)
+
+
+async def _exec(
+    box: Sandbox, cmd: str, timeout_s: float, once_key: str | None, user: str | None
+) -> ExecResult:
+    if user is None:  # sandboxes that predate exec users take no ``user``
+        return await box.exec(cmd, timeout_s=timeout_s, once_key=once_key)
+    return await box.exec(cmd, timeout_s=timeout_s, once_key=once_key, user=user)
 
 
 def parse_reward(task_id: str, output: str) -> Score:

@@ -59,7 +59,21 @@ def test_defaults_and_units_are_harbors(make_task: MakeTask) -> None:
         ("[environment]\ncpus = 1\n", (), "[environment].network_mode: 'public' (Harbor's default)"),
         ('[environment]\nnetwork_mode = "no-network"\ngpus = 1\n', (), "[environment].gpus"),
         ('[environment]\nnetwork_mode = "no-network"\n[[steps]]\nname = "a"\n', (), "task.toml steps:"),
-        ('[environment]\nnetwork_mode = "no-network"\n[agent]\nuser = "root"\n', (), "[agent].user"),
+        ('[environment]\nnetwork_mode = "no-network"\n[agent]\nuser = "a b"\n', (), "[agent].user: 'a b'"),
+        ('[environment]\nnetwork_mode = "no-network"\n[verifier]\nuser = -1\n', (), "[verifier].user: -1"),
+        ('[environment]\nnetwork_mode = "no-network"\ngpus = 2\n', (), "[environment].gpus: 2 GPU(s)"),
+        ('[environment]\nnetwork_mode = "no-network"\nos = "windows"\n', (), "[environment].os: 'windows'"),
+        (
+            '[environment]\nnetwork_mode = "no-network"\n[environment.env]\nK = "${HOME}"\n',
+            (),
+            "[environment].env: ${VAR}",
+        ),
+        (
+            '[environment]\nnetwork_mode = "no-network"\n[environment.healthcheck]\ncommand = "true"\n'
+            "timeout_sec = 0\n",
+            (),
+            "[environment.healthcheck].timeout_sec",
+        ),
         ('[environment]\nnetwork_mode = "no-network"\n', ("tests/test.sh",), "tests/test.sh: missing"),
         ('[environment]\nnetwork_mode = "no-network"\n', ("task.toml",), "task.toml: missing"),
         ('[environment]\nnetwork_mode = "no-network"\n', ("environment/Dockerfile",), "Dockerfile: missing"),
