@@ -16,8 +16,10 @@ Invariants:
   call returns the stored one if the member had ended after all (``workflows.group``).
 - Retries as a rollout workflow's: model calls under the run's ``[engine]`` retry settings, then failover
   to the next replica (``engine.failover``) or waits until ``engine.outage_budget_s`` is spent; env steps
-  under ``ENV_RETRY``. The attempt number in a call's request id and segment counts across the batch's
-  own retries (``attempt_base``), so no two tries of a turn share a request id.
+  under ``ENV_RETRY``. The attempt number in a call's request id and segment counts every try of the
+  turn, across the batch's own retries and the group's later batches (``attempt_base``): a member's
+  first batch starts at 1, and a member run again from the store always calls with an attempt above 1,
+  so its steps look for what an earlier try recorded (``turns.step``).
 - Heartbeats every ``HEARTBEAT_EVERY_S`` name every member still running (turn, phase, replica, since
   when): an operator finds a stuck batch in the web UI as its group's pending activity, and a cancel of
   the batch reaches it through the heartbeat.
@@ -66,9 +68,15 @@ again and resumes from the store; past these attempts its group records the memb
 failed (infra)."""
 BATCH_MARGIN_S = 120.0
 """A batch may run this long past its members' ``rollout.timeout_s`` (their scoring and records)."""
-ATTEMPTS_PER_TRY = 100
-"""Attempt numbers each try of the batch owns for a call (its tries stay below this, so attempt numbers
-of two tries of the batch never meet)."""
+ATTEMPTS_PER_TRY = 10_000
+"""Attempt numbers each try of a batch owns for one turn's calls (its retries, failovers and outage waits
+stay below this, so the attempt numbers of two tries never meet)."""
+
+
+def attempt_base(batch_round: int, attempt: int) -> int:
+    """The attempt number a try of a batch counts its calls from: try ``attempt`` (1 = first) of the
+    group's batch number ``batch_round`` (0 = its first)."""
+    return (batch_round * (BATCH_RETRY.maximum_attempts + 1) + attempt - 1) * ATTEMPTS_PER_TRY
 
 
 class BatchActivities:
@@ -84,7 +92,7 @@ class BatchActivities:
     async def run_batch(self, inp: BatchInput) -> list[RolloutResult]:
         """Run every member to its record; their results in the input's order. The caller derives the
         start-to-close timeout from the members' ``timeout_s`` (``batch_timeout``)."""
-        base = (activity.info().attempt - 1) * ATTEMPTS_PER_TRY
+        base = attempt_base(inp.batch_round, activity.info().attempt)
         live: dict[str, _Member] = {}
         members = [_Member(self.rollouts, m, base, live) for m in inp.members]
         tasks = [asyncio.ensure_future(m.run()) for m in members]
@@ -125,6 +133,8 @@ class _Member:
 
     def __init__(self, acts: RolloutActivities, m: RolloutInput, base: int, live: dict[str, _Member]) -> None:
         self.acts, self.m, self.base, self.live = acts, m, base, live
+        self.tries: dict[int, int] = {}
+        """Tries of each turn's calls in this try of the batch."""
         self.s = m.state.model_copy() if m.state is not None else RolloutState()
         if self.s.started_at is None:
             self.s.started_at = time.time()
@@ -205,8 +215,9 @@ class _Member:
         n = 0
         while True:
             n += 1
+            tried = self.tries[self.s.turn] = self.tries.get(self.s.turn, 0) + 1
             try:
-                return await call(self.base + n)
+                return await call(self.base + tried)
             except RolloutError as e:
                 if not e.retryable or (attempts and n >= attempts):
                     raise

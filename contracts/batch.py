@@ -17,3 +17,5 @@ class BatchInput(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     members: list[RolloutInput]
+    batch_round: int = 0
+    """How many batches its group ran before this one (a member in a later batch resumes from the store)."""

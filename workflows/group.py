@@ -187,6 +187,8 @@ class GroupWorkflow:
         """The batch activity running (``group.batch_rollouts``)."""
         self._batch_told: dict[str, str] = {}
         """Members of the running batch told to cancel, with their reasons."""
+        self._rounds = 0
+        """Batches this group started."""
         self._told: set[str] = set()
         self._retry: set[str] = set()
         """Members an operator asked to run again (``retry``)."""
@@ -375,9 +377,9 @@ class GroupWorkflow:
             f"task={inp.task_id} members={self._done}/{inp.size} | batch of {len(members)} in activity"
             f" run_batch (its heartbeat details: each rollout's turn and phase): slots {ids}"
         )
-        run = call(
-            BatchActivities.run_batch, BatchInput(members=members), start_to_close=batch_timeout(members)
-        )
+        batch = BatchInput(members=members, batch_round=self._rounds)
+        self._rounds += 1
+        run = call(BatchActivities.run_batch, batch, start_to_close=batch_timeout(members))
         self._batch = asyncio.ensure_future(run)
         try:
             return {r.rollout_id: r for r in await self._batch}
