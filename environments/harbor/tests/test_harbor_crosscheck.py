@@ -1,5 +1,6 @@
 """The plug-in's task.toml parse against Harbor's own model (PyPI ``harbor==0.25.0``), on every example
-task and on the legacy spellings Harbor migrates.
+task, on the legacy spellings Harbor migrates, and on the fields honoured since (users, container
+environment, health checks, Terminal-Bench 2.1's empty tables and zero values).
 
 Harbor 0.25 needs Python >= 3.12 while the project's venv is 3.11: ``make harbor-venv`` (run by ``make
 test``) creates ``.venv-harbor`` with Python 3.12 and ``harbor==0.25.0``; this test runs Harbor's
@@ -54,7 +55,25 @@ def test_every_example_parses_as_harbor_parses_it(make_task: MakeTask) -> None:
         'cpus = 2.0\n[verifier]\ntimeout_sec = 120\n[verifier.env]\nMODE = "strict"\n',
         **{"instruction.md": "<!-- harbor-canary GUID 1234 -->\n\nDo it.\n"},
     )
-    dirs = [*sorted(d for d in EXAMPLES.iterdir() if d.is_dir()), legacy]
+    users = make_task(
+        "users",
+        toml='[agent]\nuser = "agent"\n[verifier]\nuser = "root"\n'
+        '[environment]\nnetwork_mode = "no-network"\n[environment.env]\nMODE = "strict"\n'
+        '[environment.healthcheck]\ncommand = "test -f /app/ready"\n'
+        "start_period_sec = 2.0\nretries = 5\n",
+    )
+    uid = make_task("uid", toml='[agent]\nuser = 1000\n[environment]\nnetwork_mode = "no-network"\n')
+    # Terminal-Bench 2.1's shape: deprecated sizes, explicit empty tables and zero values.
+    tb21 = make_task(
+        "tb21",
+        toml='version = "1.0"\nartifacts = []\n[metadata]\ndifficulty = "medium"\n[verifier]\n'
+        "timeout_sec = 900.0\n[verifier.env]\n[agent]\ntimeout_sec = 900.0\n[environment]\n"
+        'build_timeout_sec = 600.0\ndocker_image = "harbor-examples/base:bookworm"\ncpus = 1\n'
+        'memory = "2G"\nstorage = "10G"\ngpus = 0\nmcp_servers = []\nnetwork_mode = "no-network"\n'
+        "[environment.env]\n[solution.env]\n",
+        drop=("environment/Dockerfile",),
+    )
+    dirs = [*sorted(d for d in EXAMPLES.iterdir() if d.is_dir()), legacy, users, uid, tb21]
     results = harbor_parse(dirs)
     assert len(results) == len(dirs)
     for d, theirs in zip(dirs, results, strict=True):
