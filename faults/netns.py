@@ -160,6 +160,11 @@ class Network:
         _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
         _ip("-n", self.switch, "link", "set", "br0", "up")
 
+    @property
+    def made(self) -> list[str]:
+        """The namespaces made here and not yet deleted (the switch's first)."""
+        return list(self._made)
+
     def __enter__(self) -> Network:
         return self
 

@@ -52,7 +52,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         assert registered.returncode == 0, registered.stderr
         yield c
     finally:
-        made = [*c.net._made]
+        made = c.net.made
         left = c.close()
         assert left == [] and not set(made) & set(namespaces()), left
 

@@ -85,7 +85,7 @@ def net() -> Iterator[Network]:
             network.spawn(name, [sys.executable, "-c", LISTEN])
         yield network
     finally:
-        made = list(network._made)
+        made = network.made
         assert network.close() == []
         assert not set(made) & set(namespaces())
 
