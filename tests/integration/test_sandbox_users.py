@@ -12,8 +12,9 @@ pid), which gets the sandbox image and the Harbor examples' base by ``docker sav
 - Through the pipeline (real Temporal, the simulated engine playing solve.sh): a Harbor task with
   ``[agent].user = "root"`` and ``[verifier].user = "root"`` scores 1.0 on the remapping daemon, its
   verifier checking it ran as root; tasks naming ``"agent"`` (a user its Dockerfile adds) and ``1000``
-  score 1.0 on the main daemon as those users; the root task on the main daemon fails, its reason the
-  one-line refusal.
+  score 1.0 on the main daemon as those users (the latter with ``[environment].env`` and a health check
+  that passes); the root task on the main daemon fails, its reason the one-line refusal; a task whose
+  health check never passes fails as the environment's, naming the check.
 """
 
 from __future__ import annotations
@@ -236,12 +237,14 @@ storage_mb = 64
 """
 
 
-def _task(root: Path, name: str, agent: str, verifier: str, expect_uid: int) -> None:
+def _task(
+    root: Path, name: str, agent: str, verifier: str, expect_uid: int, extra: str = "", check: str = "true"
+) -> None:
     d = root / name
     (d / "environment").mkdir(parents=True)
     (d / "solution").mkdir()
     (d / "tests").mkdir()
-    (d / "task.toml").write_text(TASK_TOML.format(name=name, agent=agent, verifier=verifier))
+    (d / "task.toml").write_text(TASK_TOML.format(name=name, agent=agent, verifier=verifier) + extra)
     (d / "instruction.md").write_text("Write your uid to /app/who.txt.\n")
     (d / "environment" / "Dockerfile").write_text(
         f"FROM {HARBOR_BASE}\nWORKDIR /app\n"
@@ -251,7 +254,7 @@ def _task(root: Path, name: str, agent: str, verifier: str, expect_uid: int) -> 
     (d / "tests" / "test.sh").write_text(
         "#!/bin/bash\n"
         f'if [ "$(cat /app/who.txt)" = {expect_uid} ] && [ "$(stat -c %u /app/who.txt)" = {expect_uid} ] '
-        f'&& [ "$(id -u)" = {expect_uid} ]; then echo 1 > /logs/verifier/reward.txt; '
+        f'&& [ "$(id -u)" = {expect_uid} ] && {check}; then echo 1 > /logs/verifier/reward.txt; '
         "else echo 0 > /logs/verifier/reward.txt; fi\n"
     )
 
@@ -264,7 +267,12 @@ async def sim(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[tuple[s
     tasks = work / "tasks"
     _task(tasks, "root", 'user = "root"', 'user = "root"', 0)
     _task(tasks, "agent", 'user = "agent"', "", 1234)
-    _task(tasks, "uid", "user = 1000", "", 1000)
+    healthy = (
+        '[environment.env]\nMODE = "strict"\n[environment.healthcheck]\ncommand = "test -d /logs/verifier"\n'
+    )
+    _task(tasks, "uid", "user = 1000", "", 1000, healthy, check='[ "$MODE" = strict ]')
+    sick = '[environment.healthcheck]\ncommand = "test -f /nothing"\ninterval_sec = 0.1\nretries = 2\n'
+    _task(tasks, "unhealthy", "", "", 1000, sick)
     settings = SimSettings(
         transcripts=write(work / "transcripts.jsonl", tasks),
         mode_rules=[ModeRule(on="request", prefix="harbor-ref", mode=Mode.REFERENCE)],
@@ -289,11 +297,15 @@ async def test_harbor_tasks_run_as_their_users_and_root_only_where_it_is_remappe
 ) -> None:  # fmt: skip
     url, tasks = sim
     async with worker(client, task_queue, tmp_path / "plain") as store:
-        await run_to_end(client, _config(url, task_queue, tasks, groups=3), "harbor-ref-plain")
+        await run_to_end(client, _config(url, task_queue, tasks, groups=4), "harbor-ref-plain")
     records, _ = export(store, "harbor-ref-plain")
     for name in ("agent", "uid"):
         (rec,) = [r for r in records if r["task_id"] == f"users/{name}"]
         assert rec["outcome"] == "completed" and rec["reward"] == 1.0, (name, rec["reason"])
+    sick = [r for r in records if r["task_id"] == "users/unhealthy"]
+    assert sick and all(r["outcome"] == "failed" and r["reward"] is None for r in sick), sick
+    assert sick[0]["reason"].startswith("environment: EnvironmentFailure: "), sick[0]["reason"]
+    assert "health check failed after 2 consecutive retries: test -f /nothing" in sick[0]["reason"]
     refused = [r for r in records if r["task_id"] == "users/root"]  # the group may try again: all refused
     assert refused and all(r["outcome"] == "failed" and r["reward"] is None for r in refused), refused
     assert len({r["reason"] for r in refused}) == 1, [r["reason"] for r in refused]
