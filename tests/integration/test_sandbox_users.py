@@ -11,10 +11,11 @@ pid), which gets the sandbox image and the Harbor examples' base by ``docker sav
   (pid 1) survives its kill.
 - Through the pipeline (real Temporal, the simulated engine playing solve.sh): a Harbor task with
   ``[agent].user = "root"`` and ``[verifier].user = "root"`` scores 1.0 on the remapping daemon, its
-  verifier checking it ran as root; tasks naming ``"agent"`` (a user its Dockerfile adds) and ``1000``
-  score 1.0 on the main daemon as those users (the latter with ``[environment].env`` and a health check
-  that passes); the root task on the main daemon fails, its reason the one-line refusal; a task whose
-  health check never passes fails as the environment's, naming the check.
+  verifier checking it ran as root, and so does one whose agent is ``"agent"`` and verifier ``"root"``
+  (Terminal-Bench's pair); tasks naming ``"agent"`` (a user its Dockerfile adds) and ``1000`` score 1.0 on
+  the main daemon as those users (the latter with ``[environment].env`` and a health check that passes);
+  the two root tasks on the main daemon fail, each reason the one-line refusal naming its field; a task
+  whose health check never passes fails as the environment's, naming the check.
 """
 
 from __future__ import annotations
@@ -238,8 +239,9 @@ storage_mb = 64
 
 
 def _task(
-    root: Path, name: str, agent: str, verifier: str, expect_uid: int, extra: str = "", check: str = "true"
-) -> None:
+    root: Path, name: str, agent: str, verifier: str, expect_uid: int, extra: str = "", check: str = "true",
+    verifier_uid: int | None = None,
+) -> None:  # fmt: skip
     d = root / name
     (d / "environment").mkdir(parents=True)
     (d / "solution").mkdir()
@@ -254,7 +256,8 @@ def _task(
     (d / "tests" / "test.sh").write_text(
         "#!/bin/bash\n"
         f'if [ "$(cat /app/who.txt)" = {expect_uid} ] && [ "$(stat -c %u /app/who.txt)" = {expect_uid} ] '
-        f'&& [ "$(id -u)" = {expect_uid} ] && {check}; then echo 1 > /logs/verifier/reward.txt; '
+        f'&& [ "$(id -u)" = {expect_uid if verifier_uid is None else verifier_uid} ] && {check}; then '
+        "echo 1 > /logs/verifier/reward.txt; "
         "else echo 0 > /logs/verifier/reward.txt; fi\n"
     )
 
@@ -267,6 +270,7 @@ async def sim(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[tuple[s
     tasks = work / "tasks"
     _task(tasks, "root", 'user = "root"', 'user = "root"', 0)
     _task(tasks, "agent", 'user = "agent"', "", 1234)
+    _task(tasks, "split", 'user = "agent"', 'user = "root"', 1234, verifier_uid=0)  # Terminal-Bench's pair
     healthy = (
         '[environment.env]\nMODE = "strict"\n[environment.healthcheck]\ncommand = "test -d /logs/verifier"\n'
     )
@@ -297,7 +301,7 @@ async def test_harbor_tasks_run_as_their_users_and_root_only_where_it_is_remappe
 ) -> None:  # fmt: skip
     url, tasks = sim
     async with worker(client, task_queue, tmp_path / "plain") as store:
-        await run_to_end(client, _config(url, task_queue, tasks, groups=4), "harbor-ref-plain")
+        await run_to_end(client, _config(url, task_queue, tasks, groups=5), "harbor-ref-plain")
     records, _ = export(store, "harbor-ref-plain")
     for name in ("agent", "uid"):
         (rec,) = [r for r in records if r["task_id"] == f"users/{name}"]
@@ -306,15 +310,21 @@ async def test_harbor_tasks_run_as_their_users_and_root_only_where_it_is_remappe
     assert sick and all(r["outcome"] == "failed" and r["reward"] is None for r in sick), sick
     assert sick[0]["reason"].startswith("environment: EnvironmentFailure: "), sick[0]["reason"]
     assert "health check failed after 2 consecutive retries: test -f /nothing" in sick[0]["reason"]
-    refused = [r for r in records if r["task_id"] == "users/root"]  # the group may try again: all refused
-    assert refused and all(r["outcome"] == "failed" and r["reward"] is None for r in refused), refused
-    assert len({r["reason"] for r in refused}) == 1, [r["reason"] for r in refused]
-    reason = refused[0]["reason"]
-    assert reason.startswith("infra: SandboxUserRefused: task users/root (") and "\n" not in reason, reason
-    assert "task.toml) [agent].user = 'root'" in reason and "--userns-remap=default" in reason, reason
+    for name, field in (("root", "[agent].user = 'root'"), ("split", "[verifier].user = 'root'")):
+        # a group may try again: every try is refused
+        refused = [r for r in records if r["task_id"] == f"users/{name}"]
+        assert refused and all(r["outcome"] == "failed" and r["reward"] is None for r in refused), refused
+        assert len({r["reason"] for r in refused}) == 1, [r["reason"] for r in refused]
+        reason = refused[0]["reason"]
+        assert reason.startswith(f"infra: SandboxUserRefused: task users/{name} (") and "\n" not in reason
+        assert f"task.toml) {field}" in reason and "--userns-remap=default" in reason, reason
 
     monkeypatch.setenv("DOCKER_HOST", userns_daemon.url)  # the worker's sandboxes on the remapping daemon
     async with worker(client, task_queue, tmp_path / "remapped") as store:
-        await run_to_end(client, _config(url, task_queue, tasks / "root"), "harbor-ref-root-remapped")
-    (rec,), _ = export(store, "harbor-ref-root-remapped")
-    assert rec["outcome"] == "completed" and rec["reward"] == 1.0, rec["reason"]
+        listing = tasks.parent / "remapped.toml"
+        listing.write_text('tasks = ["tasks/root", "tasks/split"]\n')
+        await run_to_end(client, _config(url, task_queue, listing, groups=2), "harbor-ref-remapped")
+    records, _ = export(store, "harbor-ref-remapped")
+    assert sorted(r["task_id"] for r in records) == ["users/root", "users/split"]
+    for rec in records:
+        assert rec["outcome"] == "completed" and rec["reward"] == 1.0, (rec["task_id"], rec["reason"])
