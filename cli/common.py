@@ -118,5 +118,17 @@ async def temporal_client(conn: Connection | None = None) -> Client:
     try:
         return await connect(conn)
     except Exception as e:  # the SDK raises RuntimeError for connection problems
-        hint = "is the stack up? try `rollouts stack up -d`"
-        raise fail(f"cannot reach Temporal at {where} ({e}); {hint}", 1) from None
+        raise fail(f"cannot reach Temporal at {where} ({e}); {connect_hint(where, str(e))}", 1) from None
+
+
+def connect_hint(where: str, error: str) -> str:
+    """What to check when Temporal at ``where`` (as `describe` puts it) refused or did not answer."""
+    tls_words = ("tls", "ssl", "certificate", "handshake", "alert")
+    if "TLS" in where or any(w in error.lower() for w in tls_words):
+        return (
+            "check the client certificate, key and CA (--tls-cert-path, --tls-key-path, --tls-ca-path, "
+            "or TEMPORAL_TLS_*) and that the server expects TLS"
+        )
+    if where.startswith(("127.0.0.1:7233 ", "localhost:7233 ")):
+        return "is the stack up? try `rollouts stack up -d`"
+    return "is the server up and reachable from here? (--address, or TEMPORAL_ADDRESS)"

@@ -171,7 +171,11 @@ async def serve(
 
     With ``sandbox_host`` the worker is also a sandbox host (workers/sandbox_host.py): registered in the
     store with its capacity, polling its own queue, its sandboxes on its own Docker daemon."""
-    client = await connect(address, namespace, runtime=temporal_runtime(sdk_metrics_port, metrics_host))
+    conn = address if isinstance(address, Connection) else Connection(address=address)
+    if namespace is not None:
+        conn = conn.model_copy(update={"namespace": namespace})
+    where = describe(conn)  # as resolved: an address from TEMPORAL_ADDRESS or a profile shows as itself
+    client = await connect(conn, runtime=temporal_runtime(sdk_metrics_port, metrics_host))
     store = open_store(store_url, home=home)
     engine = EngineClient()
     stop = asyncio.Event()
@@ -195,7 +199,7 @@ async def serve(
                 host = f", sandbox host {sandbox_host.name}" if sandbox_host is not None else ""
                 loaded = ", ".join(f"{n} {v}" for n, v in sorted(envs.items())) or "none"
                 print(
-                    f"worker polling {task_queue!r} on {address}{served}{host}; environments: {loaded}",
+                    f"worker polling {task_queue!r} on {where}{served}{host}; environments: {loaded}",
                     flush=True,
                 )
                 await stop.wait()

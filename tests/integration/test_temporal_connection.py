@@ -63,13 +63,16 @@ async def test_a_run_completes_in_another_namespace_reached_through_the_temporal
     async with SimEngine(SimSettings(policy="random")).serve(port=0) as url:
         worker = procs.spawn(
             "worker",
-            [sys.executable, "-m", "durable_rollouts.cli.rollouts", "worker", "--address", address,
+            [sys.executable, "-m", "durable_rollouts.cli.rollouts", "worker",
              "--namespace", namespace, "--task-queue", task_queue, "--store", str(home)],
-            home, env,
+            home, {**env, "TEMPORAL_ADDRESS": address},  # the address from the environment, as the CLI's
         )  # fmt: skip
         elsewhere = await connect(address, namespace)
         try:
             await until_polled(elsewhere, env_queue(task_queue, "math", math_env.ENV_VERSION))
+            # its first line says where it polls, as resolved (not the flag it was not given)
+            started = (home / "logs" / "worker.log").read_text()
+            assert f"on {address} (namespace {namespace})" in started, started[-2000:]
             sets = {
                 "engine.urls": [url], "engine.model": "tiny", "temporal.task_queue": task_queue,
                 "sampling.max_tokens": 8, "admission.enabled": False,
