@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib
 import json
 import shlex
 import signal
@@ -33,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from durable_rollouts.config.paths import resolve_path
+from durable_rollouts.environments import registry
 from durable_rollouts.environments.registry import env_queue
 from durable_rollouts.faults.cluster import Cluster
 from durable_rollouts.faults.netns import namespaces
@@ -40,6 +40,7 @@ from durable_rollouts.faults.netns import namespaces
 CODING_TASKS = resolve_path("coding_env:data/coding.jsonl")
 SANDBOX_IMAGE = "durable-rollouts-sandbox:latest"
 QUEUE = "multihost"
+RUN_ENVS = ("coding", "math")  # the plug-ins the two runs use, whose queues the workers must poll first
 MATH_ENGINE_PORT = 8001
 """The math run's engine (a random policy; the coding run's plays reference solutions), same host."""
 HOST_TIMEOUT_S = 60.0
@@ -114,9 +115,8 @@ def run(args: argparse.Namespace, c: Cluster, result: dict[str, Any]) -> None:
     roles = {"worker-a": [], "worker-b": [], "sandbox": host_args}
     for name, extra in roles.items():
         c.start_worker(name, "--task-queue", QUEUE, *extra)
-    queues = [
-        env_queue(QUEUE, env, importlib.import_module(f"{env}_env").ENV_VERSION) for env in ("coding", "math")
-    ]
+    versions = registry.loadable()  # the versions these workers register (the same installed plug-ins)
+    queues = [env_queue(QUEUE, name, versions[name]) for name in RUN_ENVS]
     for q in queues:
         c.wait_polled(q, [w.pid for w in c.workers.values()])
     result["workers_polling_s"] = at()
