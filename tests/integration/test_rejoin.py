@@ -3,7 +3,9 @@
 Two versions are published after the bundled one, a run starts, and the engine is SIGKILLed mid-run and
 started again from its command line by the fault kit: it comes back serving the bundled weights under the
 label ``default``. The worker holds it out of rotation and pushes the current version to it; no token is
-sampled by it while it is stale, and every token of the run carries the current version.
+sampled by it while it is stale, and every token of the run carries the current version. The run admits
+groups at a fixed cap (no dispatcher polls), so the hold and the push are the model turns' own (the
+dispatcher's hold is tested in tests/unit/engines/test_rejoin.py).
 """
 
 from __future__ import annotations
@@ -108,7 +110,6 @@ async def test_an_engine_killed_and_restarted_after_two_publishes_rejoins_at_the
         run={"num_groups": 16, "group_size": 2, "max_inflight_groups": 2},
         sampling={"max_tokens": 48, "min_tokens": 48},
         engine={"max_attempts": 100, "retry_max_s": 1.0, "outage_budget_s": 900},  # waits out the restart
-        admission={"enabled": True, "poll_interval_s": 1.0},
     )  # fmt: skip
     v2_dir = perturbed(tmp_path / "v2")
     async with httpx.AsyncClient(timeout=60) as http, worker(client, task_queue, tmp_path) as store:
