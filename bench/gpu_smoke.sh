@@ -57,6 +57,8 @@ fi
 read -r T_PORT UI_PORT E_PORT M_PORT S_PORT < <("$PY" -c 'from durable_rollouts.stack.procs import free_ports
 print(*free_ports(5))')
 ADDRESS="127.0.0.1:$T_PORT"
+# Run ids of this invocation: sandboxes are named after their run, and a Docker daemon may hold an earlier one's.
+ID="$(date -u +%Y%m%d-%H%M%S)"
 ENGINE="http://127.0.0.1:$E_PORT"
 
 # -- the stack's config -----------------------------------------------------------------------------------
@@ -245,9 +247,9 @@ print(json.load(urllib.request.urlopen(sys.argv[1] + "/weight_info"))["weight_ve
 
 STACK_UP=1
 step "stack up" up_ok "$BIN/rollouts" stack up --detach --config "$CFG"
-step "math run" run_ok "${RUN[@]}" math --run-id smoke-math --groups 4 --group-size 4 \
+step "math run" run_ok "${RUN[@]}" math --run-id "smoke-math-$ID" --groups 4 --group-size 4 \
     --set sampling.max_tokens=64 --wait
-step "math export" check_math "$BIN/rollouts" export smoke-math -o "$SMOKE_HOME/math.jsonl"
+step "math export" check_math "$BIN/rollouts" export "smoke-math-$ID" -o "$SMOKE_HOME/math.jsonl"
 if [[ "$SMOKE_HARNESS" == 0 ]]; then
     echo "| harness run | | | skipped (SMOKE_HARNESS=0) |" >> "$OUT"
 else
@@ -256,18 +258,18 @@ else
     fi
     # mini-swe-agent on the bundled Harbor examples, short: what counts is that every call went through the
     # gateway to this engine and every rollout has one record; a small model's agent seldom solves a task.
-    step "harness run" run_ok "${RUN[@]}" mini-swe-agent --run-id smoke-harness --groups 2 --group-size 2 \
+    step "harness run" run_ok "${RUN[@]}" mini-swe-agent --run-id "smoke-harness-$ID" --groups 2 --group-size 2 \
         --set rollout.max_turns=8 --set sampling.max_tokens=512 --set run.max_environment_failure_share=1.0 \
         --wait
-    step "harness export" check_harness "$BIN/rollouts" export smoke-harness -o "$SMOKE_HOME/harness.jsonl"
+    step "harness export" check_harness "$BIN/rollouts" export "smoke-harness-$ID" -o "$SMOKE_HOME/harness.jsonl"
 fi
 # The new version's weights on a path the engine reads (here: beside the home), as a trainer would write them.
 mkdir -p "$SMOKE_HOME/weights"
 cp -al "$MODEL_DIR" "$SMOKE_HOME/weights/v1" 2>/dev/null || cp -r "$MODEL_DIR" "$SMOKE_HOME/weights/v1"
 step "publish v1" check_served "$BIN/rollouts" policy publish v1 --weights "$SMOKE_HOME/weights/v1" --engine "$ENGINE"
-step "math run on v1" run_ok "${RUN[@]}" math --run-id smoke-math-v1 --groups 2 --group-size 4 \
+step "math run on v1" run_ok "${RUN[@]}" math --run-id "smoke-math-v1-$ID" --groups 2 --group-size 4 \
     --set sampling.max_tokens=64 --wait
-step "v1 export" check_v1 "$BIN/rollouts" export smoke-math-v1 -o "$SMOKE_HOME/math-v1.jsonl"
+step "v1 export" check_v1 "$BIN/rollouts" export "smoke-math-v1-$ID" -o "$SMOKE_HOME/math-v1.jsonl"
 step "stack down" ok "$BIN/rollouts" stack down
 STACK_UP=0
 {
