@@ -170,6 +170,8 @@ class Measured:
     """What a run has measured so far (filled in while it runs, so a run stopped early keeps it)."""
 
     samples: list[Sample] = field(default_factory=list)
+    submitted: float = 0.0
+    """time.monotonic() when the run was submitted (the samples' t=0)."""
     checks: list[dict[str, Any]] = field(default_factory=list)
     """Each tenth's history samples and run view, as the tenth is reached."""
     server: list[dict[str, Any]] = field(default_factory=list)
@@ -195,7 +197,7 @@ async def measure(
     total = cfg.run.num_groups * cfg.run.group_size
     ends = bounds(total)
     tasks, turns = len(resolve_path(cfg.run.task_file).read_text().splitlines()), cfg.rollout.max_turns
-    t0 = time.monotonic()
+    t0 = got.submitted = time.monotonic()
     handle = await client.start_workflow(
         RunWorkflow.run,
         RunInput(run_id=run_id, config=cfg, config_hash=config_hash(cfg)),
@@ -265,7 +267,7 @@ def setup(args: argparse.Namespace, total: int, retention_s: float | None) -> di
 def partial(args: argparse.Namespace, total: int, got: Measured, retention_s: float | None) -> dict[str, Any]:
     """The result so far of a run still going (``"partial": true``): its samples, tenths reached and the
     server's gauges; `--rescore` cannot complete it (no segments), the numbers in it are as measured."""
-    return {
+    res = {
         "benchmark": "long_run",
         "partial": True,
         "command": "python bench/long_run.py " + shlex.join(sys.argv[1:]),
@@ -308,6 +310,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     wall0 = time.time()
     try:
         procs.wait_until(lambda: procs.http_ok(f"{url}/health"), 60, "simengine", pid=engine_pid)
+        launched = time.monotonic()
         with server_metrics.server_flags(metrics_port, dynamic):
             info = await asyncio.to_thread(stack.up, scfg, home, True, ("temporal", "worker"))
         print(f"long_run: stack up in {home} ({info.ready_s})", file=sys.stderr, flush=True)
@@ -352,6 +355,10 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         "server_metrics": got.server,
         "samples": [sample_dict(s) for s in got.samples],
     }
+    log = procs.log_path(home, "temporal")  # with GODEBUG=gctrace=1: the server's live heap at each GC
+    gcs = server_memory.gc_trace(log.read_text(errors="replace")) if log.is_file() else []
+    if gcs:
+        res["server_live_heap"] = server_memory.live_heap(gcs, res["samples"], got.submitted - launched)
     return {**res, "server_memory": server_memory.summary(res)}
 
 

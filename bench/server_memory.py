@@ -11,6 +11,8 @@ runs at different speeds compare.
 
 from __future__ import annotations
 
+import itertools
+import re
 from typing import Any
 
 MIB = 1024 * 1024
@@ -145,8 +147,55 @@ def charts(result: dict[str, Any]) -> list[str]:
 
 
 def summary(result: dict[str, Any]) -> dict[str, Any]:
-    """The result's server memory in brief: `growth` of its `readings` and the dynamic config it ran with."""
+    """The result's server memory in brief: `growth` of its `readings`, the dynamic config it ran with, and
+    with a GC trace (``server_live_heap``: `live_heap`), the live heap's first, peak and last value and its
+    growth per 1,000 rollouts over the run's last half."""
+    live = result.get("server_live_heap") or []
+    late = [r for r in live if live and r["rollouts"] >= live[-1]["rollouts"] / 2]
     return {
         "dynamic_config": result.get("setup", {}).get("temporal_dynamic_config", {}),
         **growth(readings(result)),
+        **(
+            {
+                "live_heap_mib_first_max_last": [
+                    live[0]["live_heap_mib"],
+                    max(r["live_heap_mib"] for r in live),
+                    live[-1]["live_heap_mib"],
+                ],
+                "live_heap_mib_per_1000_rollouts_last_half": slope(late, "live_heap_mib"),
+            }
+            if live
+            else {}
+        ),
     }
+
+
+_GC = re.compile(r"^gc \d+ @([\d.]+)s .*?(\d+)->(\d+)->(\d+) MB, (\d+) MB goal", re.M)
+
+
+def gc_trace(text: str) -> list[dict[str, float]]:
+    """The Go runtime's collections from a log written with ``GODEBUG=gctrace=1``: seconds since the
+    process started, the heap when the collection started, and the **live heap** it marked (what the
+    process holds; RSS and heap-in-use add the garbage between collections) with the next goal, in MB."""
+    return [
+        {"t": float(m[1]), "heap_mb": float(m[2]), "live_mb": float(m[4]), "goal_mb": float(m[5])}
+        for m in _GC.finditer(text)
+    ]
+
+
+def live_heap(
+    gcs: list[dict[str, float]], samples: list[dict[str, Any]], offset_s: float
+) -> list[dict[str, Any]]:
+    """Each collection of `gc_trace` placed on the run: the rollouts recorded then (interpolated between
+    the samples around it; ``offset_s``: the process's age when the run was submitted, the samples' t=0),
+    with its live heap. Collections before the run or after its last sample are left out."""
+    pts = sorted((s["t"], s["rollouts"]) for s in samples)
+    out = []
+    for g in gcs:
+        t = g["t"] - offset_s
+        for (t0, n0), (t1, n1) in itertools.pairwise(pts):
+            if t0 <= t <= t1:
+                n = n0 + (n1 - n0) * (t - t0) / (t1 - t0) if t1 > t0 else n1
+                out.append({"t": round(t, 2), "rollouts": round(n), "live_heap_mib": g["live_mb"]})
+                break
+    return out

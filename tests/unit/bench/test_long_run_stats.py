@@ -302,3 +302,37 @@ def test_the_page_carries_the_server_memory_charts() -> None:
     assert len(svgs) == 8  # the six per tenth and the server's two
     assert "Temporal server memory" in html and "mutable-state cache entries" in html
     assert "server cache_full_at_rollouts: 1000" in html
+
+
+_TAIL = " 3.0+5.2/412/87+0.008 ms cpu, {} MB goal, 8 MB stacks, 0 MB globals, 2 P"
+GCTRACE = "\n".join(
+    [
+        "2026-12-07 01:50:52 start: temporal server start-dev",
+        "gc 12 @25.772s 3%: 1.5+794+0.004 ms clock," + _TAIL.format("103->109->56 MB, 116"),
+        'time=2026-12-07T01:51:20 level=WARN msg="something else"',
+        "gc 13 @30.619s 3%: 2.5+964+0.059 ms clock," + _TAIL.format("112->119->58 MB, 122"),
+        "gc 14 @90.000s 3%: 2.5+964+0.059 ms clock," + _TAIL.format("112->119->60 MB, 122"),
+    ]
+)
+"""A dev server's log with ``GODEBUG=gctrace=1`` (Go 1.24's format), other lines between."""
+
+
+def test_gc_trace_reads_the_live_heap_and_places_it_on_the_run() -> None:
+    gcs = server_memory.gc_trace(GCTRACE)
+    assert gcs == [
+        {"t": 25.772, "heap_mb": 103.0, "live_mb": 56.0, "goal_mb": 116.0},
+        {"t": 30.619, "heap_mb": 112.0, "live_mb": 58.0, "goal_mb": 122.0},
+        {"t": 90.0, "heap_mb": 112.0, "live_mb": 60.0, "goal_mb": 122.0},
+    ]
+    samples = [{"t": 0.0, "rollouts": 0}, {"t": 10.0, "rollouts": 100}, {"t": 20.0, "rollouts": 300}]
+    # the run was submitted when the server was 12 s old: the first collection at 13.77 s of the run
+    # (between the 100th and 300th rollout), the second at 18.62 s, the third after the last sample
+    live = server_memory.live_heap(gcs, samples, offset_s=12.0)
+    assert live == [
+        {"t": 13.77, "rollouts": 175, "live_heap_mib": 56.0},
+        {"t": 18.62, "rollouts": 272, "live_heap_mib": 58.0},
+    ]
+    out = server_memory.summary({"server_live_heap": live})
+    assert out["live_heap_mib_first_max_last"] == [56.0, 58.0, 58.0]
+    assert out["live_heap_mib_per_1000_rollouts_last_half"] == pytest.approx(2000 / 97, abs=0.01)
+    assert "live_heap_mib_first_max_last" not in server_memory.summary({})
