@@ -135,7 +135,8 @@ GPUS="$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noh
 VERSIONS="$("$PY" -c 'from durable_rollouts.stack.commands import installed_vllm
 import importlib.metadata as m
 v = ", ".join(f"{d} {x}" for d, x in installed_vllm().items()) or "none"
-print(f"{v}; torch {m.version(\"torch\")}")' 2>/dev/null || echo unknown)"
+t = m.version("torch")
+print(f"{v}; torch {t}")' 2>/dev/null || echo unknown)"
 ARCH="$("$PY" -c 'import json, sys; print(*json.load(open(sys.argv[1] + "/config.json")).get("architectures", ["?"]))' "$MODEL_DIR")"
 SIZE="$(du -shL "$MODEL_DIR" | cut -f1)"
 NOW="$(date -u +"%Y-%m-%d %H:%M")"
