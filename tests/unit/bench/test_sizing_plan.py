@@ -44,6 +44,8 @@ def test_one_core_sustains_the_inverse_of_the_cpu_per_rollout_and_per_turn() -> 
 
 
 def test_every_assumption_the_plan_reads_is_explained_or_self_describing() -> None:
-    explained = {"agent_turn_s", "agent_activities_per_turn", "gateway_cpu_ms_per_call", "core_utilisation",
-                 "sandbox_cpu_overcommit", "store_connections_per_worker", "shards_per_history_core"}  # fmt: skip
+    explained = {
+        "agent_turn_s", "agent_activities_per_turn", "gateway_cpu_ms_per_call", "core_utilisation",
+        "sandbox_cpu_overcommit", "store_connections_per_worker", "shards_per_history_core",
+    }  # fmt: skip
     assert explained <= set(NOTES) and explained <= set(ASSUMPTIONS)
