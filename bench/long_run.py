@@ -242,7 +242,10 @@ async def measure(
         )
         await asyncio.wait({result, stopped}, timeout=every, return_when=asyncio.FIRST_COMPLETED)
     stopped.cancel()
-    return result.result() if result.done() else None
+    if not result.done():
+        result.cancel()  # stopped early: the run's result is never awaited
+        return None
+    return result.result()
 
 
 def setup(args: argparse.Namespace, total: int, retention_s: float | None) -> dict[str, Any]:
