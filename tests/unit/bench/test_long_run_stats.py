@@ -4,6 +4,7 @@ without the fixed start-up bytes, and the issue's acceptance bounds. The long ru
 
 from __future__ import annotations
 
+import time
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -220,7 +221,11 @@ def test_the_real_dev_server_takes_the_flags_and_reports_its_heap_and_cache_boun
         with server_metrics.server_flags(port, {"history.hostLevelCacheMaxSize": "300"}):
             stack.up(cfg, tmp_path, True, ("temporal",))
         assert stack.temporal_argv is not None and "--metrics-port" not in stack.temporal_argv(tmp_path, 1, 2)
+        deadline = time.monotonic() + 60
         got = server_metrics.scrape(port)
+        while not got.get("cache_mutablestate_size") and time.monotonic() < deadline:
+            time.sleep(1.0)  # the history service records the cache's gauges once it has started
+            got = server_metrics.scrape(port)
     finally:
         stack.down(tmp_path)
     assert got["cache_mutablestate_size"] == 300
