@@ -257,9 +257,17 @@ def ledger(
 @temporal_options
 def reap(
     run_id: Annotated[str | None, typer.Option("--run-id", help="Only this run's sandboxes.")] = None,
+    unknown: Annotated[
+        bool,
+        typer.Option(
+            "--unknown",
+            help="Also sandboxes whose rollout this namespace does not know (another deployment's on the "
+            "same Docker daemon, or past retention).",
+        ),
+    ] = False,
     conn: Connection | None = None,
 ) -> None:
-    """Remove sandboxes whose rollout workflow is no longer running (terminated, finished, unknown)."""
+    """Remove sandboxes whose rollout workflow has ended (finished, terminated, timed out)."""
     from durable_rollouts.sandboxes import SandboxError
     from durable_rollouts.sandboxes.pool import SandboxPool
     from durable_rollouts.sandboxes.reaper import reap_orphans
@@ -268,7 +276,7 @@ def reap(
     async def go() -> list[str]:
         client = await temporal_client(conn)
         pool = SandboxPool(run_store())
-        return await reap_orphans(client, docker_sandboxes(), run_id, min_age_s=0, pool=pool)
+        return await reap_orphans(client, docker_sandboxes(), run_id, min_age_s=0, pool=pool, unknown=unknown)
 
     try:
         removed = asyncio.run(go())

@@ -1,8 +1,13 @@
 """The sandbox reaper: removes containers whose rollout workflow is no longer running.
 
 Invariant: a container is kept while its rollout's workflow (workflow id = sandbox key = rollout id) is
-running; a terminated, timed-out or unknown workflow's container is removed. This covers what the
+running; a finished, terminated or timed-out workflow's container is removed. This covers what the
 workflow's own finalize path cannot: a rollout terminated from the UI or CLI runs no code.
+
+A container whose workflow this namespace does not know is another deployment's (a worker of another
+namespace or another Temporal cluster on the same Docker daemon), so it is kept unless ``unknown=True``
+(``rollouts reap --unknown``): the reaper of one deployment never removes another's sandboxes. Its own
+rollouts' containers are reaped while their histories exist (the namespace's retention, a day or more).
 """
 
 from __future__ import annotations
@@ -19,12 +24,14 @@ from durable_rollouts.sandboxes.pool import SandboxPool
 log = logging.getLogger(__name__)
 
 
-async def _running(client: Client, workflow_id: str) -> bool:
+async def _in_use(client: Client, workflow_id: str, unknown: bool) -> bool:
+    """Whether the sandbox of ``workflow_id`` must stay: its workflow runs, or (unless ``unknown``) this
+    namespace does not know it."""
     try:
         desc = await client.get_workflow_handle(workflow_id).describe()
     except RPCError as e:
         if e.status == RPCStatusCode.NOT_FOUND:
-            return False
+            return not unknown
         raise
     return desc.status == WorkflowExecutionStatus.RUNNING
 
@@ -35,18 +42,21 @@ async def reap_orphans(
     run_id: str | None = None,
     min_age_s: float = 30.0,
     pool: SandboxPool | None = None,
+    unknown: bool = False,
 ) -> list[str]:
-    """Remove the project's containers (of one run, or all) whose rollout is not running; returns names.
+    """Remove the project's containers (of one run, or all) whose rollout has ended; returns names.
 
-    With ``pool``, also give back the slots of rollouts that are not running (a terminated rollout never
-    runs its destroy step).
+    ``unknown``: also those whose workflow this namespace does not know (another deployment's, or one past
+    retention). With ``pool``, also give back the slots of rollouts that have ended (a terminated rollout
+    never runs its destroy step).
     """
-    keep = {info.key for info in await backend.list_containers(run_id) if await _running(client, info.key)}
+    infos = await backend.list_containers(run_id)
+    keep = {info.key for info in infos if await _in_use(client, info.key, unknown)}
     removed = await backend.reap(run_id=run_id, older_than_s=min_age_s, keep=keep)
     if pool is not None:
         for key in await asyncio.to_thread(pool.holders):
             mine = run_id is None or key.startswith(f"{run_id}/")
-            if mine and key not in keep and not await _running(client, key):
+            if mine and key not in keep and not await _in_use(client, key, unknown):
                 await asyncio.to_thread(pool.release, key)
     return removed
 

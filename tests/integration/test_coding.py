@@ -16,7 +16,7 @@ import pytest
 from temporalio.client import Client
 
 from durable_rollouts.contracts.types import group_id, rollout_id
-from durable_rollouts.sandboxes import DockerBackend
+from durable_rollouts.sandboxes import DockerBackend, SandboxSpec
 from durable_rollouts.sandboxes.pool import SandboxPool
 from durable_rollouts.simengine import Mode, ModeRule, SimEngine, SimSettings
 from tests import REPO_ROOT
@@ -214,7 +214,7 @@ async def test_cancelled_rollout_is_recorded_and_its_sandbox_destroyed(
 
 
 @pytest.mark.timeout(600)
-async def test_terminated_rollout_gets_a_failed_record_and_the_reaper_removes_its_sandbox(
+async def test_terminated_rollout_gets_a_failed_record_and_the_reaper_removes_its_sandbox_not_anothers(
     client: Client, docker: DockerBackend, sim: str, task_queue: str, tmp_path: Path, ledger: Any
 ) -> None:
     from durable_rollouts.sandboxes import AsyncSandboxBackend
@@ -232,8 +232,15 @@ async def test_terminated_rollout_gets_a_failed_record_and_the_reaper_removes_it
         assert [i.key for i in docker.list_containers(run_id)] == [rid]
         pool = SandboxPool(store)
         assert rid in pool.holders()  # nor give back its pool slot
+        # another deployment's sandbox on the same daemon (its rollout unknown to this namespace): kept
+        foreign = "elsewhere/g000000/0"
+        docker.create(foreign, run_id, SandboxSpec())
         removed = await reap_orphans(client, AsyncSandboxBackend(docker), run_id, min_age_s=0, pool=pool)
         assert rid not in pool.holders()
+        assert [i.key for i in docker.list_containers(run_id)] == [foreign]
+        # until asked for (rollouts reap --unknown)
+        more = await reap_orphans(client, AsyncSandboxBackend(docker), run_id, min_age_s=0, unknown=True)
+        assert len(more) == 1
         await ledger(store, run_id, client=client, backend=docker, pool=pool)
     rec = next(r for r in export(store, run_id)[0] if r["rollout_id"] == rid)
     assert rec["outcome"] == "failed" and rec["reason"].startswith("infra: child workflow")
