@@ -1,6 +1,9 @@
 """The compose stacks: both files validate, every long-running service has a health check and a restart
 policy, and the local stack (durable-rollouts:local, built offline) runs a math run through two worker
-containers, one of them killed mid-run, with exactly one record per rollout and nothing left after ``down``.
+containers, one of them killed mid-run, with exactly one record per rollout and nothing left after ``down``;
+and, with the worker in a container, a Harbor run and a mini-swe-agent run (every model call through the
+rollout's gateway, whose socket folder the worker container shares with the host's Docker daemon), each
+rollout scoring 1.0 by the examples' reference solutions.
 
 Real Docker, real docker-compose (Debian's 1.29), real PostgreSQL and Temporal inside the stack; the test
 reads the stack's store and Temporal through their published loopback ports, as an operator would.
@@ -13,6 +16,7 @@ import json
 import os
 import shutil
 import subprocess
+import tempfile
 import time
 import uuid
 from collections import Counter
@@ -88,18 +92,26 @@ def local_stack() -> Iterator[tuple[str, dict[str, str]]]:
     script = str(REPO_ROOT / "workers/image/build_local_image.sh")
     build = subprocess.run(["bash", script], capture_output=True, text=True, timeout=900)
     assert build.returncode == 0, build.stderr[-2000:]
+    for images in ("environments/harbor/base_images.sh", "environments/harness/build_image.sh"):
+        built = subprocess.run(["bash", str(REPO_ROOT / images)], capture_output=True, text=True, timeout=900)
+        assert built.returncode == 0, built.stdout[-2000:] + built.stderr[-2000:]
     project = f"drtest{uuid.uuid4().hex[:8]}"
     names = ("ROLLOUTS_TEMPORAL_PORT", "ROLLOUTS_UI_PORT", "ROLLOUTS_PROMETHEUS_PORT", "ROLLOUTS_STORE_PORT")
     env = {name: str(port) for name, port in zip(names, free_ports(len(names)), strict=True)}
+    # the agent engines too (profile `agents`), and a gateway folder of this stack's own on the host
+    gateways = Path(tempfile.mkdtemp(prefix=f"{project}-gw-"))
+    env |= {"COMPOSE_PROFILES": "agents", "DR_GATEWAY_DIR": str(gateways)}
     try:
         up = _compose(LOCAL, "up", "-d", env=env, project=project, timeout=600)
         assert up.returncode == 0, up.stderr[-3000:]
-        _await_healthy(project, ["worker-a", "worker-b", "prometheus"], env)
+        services = ["worker-a", "worker-b", "prometheus", "harbor-engine", "harness-engine"]
+        _await_healthy(project, services, env)
         yield project, env
     finally:
         logs = _compose(LOCAL, "logs", "--no-color", "--tail", "30", env=env, project=project)
         down = _compose(LOCAL, "down", "-v", "--remove-orphans", env=env, project=project)
         print(logs.stdout[-4000:])
+        shutil.rmtree(gateways, ignore_errors=True)
         assert down.returncode == 0, down.stderr
     left = subprocess.run(
         ["docker", "ps", "-aq", "--filter", f"label=com.docker.compose.project={project}"],
@@ -185,3 +197,49 @@ async def test_a_math_run_through_two_worker_containers_survives_one_killed(
         return bool(reply) and float(reply[0]["value"][1]) > 0
 
     await until(scraped, 60, "Prometheus to scrape the workers' rollouts_records_total")
+
+
+@pytest.mark.parametrize(
+    "config,groups",
+    [("compose/harbor.toml", 3), ("compose/mini-swe-agent.toml", 2)],
+    ids=["harbor", "mini-swe-agent"],
+)
+async def test_agent_runs_with_the_worker_in_a_container(
+    local_stack: tuple[str, dict[str, str]], config: str, groups: int
+) -> None:
+    project, env = local_stack
+    run_id = f"compose-{config.split('/')[1].removesuffix('.toml')}"
+    submit = _compose(
+        LOCAL, "run", "--rm", "-T", "cli", "rollouts", "run", config, "--run-id", run_id,
+        "--groups", str(groups), env=env, project=project,
+    )  # fmt: skip
+    assert submit.returncode == 0, submit.stdout[-2000:] + submit.stderr[-2000:]
+    store = open_store(f"postgresql://postgres@127.0.0.1:{env['ROLLOUTS_STORE_PORT']}/rollouts")
+    client = await connect(f"127.0.0.1:{env['ROLLOUTS_TEMPORAL_PORT']}")
+    await asyncio.wait_for(client.get_workflow_handle(run_id).result(), timeout=600)
+    records = store.rollouts(run_id)
+    seen = [(r["rollout_id"], r["outcome"], r["reason"]) for r in records]
+    print(seen)
+    size = 2 if "harbor" in config else 1
+    assert Counter(r["rollout_id"] for r in records) == Counter({r["rollout_id"]: 1 for r in records})
+    # the final attempt of each slot (``<i>`` or ``<i>r<n>``); earlier attempts are told apart by the ledger
+    finals: dict[str, dict] = {}
+    for r in sorted(records, key=lambda r: (len(r["rollout_id"]), r["rollout_id"])):
+        group, attempt = r["rollout_id"].rsplit("/", 1)
+        finals[f"{group}/{attempt.split('r')[0]}"] = r  # sorted: a later attempt (longer id) wins
+    rollouts = list(finals.values())
+    assert len(rollouts) == groups * size, seen
+    for rec in rollouts:
+        assert (rec["outcome"], rec["reward"]) == ("completed", 1.0), (rec["rollout_id"], rec["reason"])
+    if "mini-swe-agent" in config:  # every model call went through the gateway, recorded once, answered
+        for rec in rollouts:
+            calls = store.gateway_calls(rec["rollout_id"])
+            assert calls and len({c.index for c in calls}) == len(calls), rec["rollout_id"]
+            assert {c.status for c in calls} == {200}, rec["rollout_id"]
+    report = await check_run(store, run_id, client=client)
+    assert report.ok, "\n".join(report.lines())
+    left = subprocess.run(
+        ["docker", "ps", "-aq", "--filter", f"label=durable-rollouts.run={run_id}"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert left.stdout.strip() == "", f"sandboxes left: {left.stdout}"

@@ -15,6 +15,8 @@
 #   under /opt/durable-rollouts.
 # - Idempotent: skipped when the tag exists with the same source hash (label durable-rollouts.source: the
 #   sha256 of the tracked files the image is built from), unless --force. Took ~3 min on 2 cores.
+#   ROLLOUTS_REUSE_LOCAL_IMAGE=1 keeps an existing tag whatever its source (while changing code the
+#   compose stack does not run, rerunning its test without a rebuild).
 # - Where a registry is reachable, workers/image/Dockerfile builds the production image instead.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -30,15 +32,20 @@ while [[ $# -gt 0 ]]; do
         --force) FORCE=1; shift ;;
         --tag) TAG="$2"; shift 2 ;;
         --mirror) MIRROR="$2"; shift 2 ;;
-        -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
         *) echo "unknown argument: $1" >&2; exit 2 ;;
     esac
 done
 
 PY="${PYTHON:-.venv/bin/python}"
 [[ -x "$PY" ]] || PY=python3
-SOURCE=$( { git ls-files -z -- pyproject.toml environments/math environments/coding environments/swe '*.py' \
+SOURCE=$( { git ls-files -z -- pyproject.toml environments/math environments/coding environments/swe \
+              environments/harbor environments/harness '*.py' \
               config/examples engines/tiny-policy records/schema workers/image config/compose | xargs -0 sha256sum; echo "$PACKAGES"; } | sha256sum | cut -c1-16)
+if [[ $FORCE -eq 0 && -n "${ROLLOUTS_REUSE_LOCAL_IMAGE:-}" ]] && docker image inspect "$TAG" >/dev/null 2>&1; then
+    echo "image $TAG exists; reused as ROLLOUTS_REUSE_LOCAL_IMAGE asks, whatever its source"
+    exit 0
+fi
 if [[ $FORCE -eq 0 ]] && [[ "$(docker image inspect -f '{{index .Config.Labels "durable-rollouts.source"}}' "$TAG" 2>/dev/null)" == "$SOURCE" ]]; then
     echo "image $TAG is up to date ($SOURCE); use --force to rebuild"
     exit 0
@@ -63,13 +70,15 @@ trap 'rm -rf "$ROOTFS" "$SRC"' EXIT
 mkdir -p "$APP" "$SRC"
 # Built from the tracked files only (a copy: setuptools writes build/ beside the sources).
 git ls-files -z | xargs -0 tar -c | tar -x -C "$SRC"
-echo "pip install --target $APP/site (the project, environments/math, coding, swe)"
-"$PY" -m pip install -q --no-compile --no-warn-conflicts --target "$APP/site" "$SRC" \
-    "$SRC/environments/math" "$SRC/environments/coding" "$SRC/environments/swe"
+echo "pip install --target $APP/site (the project, environments/math, coding, swe, harbor, harness)"
+"$PY" -m pip install -q --no-compile --no-warn-conflicts -c "$SRC/requirements.lock" --target "$APP/site" "$SRC" \
+    "$SRC/environments/math" "$SRC/environments/coding" "$SRC/environments/swe" \
+    "$SRC/environments/harbor" "$SRC/environments/harness"
 cp -r config/examples "$APP/examples"
 cp -r config/compose "$APP/compose"
 # The bundled task files at their repository paths (the configs name them so; run from the WORKDIR).
-(cd "$SRC" && cp -r --parents environments/math/math_env/data environments/coding/coding_env/data "$APP/")
+(cd "$SRC" && cp -r --parents environments/math/math_env/data environments/coding/coding_env/data \
+    environments/harbor/examples "$APP/")
 mkdir -p "$APP/models" && cp -r engines/tiny-policy "$APP/models/"
 install -m 755 workers/image/bin/* "$ROOTFS/usr/local/bin/"
 # The CLI and the worker as commands; bookworm's python3 runs the host-built site-packages (both 3.11).
