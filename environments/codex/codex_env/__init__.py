@@ -1,7 +1,8 @@
 """Codex CLI, unchanged, as the agent of Harbor task directories (``run.env = "codex"``).
 
 A plug-in in its own distribution (``durable-rollouts-codex``) using the core's harness trait
-(``environments.harness_trait``) and the harbor plug-in's tasks, image builds and verifier:
+(``environments.harness_trait``) and the harbor plug-in's tasks, image builds and verifier
+(``harbor_env.harness_base.HarborHarness``, which both harness plug-ins subclass):
 
 - Tasks: Harbor task directories, read at submit as the harbor plug-in reads them.
 - Sandbox: the harbor plug-in's plan (its task image, limits, seed, /logs /tests /solution), with one
@@ -17,17 +18,14 @@ A plug-in in its own distribution (``durable-rollouts-codex``) using the core's 
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import json
 import shlex
-from typing import Any, ClassVar
+from typing import ClassVar
 
-from harbor_env import HarborEnvironment, HarborTask, load_dataset
+from harbor_env.harness_base import HarborHarness, as_harbor, task_text
 
-from durable_rollouts.environments.base import SandboxPlan, Score, Task, TurnContext
-from durable_rollouts.environments.harness_trait import HarnessCommand, HarnessEnvironment
-from durable_rollouts.sandboxes.base import SandboxSpec
+from durable_rollouts.environments.base import Task
+from durable_rollouts.environments.harness_trait import HarnessCommand
 
 __all__ = ["CODEX_VERSION", "HARNESS_IMAGE", "CodexEnvironment", "config_toml"]
 
@@ -75,13 +73,6 @@ def _toml(value: str) -> str:
     return json.dumps(value)
 
 
-_HARBOR = HarborEnvironment()
-
-
-def task_text(task: HarborTask) -> str:
-    return f"Task id: {task.id}\n\n{task.instruction.strip()}\n\nYour working directory is {task.workdir}."
-
-
 def command(workdir: str) -> str:
     """The harness's shell command: write the config, run ``codex exec`` on ``$DR_TASK`` in ``workdir``,
     keep its session log, exit with its code."""
@@ -97,33 +88,19 @@ def command(workdir: str) -> str:
     )
 
 
-class CodexEnvironment(HarnessEnvironment):
+class CodexEnvironment(HarborHarness):
     """Harbor tasks solved by Codex CLI through the rollout's gateway (see the module docstring)."""
 
     name: ClassVar[str] = "codex"
     env_version: ClassVar[str] = f"codex-{CODEX_VERSION}-harbor-v1"
-    verifier_version: ClassVar[str] = HarborEnvironment.verifier_version
-    task_model: ClassVar[type[Task]] = HarborTask
+    runtime_image: ClassVar[str] = HARNESS_IMAGE
+    runtime_path: ClassVar[str] = "/opt/codex"
+    image_prefix: ClassVar[str] = "dr-codex-env"
 
     port: ClassVar[int] = 8011
 
-    def load_tasks(self, path: Any) -> list[Task]:
-        return list(load_dataset(path))
-
-    def sandbox(self, task: Task, default: SandboxSpec) -> SandboxPlan:
-        plan = _HARBOR.sandbox(task, default)
-        assert plan.image_build is not None
-        build = plan.image_build
-        tag = "dr-codex-env:" + hashlib.sha256(f"{build.tag}\0{HARNESS_IMAGE}".encode()).hexdigest()[:32]
-        dockerfile = base64.b64decode(build.context["Dockerfile"]).decode()
-        dockerfile += f"COPY --from={HARNESS_IMAGE} /opt/codex /opt/codex\n"
-        context = {**build.context, "Dockerfile": base64.b64encode(dockerfile.encode()).decode()}
-        image = build.model_copy(update={"tag": tag, "context": context})
-        spec = plan.spec.model_copy(update={"image": tag, "gateway": True})
-        return plan.model_copy(update={"spec": spec, "image_build": image})
-
     def harness_command(self, task: Task) -> HarnessCommand:
-        t = _harbor(task)
+        t = as_harbor(task)
         url = f"http://127.0.0.1:{self.port}/v1"
         env = {
             "CODEX_HOME": CODEX_HOME,
@@ -134,12 +111,3 @@ class CodexEnvironment(HarnessEnvironment):
             "PAGER": "cat",
         }
         return HarnessCommand(command=command(t.workdir), env=env, tcp_port=self.port, keep=(SESSION_LOG,))
-
-    async def score(self, ctx: TurnContext, text: str | None) -> Score:
-        return await _HARBOR.score(ctx, text)
-
-
-def _harbor(task: Task) -> HarborTask:
-    if isinstance(task, HarborTask):
-        return task
-    return HarborTask.model_validate(task.model_dump(mode="json"))

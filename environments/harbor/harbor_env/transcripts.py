@@ -23,8 +23,8 @@ import base64
 import json
 import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from durable_rollouts.environments.tool_calls import ToolCall, render_call
 from harbor_env.tasks import HarborTask, load_dataset
@@ -56,24 +56,30 @@ def turns(task: HarborTask, mode: str) -> list[str]:
     return out
 
 
-def transcripts(tasks: list[HarborTask]) -> list[dict[str, Any]]:
-    return [{"task_id": t.id, "mode": mode, "turns": turns(t, mode)} for t in tasks for mode in MODES]
+Turns = Callable[[HarborTask, str], list[str]]
+"""A scripted agent: its model turns on a task in a mode (`turns` here; the harness plug-ins' own)."""
 
 
-def write(path: str | Path, dataset: str | Path) -> Path:
-    """Write the transcripts of every task of ``dataset`` to ``path``; returns it."""
+def write(path: str | Path, dataset: str | Path, script: Turns | None = None) -> Path:
+    """Write the transcripts of every task of ``dataset`` by ``script`` (default: `turns`) to ``path``;
+    returns it."""
+    script = script or turns
     out = Path(path)
-    lines = transcripts(load_dataset(dataset))
+    lines = [
+        {"task_id": t.id, "mode": m, "turns": script(t, m)} for t in load_dataset(dataset) for m in MODES
+    ]
     out.write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="harbor-transcripts", description=__doc__.splitlines()[0])
-    p.add_argument("dataset", help="a task directory, a folder of them, or a dataset file")
+def main(argv: list[str] | None = None, prog: str = "harbor-transcripts", script: Turns | None = None,
+         description: str | None = None) -> int:  # fmt: skip
+    """The command line that writes ``script``'s transcripts (each plug-in's ``python -m`` calls it)."""
+    p = argparse.ArgumentParser(prog=prog, description=description or __doc__.splitlines()[0])
+    p.add_argument("dataset", help="a Harbor task directory, a folder of them, or a dataset file")
     p.add_argument("-o", "--output", required=True, help="transcripts file to write (JSONL)")
     args = p.parse_args(argv)
-    print(f"wrote {write(args.output, args.dataset)}")
+    print(f"wrote {write(args.output, args.dataset, script)}")
     return 0
 
 

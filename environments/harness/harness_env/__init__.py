@@ -1,7 +1,8 @@
 """mini-swe-agent, unchanged, as the agent of Harbor task directories (``run.env = "mini-swe-agent"``).
 
 A plug-in in its own distribution (``durable-rollouts-harness``) using the core's harness trait
-(``environments.harness_trait``) and the harbor plug-in's tasks, image builds and verifier:
+(``environments.harness_trait``) and the harbor plug-in's tasks, image builds and verifier
+(``harbor_env.harness_base.HarborHarness``, which both harness plug-ins subclass):
 
 - Tasks: Harbor task directories, read at submit as the harbor plug-in reads them.
 - Sandbox: the harbor plug-in's plan (its task image, limits, seed, /logs /tests /solution), with one
@@ -15,16 +16,13 @@ A plug-in in its own distribution (``durable-rollouts-harness``) using the core'
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import shlex
-from typing import Any, ClassVar
+from typing import ClassVar
 
-from harbor_env import HarborEnvironment, HarborTask, load_dataset
+from harbor_env.harness_base import HarborHarness, as_harbor, task_text
 
-from durable_rollouts.environments.base import SandboxPlan, Score, Task, TurnContext
-from durable_rollouts.environments.harness_trait import HarnessCommand, HarnessEnvironment
-from durable_rollouts.sandboxes.base import SandboxSpec
+from durable_rollouts.environments.base import Task
+from durable_rollouts.environments.harness_trait import HarnessCommand
 
 __all__ = ["HARNESS_IMAGE", "MiniSweAgentEnvironment"]
 
@@ -40,38 +38,18 @@ CLIENT_TIMEOUT_S = 900
 """The harness's HTTP timeout of one model call (litellm ``timeout``): longer than a call may wait on a
 worker's death, its activity's retry and the engine (see the docs: "what survives which fault")."""
 
-_HARBOR = HarborEnvironment()
 
-
-def task_text(task: HarborTask) -> str:
-    return f"Task id: {task.id}\n\n{task.instruction.strip()}\n\nYour working directory is {task.workdir}."
-
-
-class MiniSweAgentEnvironment(HarnessEnvironment):
+class MiniSweAgentEnvironment(HarborHarness):
     """Harbor tasks solved by mini-swe-agent through the rollout's gateway (see the module docstring)."""
 
     name: ClassVar[str] = "mini-swe-agent"
     env_version: ClassVar[str] = f"mini-swe-agent-{MSWEA_VERSION}-harbor-v1"
-    verifier_version: ClassVar[str] = HarborEnvironment.verifier_version
-    task_model: ClassVar[type[Task]] = HarborTask
-
-    def load_tasks(self, path: Any) -> list[Task]:
-        return list(load_dataset(path))
-
-    def sandbox(self, task: Task, default: SandboxSpec) -> SandboxPlan:
-        plan = _HARBOR.sandbox(task, default)
-        assert plan.image_build is not None
-        build = plan.image_build
-        tag = "dr-harness-env:" + hashlib.sha256(f"{build.tag}\0{HARNESS_IMAGE}".encode()).hexdigest()[:32]
-        dockerfile = base64.b64decode(build.context["Dockerfile"]).decode()
-        dockerfile += f"COPY --from={HARNESS_IMAGE} /opt/harness /opt/harness\n"
-        context = {**build.context, "Dockerfile": base64.b64encode(dockerfile.encode()).decode()}
-        image = build.model_copy(update={"tag": tag, "context": context})
-        spec = plan.spec.model_copy(update={"image": tag, "gateway": True})
-        return plan.model_copy(update={"spec": spec, "image_build": image})
+    runtime_image: ClassVar[str] = HARNESS_IMAGE
+    runtime_path: ClassVar[str] = "/opt/harness"
+    image_prefix: ClassVar[str] = "dr-harness-env"
 
     def harness_command(self, task: Task) -> HarnessCommand:
-        t = _harbor(task)
+        t = as_harbor(task)
         overrides = [
             "agent.step_limit=0",
             "agent.cost_limit=0",
@@ -95,12 +73,3 @@ class MiniSweAgentEnvironment(HarnessEnvironment):
             "PAGER": "cat",
         }
         return HarnessCommand(command=command, env=env, tcp_port=8011, keep=(TRAJECTORY,))
-
-    async def score(self, ctx: TurnContext, text: str | None) -> Score:
-        return await _HARBOR.score(ctx, text)
-
-
-def _harbor(task: Task) -> HarborTask:
-    if isinstance(task, HarborTask):
-        return task
-    return HarborTask.model_validate(task.model_dump(mode="json"))

@@ -10,14 +10,12 @@ COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT``. Played through mini-swe-agent unchanged
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
 
-from harbor_env.tasks import HarborTask, load_dataset
-from harbor_env.transcripts import MODES
+from harbor_env import transcripts as harbor_transcripts
+from harbor_env.tasks import HarborTask
 from harbor_env.transcripts import turns as harbor_turns
 
 from durable_rollouts.environments.tool_calls import parse_tool_call
@@ -45,23 +43,12 @@ def turns(task: HarborTask, mode: str) -> list[str]:
 
 
 def write(path: str | Path, dataset: str | Path) -> Path:
-    out = Path(path)
-    lines: list[dict[str, Any]] = [
-        {"task_id": t.id, "mode": mode, "turns": turns(t, mode)}
-        for t in load_dataset(dataset)
-        for mode in MODES
-    ]
-    out.write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")
-    return out
+    """Write the mini-swe-agent transcripts of every task of ``dataset`` to ``path``; returns it."""
+    return harbor_transcripts.write(path, dataset, turns)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="harness-transcripts", description=__doc__.splitlines()[0])
-    p.add_argument("dataset", help="a Harbor task directory, a folder of them, or a dataset file")
-    p.add_argument("-o", "--output", required=True, help="transcripts file to write (JSONL)")
-    args = p.parse_args(argv)
-    print(f"wrote {write(args.output, args.dataset)}")
-    return 0
+    return harbor_transcripts.main(argv, "harness-transcripts", turns, __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":
