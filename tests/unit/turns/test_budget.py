@@ -53,6 +53,8 @@ LIMITS = {"max_total_tokens", "max_model_len"}
 NOT_A_TURN = {
     "simengine/engine.py": "the simulated engine's own window (the server's side, as vLLM's)",
     "bench/stale_queue_workload.py": "a synthetic workload's output lengths, drawn to fit the window",
+    "gateway/response_items.py": "an answer already stored, put in the Responses API's terms (a choice that "
+    "stopped for length is an incomplete response): the wire format, not a turn's verdict",
 }
 """Files that subtract a length from a limit for another purpose than a turn's budget."""
 
@@ -122,7 +124,7 @@ def test_the_check_finds_each_copy_the_turn_module_replaced() -> None:
 @pytest.mark.parametrize(
     ("module", "calls"),
     [
-        ("workflows/rollout.py", {"turn_budget", "turn_truncation"}),
+        ("turns/sequence.py", {"turn_budget", "turn_truncation"}),  # the rollout's turns, as workflow or batch
         ("turns/model.py", {"turn_budget", "turn_truncation"}),
         ("engines/client.py", {"turn_budget"}),
         ("cli/reproduce.py", {"call_model"}),
