@@ -133,7 +133,12 @@ class MemorySandboxes:
         return SandboxHandle(key=key, run_id=run_id, name=f"sb-{n}", container_id=f"c{n}", spec=spec)
 
     async def exec(
-        self, handle: SandboxHandle, cmd: str, timeout_s: float | None = None, once_key: str | None = None
+        self,
+        handle: SandboxHandle,
+        cmd: str,
+        timeout_s: float | None = None,
+        once_key: str | None = None,
+        user: str | None = None,
     ) -> ExecResult:
         return ExecResult(exit_code=0, output="")
 
