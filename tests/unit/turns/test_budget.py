@@ -124,7 +124,7 @@ def test_the_check_finds_each_copy_the_turn_module_replaced() -> None:
 @pytest.mark.parametrize(
     ("module", "calls"),
     [
-        ("turns/sequence.py", {"turn_budget", "turn_truncation"}),  # the rollout's turns, as workflow or batch
+        ("turns/sequence.py", {"turn_budget", "turn_truncation"}),  # a rollout's turns (workflow or batch)
         ("turns/model.py", {"turn_budget", "turn_truncation"}),
         ("engines/client.py", {"turn_budget"}),
         ("cli/reproduce.py", {"call_model"}),
