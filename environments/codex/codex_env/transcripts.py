@@ -16,9 +16,6 @@ from pathlib import Path
 
 from harbor_env import transcripts as harbor_transcripts
 from harbor_env.tasks import HarborTask
-from harbor_env.transcripts import turns as harbor_turns
-
-from durable_rollouts.environments.tool_calls import parse_tool_call
 
 YIELD_MS = 30_000
 DONE = "Done."
@@ -31,17 +28,7 @@ def exec_command(cmd: str) -> str:
 
 
 def turns(task: HarborTask, mode: str) -> list[str]:
-    out = []
-    for text in harbor_turns(task, mode):
-        call = parse_tool_call(text)
-        name = getattr(call, "name", None)
-        if name == "bash":
-            out.append(exec_command(call.arguments["cmd"]))  # type: ignore[union-attr]
-        elif name == "submit":
-            out.append(DONE)
-        else:
-            raise ValueError(f"task {task.id}: unexpected oracle turn {text[:80]!r}")
-    return out
+    return harbor_transcripts.rewritten(task, mode, exec_command, DONE)
 
 
 def write(path: str | Path, dataset: str | Path) -> Path:

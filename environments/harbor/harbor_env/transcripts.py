@@ -26,7 +26,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from durable_rollouts.environments.tool_calls import ToolCall, render_call
+from durable_rollouts.environments.tool_calls import ToolCall, parse_tool_call, render_call
 from harbor_env.tasks import HarborTask, load_dataset
 
 MODES = ("reference", "wrong")
@@ -53,6 +53,22 @@ def turns(task: HarborTask, mode: str) -> list[str]:
     exports = "".join(f"export {k}={shlex.quote(v)}; " for k, v in sorted(task.cfg.solution.env.items()))
     out.append(_call("bash", cmd=f"chmod +x /solution/{script}; {exports}/solution/{script}"))
     out.append(_call("submit"))
+    return out
+
+
+def rewritten(task: HarborTask, mode: str, bash: Callable[[str], str], submit: str) -> list[str]:
+    """The oracle's `turns` as another harness's: each bash call as ``bash(cmd)``, the submit as
+    ``submit``."""
+    out = []
+    for text in turns(task, mode):
+        call = parse_tool_call(text)
+        name = getattr(call, "name", None)
+        if name == "bash":
+            out.append(bash(call.arguments["cmd"]))  # type: ignore[union-attr]
+        elif name == "submit":
+            out.append(submit)
+        else:
+            raise ValueError(f"task {task.id}: unexpected oracle turn {text[:80]!r}")
     return out
 
 

@@ -16,9 +16,6 @@ from pathlib import Path
 
 from harbor_env import transcripts as harbor_transcripts
 from harbor_env.tasks import HarborTask
-from harbor_env.transcripts import turns as harbor_turns
-
-from durable_rollouts.environments.tool_calls import parse_tool_call
 
 SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
 
@@ -29,17 +26,7 @@ def bash(command: str) -> str:
 
 
 def turns(task: HarborTask, mode: str) -> list[str]:
-    out = []
-    for text in harbor_turns(task, mode):
-        call = parse_tool_call(text)
-        name = getattr(call, "name", None)
-        if name == "bash":
-            out.append(bash(call.arguments["cmd"]))  # type: ignore[union-attr]
-        elif name == "submit":
-            out.append(bash(SUBMIT))
-        else:
-            raise ValueError(f"task {task.id}: unexpected oracle turn {text[:80]!r}")
-    return out
+    return harbor_transcripts.rewritten(task, mode, bash, bash(SUBMIT))
 
 
 def write(path: str | Path, dataset: str | Path) -> Path:
