@@ -56,7 +56,7 @@ from durable_rollouts.contracts.types import (
 )
 from durable_rollouts.engines.watchdog import watching
 from durable_rollouts.errors import EngineUnavailable, RolloutError, failure_details, failure_reason
-from durable_rollouts.turns.sequence import OUTAGE_BACKOFF_MAX_S, Ended, run_turns, score_truncated
+from durable_rollouts.turns.sequence import Ended, outage_wait, run_turns, score_truncated
 
 T = TypeVar("T")
 
@@ -276,16 +276,11 @@ class _Member:
 
     async def _ride_out_outage(self, inp: RolloutInput, e: BaseException) -> None:
         """Wait for the engine to come back, or re-raise ``e`` once the outage budget is spent."""
-        s = self.s
-        now = time.time()
-        if s.outage_since is None:
-            s.outage_since = now
-        left = inp.engine.outage_budget_s - (now - s.outage_since)
-        if left <= 0:
+        wait = outage_wait(self.s, inp.engine.outage_budget_s, time.time())
+        if wait is None:
             raise e
-        s.outage_waits += 1
-        delay = min(left, OUTAGE_BACKOFF_MAX_S, 2.0 ** min(s.outage_waits, 5))
-        self._at(f"engine unavailable (wait {s.outage_waits}, retrying in {delay:.0f}s)")
+        delay, _ = wait
+        self._at(f"engine unavailable (wait {self.s.outage_waits}, retrying in {delay:.0f}s)")
         activity.logger.warning(
             "rollout %s: engine %s unavailable; retrying in %.0fs", self.ref.rollout_id, self.engine, delay
         )

@@ -31,6 +31,19 @@ OUTAGE_BACKOFF_MAX_S = 30.0
 """Longest wait between two tries of an engine that is out (the outage budget bounds the total)."""
 
 
+def outage_wait(s: RolloutState, budget_s: float, now: float) -> tuple[float, float] | None:
+    """The next wait of a rollout whose engine is out: (seconds to wait, seconds of ``budget_s`` left),
+    counted in ``s`` from the outage's first sight at ``now``; None once the budget is spent. Pure, so the
+    workflow (its clock) and the batch (the wall clock) wait alike."""
+    if s.outage_since is None:
+        s.outage_since = now
+    left = budget_s - (now - s.outage_since)
+    if left <= 0:
+        return None
+    s.outage_waits += 1
+    return min(left, OUTAGE_BACKOFF_MAX_S, 2.0 ** min(s.outage_waits, 5)), left
+
+
 class Ended(Exception):
     """Raised by the sequence when a limit or the environment ends the rollout."""
 

@@ -54,8 +54,8 @@ with workflow.unsafe.imports_passed_through():
     )
     from durable_rollouts.errors import EngineUnavailable, failure_details, failure_reason, is_error
     from durable_rollouts.turns.sequence import (
-        OUTAGE_BACKOFF_MAX_S,
         Ended,
+        outage_wait,
         run_turns,
         score_truncated,
     )
@@ -331,14 +331,10 @@ class RolloutWorkflow:
     async def _ride_out_outage(self, inp: RolloutInput, e: BaseException) -> None:
         """Wait for the engine to come back, or re-raise ``e`` once the outage budget is spent."""
         s = self._s
-        now = workflow.now().timestamp()
-        if s.outage_since is None:
-            s.outage_since = now
-        left = inp.engine.outage_budget_s - (now - s.outage_since)
-        if left <= 0:
+        wait = outage_wait(s, inp.engine.outage_budget_s, workflow.now().timestamp())
+        if wait is None:
             raise e
-        s.outage_waits += 1
-        delay = min(left, OUTAGE_BACKOFF_MAX_S, 2.0 ** min(s.outage_waits, 5))
+        delay, left = wait
         self._details(
             f"engine {self._engine} unavailable since {s.outage_since:.0f} (wait {s.outage_waits}, "
             f"{left:.0f}s of the outage budget left): retrying in {delay:.0f}s"
