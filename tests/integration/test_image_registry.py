@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import shutil
 import subprocess
 import tempfile
@@ -34,6 +33,7 @@ from durable_rollouts.sandboxes.base import DEFAULT_IMAGE, AsyncSandboxBackend, 
 from durable_rollouts.sandboxes.images import ImageBuilds, ensure_image, registry_key, remote_image
 from durable_rollouts.stack.procs import free_port
 from durable_rollouts.store import RunStore
+from tests.integration.docker_daemons import SecondDockerd, need_second_daemon
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -92,50 +92,16 @@ def registry() -> Iterator[Registry]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-@dataclass
-class Daemon:
-    """The second Docker daemon: its socket URL and its process."""
-
-    root: Path
-    proc: subprocess.Popen[bytes]
-
-    @property
-    def url(self) -> str:
-        return f"unix://{self.root}/docker.sock"
-
-
 @pytest.fixture(scope="module")
-def second_daemon() -> Iterator[Daemon]:
-    """A second dockerd on a bridge of its own: one started with ``--bridge none`` deletes the host's
-    ``docker0`` (dockerd removes the default bridge interface when it is told to have none), which the main
-    daemon's builds need for their RUN steps."""
-    if shutil.which("dockerd") is None or shutil.which("ip") is None or os.geteuid() != 0:
-        pytest.skip(
-            "a second Docker daemon needs dockerd, ip and root (.ci/with-services.sh installs docker.io)"
-        )
-    root = Path(tempfile.mkdtemp(prefix="/tmp/dr-d3-"))  # short: a unix socket path is <108 bytes
-    bridge = f"dr-{uuid.uuid4().hex[:8]}"  # an interface name has at most 15 characters
-    subprocess.run(["ip", "link", "add", "name", bridge, "type", "bridge"], check=True)
-    log = (root / "dockerd.log").open("ab")
-    argv = [
-        "dockerd", "--host", f"unix://{root}/docker.sock", "--data-root", str(root / "data"),
-        "--exec-root", str(root / "exec"), "--pidfile", str(root / "docker.pid"),
-        "--bridge", bridge, "--iptables=false", "--ip6tables=false", "--ip-masq=false",
-    ]  # fmt: skip
-    daemon = Daemon(root, subprocess.Popen(argv, stdout=log, stderr=log, start_new_session=True))
+def second_daemon() -> Iterator[SecondDockerd]:
+    """A second dockerd (the host that pulls), on a bridge of its own."""
+    need_second_daemon()
+    daemon = SecondDockerd("dr-d3")
     try:
-        deadline = time.monotonic() + 60
-        while subprocess.run(["docker", "-H", daemon.url, "info"], capture_output=True).returncode != 0:
-            assert daemon.proc.poll() is None and time.monotonic() < deadline, (
-                f"second dockerd did not answer: {(root / 'dockerd.log').read_text()[-800:]}"
-            )
-            time.sleep(0.5)
+        daemon.start()
         yield daemon
     finally:
-        _stop(daemon.proc, timeout=40.0)
-        log.close()
-        subprocess.run(["ip", "link", "del", bridge], capture_output=True)
-        shutil.rmtree(root, ignore_errors=True)
+        daemon.close()
 
 
 class Counted(DockerBackend):
@@ -173,7 +139,7 @@ def _remove_images(backend: DockerBackend, *names: str) -> None:
 
 
 async def test_the_first_host_builds_and_pushes_the_second_pulls_the_recorded_digest_and_never_builds(
-    docker: DockerBackend, registry: Registry, second_daemon: Daemon, tmp_path: Path
+    docker: DockerBackend, registry: Registry, second_daemon: SecondDockerd, tmp_path: Path
 ) -> None:
     nonce = uuid.uuid4().hex[:12]
     build, where = task_image(nonce), f"{registry.url}/durable-rollouts"
@@ -225,12 +191,12 @@ async def test_the_first_host_builds_and_pushes_the_second_pulls_the_recorded_di
         _remove_images(h2, build.tag)  # the second daemon goes with its data root
 
 
-def docker_client(daemon: Daemon) -> docker.DockerClient:
+def docker_client(daemon: SecondDockerd) -> docker.DockerClient:
     return docker.DockerClient(base_url=daemon.url)
 
 
 async def test_a_pull_that_fails_is_one_infra_line_naming_the_image_and_the_registry(
-    docker: DockerBackend, registry: Registry, second_daemon: Daemon, tmp_path: Path
+    docker: DockerBackend, registry: Registry, second_daemon: SecondDockerd, tmp_path: Path
 ) -> None:
     nonce = uuid.uuid4().hex[:12]
     build = task_image(nonce)

@@ -14,17 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import signal
-import subprocess
-import tempfile
-import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
-import docker
 import pytest
 from temporalio.client import Client
 
@@ -35,67 +29,24 @@ from durable_rollouts.sandboxes.base import DEFAULT_IMAGE
 from durable_rollouts.simengine import Mode, ModeRule, SimEngine, SimSettings
 from durable_rollouts.stack import procs
 from durable_rollouts.store import RunStore, open_store
+from tests.integration.docker_daemons import SecondDockerd, need_second_daemon
 from tests.integration.support import CODING_TASKS, coding_config, export, start_run, until
 from tests.postgres import drop_database, new_database
 
 pytestmark = pytest.mark.timeout(600)
 
 
-@dataclass
-class Daemon:
-    """A second Docker daemon: its socket URL, its pid, and how to start it again."""
-
-    root: Path
-    pid: int = 0
-
-    @property
-    def url(self) -> str:
-        return f"unix://{self.root}/docker.sock"
-
-    def start(self) -> None:
-        log = (self.root / "dockerd.log").open("ab")
-        argv = [
-            "dockerd", "--host", self.url, "--data-root", str(self.root / "data"),
-            "--exec-root", str(self.root / "exec"), "--pidfile", str(self.root / "docker.pid"),
-            "--bridge", "none", "--iptables=false", "--ip6tables=false",
-        ]  # fmt: skip
-        self.pid = subprocess.Popen(argv, stdout=log, stderr=log, start_new_session=True).pid
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if subprocess.run(["docker", "-H", self.url, "info"], capture_output=True).returncode == 0:
-                return
-            time.sleep(0.5)
-        raise AssertionError(
-            f"second dockerd did not answer: {(self.root / 'dockerd.log').read_text()[-800:]}"
-        )
-
-    def stop(self) -> None:
-        if self.pid:
-            procs.stop_pid(self.pid, timeout=40.0)
-            self.pid = 0
-
-    def backend(self) -> DockerBackend:
-        return DockerBackend(docker.DockerClient(base_url=self.url))
-
-
 @pytest.fixture(scope="module")
-def second_daemon() -> Iterator[Daemon]:
-    if shutil.which("dockerd") is None or os.geteuid() != 0:
-        pytest.skip("a second Docker daemon needs dockerd and root (.ci/with-services.sh installs docker.io)")
-    daemon = Daemon(Path(tempfile.mkdtemp(prefix="/tmp/dr-d2-")))  # short: a unix socket path is <108 bytes
-    daemon.start()
+def second_daemon() -> Iterator[SecondDockerd]:
+    """The second sandbox host's daemon, holding the sandbox image (stopped and started by the tests)."""
+    need_second_daemon()
+    daemon = SecondDockerd("dr-d2")
     try:
-        load = subprocess.run(
-            f"docker save {DEFAULT_IMAGE} | docker -H {daemon.url} load",
-            shell=True,
-            capture_output=True,
-            text=True,
-        )
-        assert load.returncode == 0, load.stderr
+        daemon.start()
+        daemon.load(DEFAULT_IMAGE)
         yield daemon
     finally:
-        daemon.stop()
-        shutil.rmtree(daemon.root, ignore_errors=True)
+        daemon.close()
 
 
 @pytest.fixture
@@ -140,7 +91,7 @@ HOSTS_POOL = {"placement": "hosts", "initial_size": 0, "max_size": 16, "host_tim
 
 
 async def test_a_host_killed_with_its_daemon_mid_run_loses_nothing_and_leaves_nothing(
-    client: Client, second_daemon: Daemon, pg_store: str, sim: str, task_queue: str, tmp_path: Path
+    client: Client, second_daemon: SecondDockerd, pg_store: str, sim: str, task_queue: str, tmp_path: Path
 ) -> None:
     run_id = "hosts-kill"
     local, remote = DockerBackend(), second_daemon.backend()
@@ -181,7 +132,7 @@ async def test_a_host_killed_with_its_daemon_mid_run_loses_nothing_and_leaves_no
 
 
 async def test_capacity_that_joins_mid_run_is_admitted_and_no_rollout_waits_in_vain(
-    client: Client, second_daemon: Daemon, pg_store: str, task_queue: str, tmp_path: Path
+    client: Client, second_daemon: SecondDockerd, pg_store: str, task_queue: str, tmp_path: Path
 ) -> None:
     run_id = "hosts-join"
     # member 1 of every group sleeps through its command timeout (its slot held ~3 s); member 0 completes

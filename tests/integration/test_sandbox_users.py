@@ -21,17 +21,13 @@ pid), which gets the sandbox image and the Harbor examples' base by ``docker sav
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
-import tempfile
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
-import docker as docker_sdk
 import pytest
 from temporalio.client import Client
 
@@ -41,6 +37,7 @@ from durable_rollouts.sandboxes.base import DEFAULT_IMAGE, SandboxSpec
 from durable_rollouts.sandboxes.users import SandboxUserRefused
 from durable_rollouts.simengine import Mode, ModeRule, SimEngine, SimSettings
 from tests import REPO_ROOT
+from tests.integration.docker_daemons import SecondDockerd, need_second_daemon
 from tests.integration.support import export, make_config, run_to_end, worker
 
 pytestmark = pytest.mark.timeout(300)
@@ -49,72 +46,26 @@ SPEC = SandboxSpec(memory_mb=256, workdir_size_mb=32, tmp_size_mb=32, command_ti
 ROOT_FIELD = "task t (tasks/t/task.toml) [agent].user = 'root'"
 
 
-@dataclass
-class Daemon:
-    root: Path
-    proc: subprocess.Popen[bytes]
-
-    @property
-    def url(self) -> str:
-        return f"unix://{self.root}/docker.sock"
-
-
-def _stop(proc: subprocess.Popen[bytes], timeout: float = 40.0) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-
-
 @pytest.fixture(scope="module")
-def userns_daemon(docker: DockerBackend) -> Iterator[Daemon]:
+def userns_daemon(docker: DockerBackend) -> Iterator[SecondDockerd]:
     """A dockerd with ``--userns-remap=default`` (it adds the ``dockremap`` user and its /etc/subuid and
     /etc/subgid ranges), holding the sandbox image and the Harbor examples' base."""
-    if shutil.which("dockerd") is None or shutil.which("ip") is None or os.geteuid() != 0:
-        pytest.skip(
-            "a second Docker daemon needs dockerd, ip and root (.ci/with-services.sh installs docker.io)"
-        )
+    need_second_daemon()
     subprocess.run(
         ["bash", str(REPO_ROOT / "environments/harbor/base_images.sh")], check=True, capture_output=True
     )
-    root = Path(tempfile.mkdtemp(prefix="/tmp/dr-un-"))
-    root.chmod(0o711)  # the remapped root must traverse to its own data folder
-    bridge = f"dr-{uuid.uuid4().hex[:8]}"
-    subprocess.run(["ip", "link", "add", "name", bridge, "type", "bridge"], check=True)
-    log = (root / "dockerd.log").open("ab")
-    argv = [
-        "dockerd", "--host", f"unix://{root}/docker.sock", "--data-root", str(root / "data"),
-        "--exec-root", str(root / "exec"), "--pidfile", str(root / "docker.pid"), "--bridge", bridge,
-        "--iptables=false", "--ip6tables=false", "--ip-masq=false", "--userns-remap=default",
-        "--shutdown-timeout", "2",
-    ]  # fmt: skip
-    daemon = Daemon(root, subprocess.Popen(argv, stdout=log, stderr=log, start_new_session=True))
+    daemon = SecondDockerd("dr-un", "--userns-remap=default", "--shutdown-timeout", "2")
     try:
-        deadline = time.monotonic() + 60
-        while subprocess.run(["docker", "-H", daemon.url, "info"], capture_output=True).returncode != 0:
-            assert daemon.proc.poll() is None and time.monotonic() < deadline, (
-                root / "dockerd.log"
-            ).read_text()[-800:]
-            time.sleep(0.5)
-        save = subprocess.Popen(["docker", "save", DEFAULT_IMAGE, HARBOR_BASE], stdout=subprocess.PIPE)
-        loaded = subprocess.run(
-            ["docker", "-H", daemon.url, "load", "-q"], stdin=save.stdout, capture_output=True
-        )
-        assert save.wait(120) == 0 and loaded.returncode == 0, loaded.stderr
+        daemon.start()
+        daemon.load(DEFAULT_IMAGE, HARBOR_BASE)
         yield daemon
     finally:
-        _stop(daemon.proc)
-        log.close()
-        subprocess.run(["ip", "link", "del", bridge], capture_output=True)
-        shutil.rmtree(root, ignore_errors=True)
+        daemon.close()
 
 
 @pytest.fixture(scope="module")
-def remapped(userns_daemon: Daemon) -> DockerBackend:
-    return DockerBackend(docker_sdk.DockerClient(base_url=userns_daemon.url, timeout=120))
+def remapped(userns_daemon: SecondDockerd) -> DockerBackend:
+    return userns_daemon.backend(timeout=120)
 
 
 def _key() -> str:
@@ -296,8 +247,8 @@ def _config(url: str, task_queue: str, dataset: Path, groups: int = 1):
 
 
 async def test_harbor_tasks_run_as_their_users_and_root_only_where_it_is_remapped(
-    client: Client, docker: DockerBackend, userns_daemon: Daemon, sim: tuple[str, Path], task_queue: str,
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    client: Client, docker: DockerBackend, userns_daemon: SecondDockerd, sim: tuple[str, Path],
+    task_queue: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
     url, tasks = sim
     async with worker(client, task_queue, tmp_path / "plain") as store:
