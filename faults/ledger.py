@@ -12,6 +12,8 @@ What it checks, from the run store (and, when given, Temporal and the sandbox ba
 - the group records agree with their members (scorable and failed counts);
 - the trainer feed's books balance;
 - with a sandbox backend and pool: no container and no pool slot of the run is left behind;
+- no gateway socket of the run's rollouts is left listening (``sandboxes.base.gateway_dir``), and no
+  image build a rollout of the run claimed is left ``building`` in the store;
 - at least one rollout succeeded (completed with a reward): a chaos run with zero successes has failed;
 - with a Temporal client: every GroupWorkflow of the run has a group record.
 
@@ -20,14 +22,19 @@ is held to the same rules for the groups it started (those with a group record o
 closed with its full size, every slot one final record); groups it never started have no records and are
 no violation, and it need not have a success (it may have been cancelled before any rollout ended).
 
+`tally` sums reports by kind of rollout (math, coding, Harbor, ...): runs, records, and the violations as
+lost, duplicated or leaked (`LOST`, `DUPLICATED`, `LEAKED`; any other rule is counted under ``other``).
+
 Invariant: the check only reads. It never raises on a violation; it returns them (``Violation.line``).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections import defaultdict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +42,9 @@ from durable_rollouts.store import RunStore
 from durable_rollouts.trainer.feed import TrainerFeed
 
 _ATTEMPT = re.compile(r"^(?P<slot>\d+)(?:r(?P<n>\d+))?$")
+LOST = frozenset({"missing-group", "missing-record", "missing-run", "group-size"})
+DUPLICATED = frozenset({"duplicate", "unknown-rollout", "unknown-group"})
+LEAKED = frozenset({"leaked-container", "leaked-slot", "leaked-socket", "leaked-build"})
 
 
 @dataclass(frozen=True)
@@ -43,7 +53,7 @@ class Violation:
 
     rule: str
     """Short name: missing-group, group-size, missing-record, duplicate, unknown-workflow, scored-failure,
-    group-counts, feed-books, leaked-container, leaked-slot, no-success."""
+    group-counts, feed-books, leaked-container, leaked-slot, leaked-socket, leaked-build, no-success."""
     detail: str
 
     @property
@@ -196,6 +206,32 @@ async def check_temporal(client: Any, store: RunStore, run_id: str) -> list[Viol
     return out
 
 
+def check_sockets(rollout_ids: Iterable[str]) -> list[Violation]:
+    """No gateway socket of the rollouts left in their folders (the gateway unlinks it when it stops;
+    ``DR_GATEWAY_DIR`` of this process names the root, as it does for the workers it started)."""
+    from durable_rollouts.gateway.server import SOCKET_NAME
+    from durable_rollouts.sandboxes.base import gateway_dir
+
+    out = []
+    for rid in rollout_ids:
+        path = os.path.join(gateway_dir(rid), SOCKET_NAME)
+        if os.path.exists(path):
+            out.append(Violation("leaked-socket", f"gateway socket {path} of {rid} is left"))
+    return out
+
+
+def check_builds(store: RunStore, rollout_ids: Iterable[str]) -> list[Violation]:
+    """No image build claimed by one of the rollouts still ``building`` (its builder gone, nobody finishing
+    it): a run that ended must have finished or released every build it started."""
+    ids = set(rollout_ids)
+    rows = store.db.execute("SELECT host, tag, owner FROM image_builds WHERE state = 'building'").fetchall()
+    return [
+        Violation("leaked-build", f"image {r['tag']} on {r['host']} still building for {r['owner']}")
+        for r in rows
+        if r["owner"] in ids
+    ]
+
+
 def check_leftovers(
     run_id: str, rollout_ids: list[str], backend: Any = None, pool: Any = None
 ) -> list[Violation]:
@@ -220,6 +256,46 @@ async def check_run(
         extra += await check_temporal(client, store, run_id)
     ids = [r["rollout_id"] for r in store.rollouts(run_id)]
     extra += check_leftovers(run_id, ids, backend, pool)
+    extra += check_sockets(ids) + check_builds(store, ids)
     return LedgerReport(
         report.run_id, report.rollouts, report.groups, report.successes, report.violations + extra
     )
+
+
+@dataclass
+class KindTally:
+    """One kind of rollout's runs, records and violations, by class."""
+
+    runs: int = 0
+    rollouts: int = 0
+    successes: int = 0
+    lost: int = 0
+    duplicated: int = 0
+    leaked: int = 0
+    other: int = 0
+    """Violations of any other rule (scored-failure, group-counts, feed-books, no-success, ...)."""
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+def violation_class(rule: str) -> str:
+    """``lost``, ``duplicated``, ``leaked`` or ``other``: what a violation of ``rule`` means."""
+    for name, rules in (("lost", LOST), ("duplicated", DUPLICATED), ("leaked", LEAKED)):
+        if rule in rules:
+            return name
+    return "other"
+
+
+def tally(reports: Iterable[LedgerReport], kind_of: Callable[[str], str]) -> dict[str, KindTally]:
+    """The reports summed per kind of rollout (``kind_of`` maps a run id to its kind), kinds sorted."""
+    out: dict[str, KindTally] = {}
+    for rep in reports:
+        t = out.setdefault(kind_of(rep.run_id), KindTally())
+        t.runs += 1
+        t.rollouts += rep.rollouts
+        t.successes += rep.successes
+        for v in rep.violations:
+            cls = violation_class(v.rule)
+            setattr(t, cls, getattr(t, cls) + 1)
+    return dict(sorted(out.items()))
