@@ -7,14 +7,18 @@ with two differences, both at submit and both one line naming the task directory
 
 - An unknown field is an error (Harbor ignores it): a misspelt ``timeout_secs`` would otherwise silently
   fall back to a default.
-- A field this pipeline cannot honour is refused, never ignored (`unsupported`): multi-step tasks, a
-  separate verifier environment, compose sidecar hooks, GPUs/TPUs, MCP servers, skills, artifacts,
-  Windows, ``${VAR}`` templates (Harbor fills them from the host's environment), and any network mode
-  other than ``no-network`` unless the dataset's network policy says to run such tasks without network
+- A field this pipeline cannot honour is refused, never ignored (`unsupported`): multi-step tasks,
+  compose sidecar hooks and services, GPUs/TPUs, MCP servers, skills, artifacts without a separate
+  verifier (Harbor only collects them to the host then), Windows, ``${VAR}`` templates (Harbor fills them
+  from the host's environment), and any network mode other than ``no-network`` unless the dataset's
+  network policy says to run such tasks without network
   (sandboxes never have one). Empty lists and tables and zero counts (``artifacts = []``, ``gpus = 0``,
   an empty ``[environment.env]``) ask for nothing and are accepted, as Harbor accepts them.
 
-Users (``[agent].user``, ``[verifier].user``) are honoured: a uid or a name the task's image knows, root
+A separate verifier (``[verifier].environment_mode = "separate"`` or a ``[verifier.environment]``) is
+honoured (`verifier_mode`, `verifier_environment`: Harbor's resolution; ``harbor_env.separate`` runs it),
+its environment checked like the task's. Users (``[agent].user``, ``[verifier].user``) are honoured: a
+uid or a name the task's image knows, root
 included where the sandbox host's daemon remaps users (``sandboxes.users``). Health checks
 (``[environment.healthcheck]``) run before the agent's first turn, with Harbor's retry rule.
 
@@ -88,8 +92,34 @@ class VerifierConfig(_Phase):
     env: dict[str, str] = Field(default_factory=dict)
     user: str | int | None = None
     environment_mode: Literal["shared", "separate"] | None = None
-    environment: dict[str, Any] | None = None
+    environment: EnvironmentConfig | None = None
+    """The separate verifier's own environment (the ``[environment]`` schema); implies ``separate``."""
     collect: list[dict[str, Any]] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _mode_env_consistency(self) -> VerifierConfig:
+        if self.environment_mode == "shared" and self.environment is not None:
+            raise ValueError(
+                "[verifier].environment_mode='shared' is incompatible with [verifier.environment]; either "
+                "omit the environment or set environment_mode='separate'."
+            )
+        return self
+
+
+class ArtifactConfig(_Strict):
+    """One ``artifacts`` entry (Harbor's ``ArtifactConfig``): a path of the agent's container handed over."""
+
+    source: str
+    destination: str | None = None
+    exclude: list[str] = Field(default_factory=list)
+    service: str | None = None
+
+    @field_validator("source")
+    @classmethod
+    def _no_dotdot(cls, v: str) -> str:
+        if not v.strip() or ".." in v.split("/"):
+            raise ValueError(f"artifact source must be a path without '..' components, got {v!r}")
+        return v
 
 
 class EnvironmentConfig(_Strict):
@@ -169,7 +199,7 @@ class TaskConfig(_Strict):
     source: str | None = None
     multi_step_reward_strategy: Literal["mean", "final"] | None = None
     steps: list[dict[str, Any]] | None = None
-    artifacts: list[str | dict[str, Any]] = Field(default_factory=list)
+    artifacts: list[str | ArtifactConfig] = Field(default_factory=list)
 
     @model_validator(mode="before")
     @classmethod
@@ -178,6 +208,35 @@ class TaskConfig(_Strict):
             data = dict(data)
             data.setdefault("schema_version", data.pop("version"))
         return data
+
+
+def verifier_mode(cfg: TaskConfig) -> Literal["shared", "separate"]:
+    """Harbor's ``resolve_task_verifier_mode``: the explicit mode, else ``separate`` when the verifier has
+    its own environment, else ``shared``."""
+    ver = cfg.verifier
+    if ver.environment_mode is not None:
+        return ver.environment_mode
+    return "separate" if ver.environment is not None else "shared"
+
+
+def verifier_environment(cfg: TaskConfig) -> EnvironmentConfig | None:
+    """The separate verifier's environment (Harbor's ``resolve_effective_verifier_env_config``):
+    ``[verifier.environment]``, else a copy of ``[environment]``; None when the verifier shares."""
+    if verifier_mode(cfg) != "separate":
+        return None
+    return cfg.verifier.environment or cfg.environment.model_copy(deep=True)
+
+
+def artifact_entries(cfg: TaskConfig) -> list[ArtifactConfig]:
+    """``artifacts`` as entries, with Harbor's convention entry ``/logs/artifacts`` first unless listed."""
+    entries = [ArtifactConfig(source=a) if isinstance(a, str) else a for a in cfg.artifacts]
+    if not any(a.source.rstrip("/") == ARTIFACTS_DIR and a.service in (None, "main") for a in entries):
+        entries.insert(0, ArtifactConfig(source=ARTIFACTS_DIR))
+    return entries
+
+
+ARTIFACTS_DIR = "/logs/artifacts"
+"""Harbor's conventional folder the agent publishes artifacts in (always handed to a separate verifier)."""
 
 
 def parse_size_mb(size: str) -> int:
@@ -240,10 +299,10 @@ def bad_user(user: str | int | None) -> bool:
     return re.fullmatch(USER_PATTERN, user) is None
 
 
-def _healthcheck_checks(hc: HealthcheckConfig | None) -> list[tuple[bool, str, str]]:
+def _healthcheck_checks(hc: HealthcheckConfig | None, where: str) -> list[tuple[bool, str, str]]:
     if hc is None:
         return []
-    field = "[environment.healthcheck]"
+    field = f"[{where.strip('[]')}.healthcheck]"
     return [
         (not hc.command.strip(), f"{field}.command", "empty"),
         (not 0 < hc.timeout_sec <= 3600, f"{field}.timeout_sec", f"{hc.timeout_sec}: must be in (0, 3600]"),
@@ -263,6 +322,38 @@ def healthcheck_bound_s(hc: HealthcheckConfig) -> float:
     )
 
 
+def _env_checks(env: EnvironmentConfig, where: str) -> list[tuple[bool, str, str]]:
+    """What of an ``[environment]`` (the task's, or a separate verifier's) cannot be honoured."""
+    return [
+        (env.os != "linux", f"{where}.os", f"{env.os!r}: only linux containers run here"),
+        (bool(env.gpus), f"{where}.gpus", f"{env.gpus} GPU(s) asked for: sandboxes have no GPU"),
+        (bool(env.gpu_types), f"{where}.gpu_types", "sandboxes have no GPU"),
+        (env.tpu is not None, f"{where}.tpu", "sandboxes have no TPU"),
+        (bool(env.mcp_servers), f"{where}.mcp_servers", "MCP servers are not supported"),
+        (env.skills_dir is not None, f"{where}.skills_dir", "agent skills are not supported"),
+        (any("${" in v for v in env.env.values()), f"{where}.env",
+         "${VAR} templates are resolved from the host by Harbor; give literal values"),
+        (env.build_timeout_sec <= 0, f"{where}.build_timeout_sec", "must be positive"),
+        (env.cpus is not None and not 0 < env.cpus <= 64, f"{where}.cpus", f"{env.cpus}: must be in (0, 64]"),
+        (env.memory_mb is not None and not 256 <= env.memory_mb <= 65536, f"{where}.memory_mb",
+         f"{env.memory_mb}: must be in [256, 65536]"),
+        (env.storage_mb is not None and env.storage_mb < 16, f"{where}.storage_mb",
+         f"{env.storage_mb}: below 16"),
+        (env.workdir is not None and not str(env.workdir).startswith("/"), f"{where}.workdir",
+         f"{env.workdir!r}: must be an absolute path"),
+        *_healthcheck_checks(env.healthcheck, where),
+    ]  # fmt: skip
+
+
+def _artifact_checks(cfg: TaskConfig) -> list[tuple[bool, str, str]]:
+    entries = [ArtifactConfig(source=a) if isinstance(a, str) else a for a in cfg.artifacts]
+    return [
+        (a.service not in (None, "main"), f"artifacts[{i}].service",
+         f"{a.service!r}: compose services are not supported (the agent's container only)")
+        for i, a in enumerate(entries)
+    ]  # fmt: skip
+
+
 def unsupported(cfg: TaskConfig, network_policy: str | None) -> tuple[str, str] | None:
     """The first field of ``cfg`` the pipeline cannot honour, as (field, why); None when it can run it.
 
@@ -270,38 +361,23 @@ def unsupported(cfg: TaskConfig, network_policy: str | None) -> tuple[str, str] 
     without it); None refuses every task whose network mode is not ``no-network``.
     """
     env, agent, ver = cfg.environment, cfg.agent, cfg.verifier
+    separate = verifier_mode(cfg) == "separate"
     checks: list[tuple[bool, str, str]] = [
         (bool(cfg.steps), "steps", "multi-step tasks are not supported (one instruction, one verifier)"),
         (cfg.multi_step_reward_strategy is not None, "multi_step_reward_strategy",
          "multi-step tasks are not supported"),
-        (bool(cfg.artifacts), "artifacts", "artifact collection is not supported"),
-        (env.os != "linux", "[environment].os", f"{env.os!r}: only linux containers run here"),
-        (bool(env.gpus), "[environment].gpus", f"{env.gpus} GPU(s) asked for: sandboxes have no GPU"),
-        (bool(env.gpu_types), "[environment].gpu_types", "sandboxes have no GPU"),
-        (env.tpu is not None, "[environment].tpu", "sandboxes have no TPU"),
-        (bool(env.mcp_servers), "[environment].mcp_servers", "MCP servers are not supported"),
-        (env.skills_dir is not None, "[environment].skills_dir", "agent skills are not supported"),
-        (any("${" in v for v in env.env.values()), "[environment].env",
-         "${VAR} templates are resolved from the host by Harbor; give literal values"),
+        (bool(cfg.artifacts) and not separate, "artifacts", "artifacts are handed over to a separate "
+         'verifier only (environment_mode = "separate"); collecting them to the host is not supported'),
+        *_artifact_checks(cfg),
+        *_env_checks(env, "[environment]"),
         (bad_user(agent.user), "[agent].user", f"{agent.user!r}: a uid, or a user name (name or name:group)"),
         (bad_user(ver.user), "[verifier].user", f"{ver.user!r}: a uid, or a user name (name or name:group)"),
-        (ver.environment_mode == "separate" or ver.environment is not None, "[verifier].environment",
-         "a separate verifier environment is not supported (the verifier shares the agent's container)"),
+        *(_env_checks(ver.environment, "[verifier.environment]") if ver.environment is not None else []),
         (bool(ver.collect), "[verifier].collect", "collect hooks (compose services) are not supported"),
         (any("${" in v for v in ver.env.values()), "[verifier].env",
          "${VAR} templates are resolved from the host by Harbor; give literal values"),
-        (env.build_timeout_sec <= 0, "[environment].build_timeout_sec", "must be positive"),
         (ver.timeout_sec <= 0, "[verifier].timeout_sec", "must be positive"),
         (agent.timeout_sec is not None and agent.timeout_sec <= 0, "[agent].timeout_sec", "must be positive"),
-        (env.cpus is not None and not 0 < env.cpus <= 64, "[environment].cpus",
-         f"{env.cpus}: must be in (0, 64]"),
-        (env.memory_mb is not None and not 256 <= env.memory_mb <= 65536, "[environment].memory_mb",
-         f"{env.memory_mb}: must be in [256, 65536]"),
-        (env.storage_mb is not None and env.storage_mb < 16, "[environment].storage_mb",
-         f"{env.storage_mb}: below 16"),
-        (env.workdir is not None and not str(env.workdir).startswith("/"), "[environment].workdir",
-         f"{env.workdir!r}: must be an absolute path"),
-        *_healthcheck_checks(env.healthcheck),
     ]  # fmt: skip
     for bad, field, why in checks:
         if bad:
@@ -310,6 +386,7 @@ def unsupported(cfg: TaskConfig, network_policy: str | None) -> tuple[str, str] 
         ("[environment].network_mode", env.network_mode),
         ("[agent].network_mode", agent.network_mode),
         ("[verifier].network_mode", ver.network_mode),
+        ("[verifier.environment].network_mode", ver.environment.network_mode if ver.environment else None),
     ):
         if mode not in (None, "no-network") and network_policy != "no-network":
             default = " (Harbor's default)" if field.startswith("[environment]") and mode == "public" else ""
