@@ -2,13 +2,19 @@
 runs named, each fault logged with its time (JSON lines: the log file and stdout), then the ledger check of
 every run (exit 1 on a violation).
 
-Invariant: bad input (an unknown kind, a bad interval, a run not in the store) prints one ``error:`` line
-and exits 2 before any fault fires; a fault that cannot be injected is logged and the schedule goes on.
+Network kinds (``partition:A/B``, ``latency:A``, ...) act on the parts of a cluster of network namespaces,
+given as its JSON description with ``--network FILE`` (``faults.cluster.Cluster.network_file``).
+
+Invariant: bad input (an unknown kind, a bad interval, a run not in the store, a part not in the network)
+prints one ``error:`` line and exits 2 before any fault fires; a fault that cannot be injected is logged and
+the schedule goes on; SIGTERM or Ctrl-C cancels the schedule and every fault in flight is healed first.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import signal
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -19,6 +25,7 @@ from durable_rollouts.cli.common import temporal_client, temporal_options
 
 if TYPE_CHECKING:
     from durable_rollouts.config.temporal import Connection
+    from durable_rollouts.faults.netns import Network
 
 
 def _fail(msg: str, code: int = 2) -> typer.Exit:
@@ -53,20 +60,27 @@ def chaos_command(
     ] = None,
     wait: Annotated[float, typer.Option(help="Seconds to wait for each run to end.")] = 600.0,
     docker: Annotated[bool, typer.Option(help="Check no container of the runs is left.")] = True,
+    network: Annotated[
+        Path | None,
+        typer.Option(help="A network of namespaces (its JSON description) whose parts network kinds name."),
+    ] = None,
     conn: Connection | None = None,
 ) -> None:
     """Fire a seeded fault schedule at the stack and the runs, log each fault, then check the ledger."""
     from durable_rollouts.config.paths import rollouts_home
     from durable_rollouts.errors import ConfigError
-    from durable_rollouts.faults.chaos import INSTANT, KINDS, Chaos
+    from durable_rollouts.faults.chaos import INSTANT, Chaos, check_kind
     from durable_rollouts.faults.schedule import schedule
     from durable_rollouts.sandboxes.pool import SandboxPool
     from durable_rollouts.store import open_store
 
     chosen = [k.strip() for k in kinds.split(",") if k.strip()]
-    unknown = sorted(set(chosen) - set(KINDS))
-    if unknown:
-        raise _fail(f"--kinds: unknown {', '.join(unknown)}; kinds: {', '.join(KINDS)}")
+    for k in chosen:
+        try:
+            check_kind(k)
+        except ValueError as e:
+            raise _fail(f"--kinds: {e}") from None
+    net = _network(network, chosen)
     home = rollouts_home()
     try:
         store = open_store()
@@ -85,7 +99,7 @@ def chaos_command(
     async def go() -> bool:
         client = await temporal_client(conn)
         chaos = Chaos(home, run_ids, log_path, seed=seed, store=store, client=client, image=image,
-                      weights=weights, echo=typer.echo)  # fmt: skip
+                      weights=weights, network=net, echo=typer.echo)  # fmt: skip
         typer.echo(f"chaos: {len(plan)} faults over {duration:g} s (seed {seed}); log {log_path}")
         counts = await chaos.run(plan)
         injected = ", ".join(f"{k} {n}" for k, n in sorted(counts.items()))
@@ -101,5 +115,40 @@ def chaos_command(
                 typer.echo(line)
         return all(rep.ok for rep in reports)
 
-    if not asyncio.run(go()):
+    def interrupted(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt  # SIGTERM cancels the schedule: each fault in flight heals on the way out
+
+    previous = signal.signal(signal.SIGTERM, interrupted)
+    try:
+        ok = asyncio.run(go())
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if net is not None:
+            net.close()
+    if not ok:
         raise typer.Exit(1)
+
+
+def _network(path: Path | None, kinds: list[str]) -> Network | None:
+    """The network of ``--network`` (attached: its faults injected and healed, nothing else touched); a
+    network kind's parts checked against it."""
+    from durable_rollouts.faults import netfaults
+    from durable_rollouts.faults.netns import NetnsError, Network
+
+    net_kinds = [f for k in kinds if (f := netfaults.parse(k)) is not None]
+    if path is None:
+        if net_kinds:
+            raise _fail(
+                f"--kinds {net_kinds[0].kind}:{net_kinds[0].target}: give the network with --network FILE"
+            )
+        return None
+    try:
+        net = Network.attach(json.loads(path.read_text()))
+    except (OSError, json.JSONDecodeError, NetnsError) as e:
+        raise _fail(f"--network {path}: {e}") from None
+    for f in net_kinds:
+        try:
+            f.check(net)
+        except ValueError as e:
+            raise _fail(f"--kinds {e}") from None
+    return net

@@ -13,7 +13,12 @@ Kinds (``KINDS``):
   the runs, drawn by the schedule's seed (``faults.containers``);
 - ``sandbox_create``: the runs' sandbox image untagged for the duration: every create fails meanwhile
   (the shared default image only when named explicitly: every run on the daemon would feel it);
-- ``publish``: a new policy version published to the engines of the latest one, rollouts in flight.
+- ``publish``: a new policy version published to the engines of the latest one, rollouts in flight;
+- ``pg_restart``: the store's PostgreSQL server stopped (fast shutdown, by the pid of its data directory's
+  ``postmaster.pid``) for the duration, then started again on the same data directory (``faults.pgrestart``);
+- network faults between the parts of a cluster of network namespaces (``faults.netfaults``; the network
+  given as ``network``, e.g. ``Network.attach`` of a ``Cluster``'s description): ``partition:A/B``,
+  ``latency:A[=MS]``, ``loss:A[=PCT]``, ``bandwidth:A[=KBIT]``, each for the duration, then healed.
 
 Components are found by the pid files of the stack home (``<home>/pids/<name>.pid``); the store is the
 home's run store. Each event is one JSON line (``fired``, ``cleared``, ``skipped`` with why, ``error``)
@@ -21,8 +26,10 @@ in the log file and on stdout.
 
 Invariants: the injector never raises for a fault it could not inject (it logs ``skipped`` or
 ``error`` and goes on); every fault it fired is cleared before ``run`` returns (thawed, unpaused, tag
-restored, process started again); target choices are drawn from a ``random.Random`` seeded with the
-schedule's seed, so a run of the same command against the same stack draws the same way.
+restored, process started again, link healed, database server started again), also when the schedule
+is cancelled (the heal runs in the fault's ``finally``); target choices are drawn from a
+``random.Random`` seeded with the schedule's seed, so a run of the same command against the same stack
+draws the same way.
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ from typing import Any
 import docker.errors
 import httpx
 
-from durable_rollouts.faults import containers, process
+from durable_rollouts.faults import containers, netfaults, pgrestart, process
 from durable_rollouts.faults.ledger import LedgerReport, check_run
 from durable_rollouts.faults.schedule import Planned
 from durable_rollouts.sandboxes.base import DEFAULT_IMAGE
@@ -56,11 +63,19 @@ PROCESS_KINDS = {
     "temporal_freeze": ("temporal", "freeze"),
 }
 CONTAINER_KINDS = ("container_kill", "container_pause", "container_oom")
-KINDS = (*PROCESS_KINDS, *CONTAINER_KINDS, "sandbox_create", "publish")
+KINDS = (*PROCESS_KINDS, *CONTAINER_KINDS, "sandbox_create", "publish", "pg_restart")
+"""The kinds named as they are; network kinds carry their parts (``partition:A/B``: `check_kind`)."""
 INSTANT = frozenset({"worker_restart", "container_kill", "container_oom", "publish"})
 """Kinds with no duration (the schedule gives them 0)."""
 ENGINE_READY_S = 300.0
 TEMPORAL_READY_S = 60.0
+
+
+def check_kind(kind: str) -> None:
+    """Raise ValueError (one line) unless ``kind`` is one of `KINDS` or a network fault's kind."""
+    if kind in KINDS or netfaults.parse(kind) is not None:
+        return
+    raise ValueError(f"unknown {kind}; kinds: {', '.join(KINDS)}, {', '.join(netfaults.FORMS)}")
 
 
 @dataclass
@@ -69,7 +84,8 @@ class Chaos:
 
     ``image``: the sandbox image ``sandbox_create`` untags (default: the first run's ``sandbox.image``);
     ``weights``: the directory ``publish`` publishes (default: the latest version's own weights, under a
-    new id); ``client``: a Temporal client (for the ledger's Temporal rule and Temporal's readiness).
+    new id); ``client``: a Temporal client (for the ledger's Temporal rule and Temporal's readiness);
+    ``network``: the `faults.netns.Network` whose parts the network kinds name.
     """
 
     home: Path
@@ -80,6 +96,7 @@ class Chaos:
     client: Any = None
     image: str | None = None
     weights: Path | None = None
+    network: Any = None
     echo: Callable[[str], None] = print
     counts: Counter[str] = field(default_factory=Counter)
     events: list[dict[str, Any]] = field(default_factory=list)
@@ -135,8 +152,12 @@ class Chaos:
             await self._sandbox_create(p)
         elif p.kind == "publish":
             await self._publish(p)
+        elif p.kind == "pg_restart":
+            await self._pg_restart(p)
+        elif (net := netfaults.parse(p.kind)) is not None:
+            await self._network(p, net)
         else:
-            raise ValueError(f"unknown fault kind {p.kind!r}; kinds: {', '.join(KINDS)}")
+            check_kind(p.kind)
 
     def _fired(self, p: Planned, **detail: Any) -> None:
         self.counts[p.kind] += 1
@@ -282,6 +303,39 @@ class Chaos:
         version = f"chaos-{int(time.time() * 1000)}"
         rec = await asyncio.to_thread(publish, latest["engines"], version, weights, self.store)
         self._fired(p, target=",".join(rec.engines), version=version, steps=[s.step for s in rec.steps])
+
+    # -- network and database faults -------------------------------------------------------------------
+
+    async def _network(self, p: Planned, fault: netfaults.NetFault) -> None:
+        if self.network is None:
+            self._log("skipped", p, why="no network of namespaces given (rollouts chaos --network FILE)")
+            return
+        fault.check(self.network)
+        ctx = fault.injected(self.network)
+        await asyncio.to_thread(ctx.__enter__)
+        try:
+            self._fired(p, target=fault.target)
+            await asyncio.sleep(p.duration_s)
+        finally:  # synchronous: a cancelled schedule heals before it returns
+            ctx.__exit__(None, None, None)
+        self._log("cleared", p, target=fault.target)
+
+    async def _pg_restart(self, p: Planned) -> None:
+        db: Any = getattr(self.store, "db", None)
+        if db is None or db.dialect != "postgresql":
+            self._log("skipped", p, why=f"the store at {self.store.location} is not PostgreSQL")
+            return
+        server = await asyncio.to_thread(pgrestart.find_for, db)
+        await asyncio.to_thread(db.close)  # this process's own connections end with the server anyway
+        await asyncio.to_thread(pgrestart.stop, server)
+        try:
+            self._fired(p, target=str(server))
+            await asyncio.sleep(p.duration_s)
+        except BaseException:  # synchronous: a cancelled schedule starts the server again before it returns
+            pgrestart.start(server)
+            raise
+        new = await asyncio.to_thread(pgrestart.start, server)
+        self._log("cleared", p, target=str(server), new_pid=new.pid)
 
     # -- the ledger ------------------------------------------------------------------------------------
 

@@ -14,6 +14,8 @@ namespace is the `Network`'s, so `Cluster.close` removes all of it (also after a
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import shutil
 import subprocess
@@ -25,7 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from durable_rollouts.config.paths import venv_bin
+from durable_rollouts.faults import pgrestart
 from durable_rollouts.faults.netns import Host, NetnsError, Network
+from durable_rollouts.faults.pgrestart import PgRestartError
 from durable_rollouts.store.local_postgres import postgres_bin
 
 __all__ = ["Certs", "Cluster", "make_certs"]
@@ -144,10 +148,17 @@ class Cluster:
         try:
             for name in ("temporal", "store", "engine", *workers, "driver"):
                 self.net.add_host(name)
+            self.network_file.write_text(json.dumps(self.net.describe(), indent=2) + "\n")
             self.certs = make_certs(root / "certs", self.host("temporal").address)
         except BaseException:
             self.net.close()
             raise
+
+    @property
+    def network_file(self) -> Path:
+        """The network's description (`Network.describe`): ``rollouts chaos --network FILE`` faults its
+        links."""
+        return self.root / "network.json"
 
     def host(self, name: str) -> Host:
         return self.net.hosts[name]
@@ -307,6 +318,9 @@ class Cluster:
     def close(self) -> list[str]:
         """Stop every part and delete every namespace; what was left behind (one line each)."""
         left = self.net.close()
+        if self._pg_root is not None:  # a server the chaos kit restarted is no process of the network's
+            with contextlib.suppress(PgRestartError):  # none running there: nothing to stop
+                pgrestart.stop(pgrestart.find(self._pg_root / "data"), timeout_s=15)
         for root in [self._pg_root, *self._docker_roots]:
             if root is not None:
                 shutil.rmtree(root, ignore_errors=True)

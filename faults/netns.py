@@ -33,7 +33,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 __all__ = ["Host", "LinkFault", "NetnsError", "Network", "available", "enter", "namespaces"]
 
@@ -149,6 +149,11 @@ class Network:
     _stop_signals: dict[int, int] = field(default_factory=dict)
     _relays: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     _netem: bool | None = None
+    _cuts: set[tuple[str, str]] = field(default_factory=set)
+    _degraded: set[str] = field(default_factory=set)
+    attached: bool = False
+    """Made by `attach`: the namespaces are another `Network`'s (this one only injects and heals faults;
+    its `close` stops only the processes it started itself and deletes nothing)."""
 
     def __post_init__(self) -> None:
         net = ipaddress.ip_network(self.subnet)
@@ -156,9 +161,37 @@ class Network:
             raise ValueError(f"subnet {self.subnet!r}: an IPv4 /24 is expected")
         self._net = net
         self.switch = f"dr-{self.tag}-switch"
+        if self.attached:
+            return
         self._netns_add(self.switch)
         _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
         _ip("-n", self.switch, "link", "set", "br0", "up")
+
+    def describe(self) -> dict[str, object]:
+        """What another process needs to fault this network (`attach`): its tag, subnet and hosts."""
+        hosts = {
+            h.name: {"netns": h.netns, "address": h.address, "port": h.port} for h in self.hosts.values()
+        }
+        return {"tag": self.tag, "subnet": self.subnet, "switch": self.switch, "hosts": hosts}
+
+    @classmethod
+    def attach(cls, description: Mapping[str, object]) -> Network:
+        """The network `describe` described, made by another process, to inject and heal its faults.
+
+        Raises:
+            NetnsError: the description is malformed, or its switch namespace no longer exists.
+        """
+        try:
+            raw: Any = description["hosts"]
+            hosts = {str(n): Host(name=str(n), **h) for n, h in raw.items()}
+            net = cls(
+                subnet=str(description["subnet"]), tag=str(description["tag"]), hosts=hosts, attached=True
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise NetnsError(f"network description: {type(e).__name__}: {e}") from None
+        if net.switch not in namespaces():
+            raise NetnsError(f"network {net.tag}: its switch namespace {net.switch} does not exist")
+        return net
 
     @property
     def made(self) -> list[str]:
@@ -259,6 +292,7 @@ class Network:
     def cut(self, a: Host | str, b: Host | str) -> None:
         """Partition ``a`` from ``b`` (both directions); every other pair still talks."""
         ha, hb = self._host(a), self._host(b)
+        self._cuts.add((ha.name, hb.name))
         for src, dst in ((ha, hb), (hb, ha)):
             _ip("-n", src.netns, "route", "replace", "blackhole", f"{dst.address}/32")
 
@@ -267,6 +301,7 @@ class Network:
         ha, hb = self._host(a), self._host(b)
         for src, dst in ((ha, hb), (hb, ha)):
             _ip("-n", src.netns, "route", "del", "blackhole", f"{dst.address}/32", check=False)
+        self._cuts.discard((ha.name, hb.name))
 
     @contextlib.contextmanager
     def partitioned(self, a: Host | str, b: Host | str) -> Iterator[None]:
@@ -293,6 +328,7 @@ class Network:
         """Put ``fault`` on the host's link, both ends (replacing any earlier one)."""
         h = self._host(host)
         self.heal(h)
+        self._degraded.add(h.name)
         netem = self.netem_available()
         for ns, dev in ((h.netns, "eth0"), (self.switch, h.port)):
             for cmd in fault.tc_commands(dev, netem_ok=netem):
@@ -325,6 +361,7 @@ class Network:
         h = self._host(host)
         for ns, dev in ((h.netns, "eth0"), (self.switch, h.port)):
             _tc(ns, "qdisc", "del", "dev", dev, "root", check=False)
+        self._degraded.discard(h.name)
         relay = self._relays.pop(h.name, None)
         if relay is not None:
             self.stop(relay, timeout=5)
@@ -368,7 +405,11 @@ class Network:
 
     def close(self) -> list[str]:
         """Stop every process started here and delete every namespace made here; returns what was left
-        behind (one line each; empty when all of it is gone)."""
+        behind (one line each; empty when all of it is gone). Faults injected here are healed first."""
+        for a, b in list(self._cuts):
+            self.mend(a, b)
+        for name in list(self._degraded):
+            self.heal(name)
         for proc in reversed(self.procs):
             self.stop(proc, timeout=10)
         left = [f"process {p.pid} ({_args(p)})" for p in self.procs if p.poll() is None]

@@ -301,6 +301,9 @@ def test_rollouts_chaos_refuses_bad_input_in_one_line(
         ("chaos", "nope"): "run nope: not in the store",
         ("chaos", RUN, "--every", "soon"): "--every 'soon': give LOW,HIGH",
         ("chaos", RUN, "--every", "30,15"): "schedule: bad intervals",
+        ("chaos", RUN, "--kinds", "partition:worker"): "--kinds: fault kind 'partition:worker': a partition",
+        ("chaos", RUN, "--kinds", "partition:worker/temporal"): "give the network with --network FILE",
+        ("chaos", RUN, "--kinds", "loss:engine", "--network", "/nonexistent.json"): "--network /nonexistent",
     }
     for argv, message in cases.items():
         res = runner.invoke(app, list(argv))
