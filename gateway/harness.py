@@ -27,6 +27,9 @@ SOCKET = f"{GATEWAY_MOUNT}/gw.sock"
 TAIL_LINES = 20
 KEEP_LIMIT = 64 * 1024 * 1024
 """Largest file kept from a harness (bytes); a larger one is kept as the reason it was not."""
+SHIM_PYTHON = "DR_SHIM_PYTHON"
+"""The variable of `HarnessCommand.env` naming the interpreter that runs the TCP shim (stdlib only), for a
+harness that brings its own (e.g. ``/opt/harness/bin/python3``); unset: the task image's ``python3``."""
 
 
 def gateway_env(cmd: HarnessCommand, key: str, model: str) -> dict[str, str]:
@@ -43,9 +46,10 @@ def launcher(cmd: HarnessCommand, env: dict[str, str]) -> str:
     exports = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in sorted(env.items()))
     shim = ""
     if cmd.tcp_port is not None:
+        py = shlex.quote(env.get(SHIM_PYTHON, "python3"))
         shim = (
-            f"python3 {STATE}/shim.py {cmd.tcp_port} {SOCKET} &\n"
-            "i=0; while [ $i -lt 50 ] && ! python3 -c 'import socket,sys; socket.create_connection("
+            f"{py} {STATE}/shim.py {cmd.tcp_port} {SOCKET} &\n"
+            f"i=0; while [ $i -lt 50 ] && ! {py} -c 'import socket,sys; socket.create_connection("
             f'("127.0.0.1", {cmd.tcp_port}), 1)\' 2>/dev/null; do sleep 0.1; i=$((i+1)); done\n'
         )
     return (
