@@ -73,6 +73,7 @@ def make_config(url: str, args: argparse.Namespace, groups: int) -> Config:
             "rollout.max_total_tokens=4096",
             "admission.enabled=false",  # the fixed group cap: the same dispatch shape as the bare driver
             'temporal.task_queue="overhead"',
+            *(["group.batch_rollouts=true"] if args.batched else []),
         ],
     )
 
@@ -91,8 +92,9 @@ class CpuMeter:
         return {k: b[k] - a[k] for k in a}
 
 
-async def pipeline_stats(client: Client, store: RunStore, run_id: str) -> dict:
-    """Per-rollout wall time (workflow start to close) and the per-turn breakdown from the run store."""
+async def pipeline_stats(client: Client, store: RunStore, run_id: str, batched: bool = False) -> dict:
+    """Per-rollout wall time (workflow start to close; ``batched``: the record's start to end, as the
+    rollouts have no workflow of their own) and the per-turn breakdown from the run store."""
     recs = store.rollouts(run_id)
     turn_lat: list[float] = []
     queue: list[float] = []
@@ -103,9 +105,13 @@ async def pipeline_stats(client: Client, store: RunStore, run_id: str) -> dict:
     for rec in recs:
         outcomes[rec["outcome"]] = outcomes.get(rec["outcome"], 0) + 1
         segs = [s for s in store.segments(rec["rollout_id"]) if s.kind == "model"]
-        desc = await client.get_workflow_handle(rec["rollout_id"]).describe()
-        assert desc.close_time is not None
-        wall = (desc.close_time - desc.start_time).total_seconds()
+        if batched:
+            extra = json.loads(rec["extra_json"])
+            wall = float(extra["ended_at"]) - float(extra["started_at"])
+        else:
+            desc = await client.get_workflow_handle(rec["rollout_id"]).describe()
+            assert desc.close_time is not None
+            wall = (desc.close_time - desc.start_time).total_seconds()
         turns += len(segs)
         turn_lat.append(wall / max(1, len(segs)))
         for s in segs:
@@ -304,7 +310,7 @@ async def main(args: argparse.Namespace) -> dict:
                     pipe_tags.append(tag)
                     wall = await asyncio.wait_for(pipeline_round(env.client, cfg, tag), args.round_timeout_s)
                     c1 = meter.read()
-                    p = await pipeline_stats(env.client, store, tag)
+                    p = await pipeline_stats(env.client, store, tag, args.batched)
                     stats = {
                         "rollouts": p["rollouts"],
                         "turns": p["turns"],
@@ -331,7 +337,7 @@ async def main(args: argparse.Namespace) -> dict:
                     file=sys.stderr,
                     flush=True,
                 )
-            profile = await history_profile(env.client, store, pipe_tags[-1])
+            profile = None if args.batched else await history_profile(env.client, store, pipe_tags[-1])
         await engine.aclose()
     finally:
         procs.stop_pid(engine_pid)
@@ -349,6 +355,7 @@ async def main(args: argparse.Namespace) -> dict:
             "inflight_groups": args.inflight_groups,
             "concurrent_rollouts": concurrency,
             "rounds_per_driver": args.rounds,
+            "batched": args.batched,
             "cpus": os.cpu_count(),
             "date": time.strftime("%Y-%m-%d %H:%M"),
         },
@@ -377,6 +384,7 @@ if __name__ == "__main__":
     parser.add_argument(
         "--unsandboxed", action="store_true", help="worker without the SDK's workflow sandbox (less CPU)"
     )
+    parser.add_argument("--batched", action="store_true", help="the pipeline with group.batch_rollouts")
     a = parser.parse_args()
     result = asyncio.run(main(a))
     print(json.dumps({k: v for k, v in result.items() if k != "rounds"}, indent=2))
