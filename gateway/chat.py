@@ -178,9 +178,15 @@ def canonical(
     """The conversation as the template renders it: role and text only, and every assistant message that
     is one of ``answers`` (answer message, how it renders) replaced by how it renders: the raw text the
     model wrote (a string), or the message a vLLM parser's answer renders as (`rendered_answer`)."""
+    by_text: dict[str, list[tuple[dict[str, Any], str | dict[str, Any]]]] = {}
+    for a, r in answers:  # looked up by text first: one pass over the conversation, not one per answer
+        by_text.setdefault(text_of(a.get("content")).strip(), []).append((a, r))
     out: list[dict[str, Any]] = []
     for m in messages:
-        shown = next((r for a, r in answers if same_answer(m, a)), None)
+        shown = None
+        if m.get("role") == "assistant":
+            found = by_text.get(text_of(m.get("content")).strip(), ())
+            shown = next((r for a, r in found if same_answer(m, a)), None)
         if isinstance(shown, dict):
             out.append(shown)
         elif shown is not None:

@@ -12,6 +12,12 @@ Invariants:
 - No sampled token is re-tokenized: a call that extends the previous one (`gateway.chat.extends`) appends
   only the template's tokens for the new messages; otherwise (a rewrite) a ``context`` segment starts a new
   sequence, its meta saying at which message and why, and later calls sample on that sequence only.
+- One render of the conversation per call where it can be proven append-only with it: the template's
+  render of the new conversation must start with its render of the previous call's (kept by digest,
+  `Renders`), then the tokens the model sampled for the previous answer and the template's closing of it;
+  what follows is appended. Where that does not hold (another worker rendered the previous call, the
+  template re-tokenizes the answer otherwise, or changes earlier turns), the previous conversation closed
+  is rendered too and the render must extend it, as a second render (`GatewayTurns._extension`).
 - Limits answer as an OpenAI server would: no room left in the rollout's token budget or call count is a
   ``length`` finish with no content; a context the engine cannot take is a 400 ``context_length_exceeded``.
 - The request's options (``gateway.options.Options``, recorded with the call) shape the sample without
@@ -31,9 +37,13 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
+import threading
 import time
+from array import array
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -98,6 +108,48 @@ def ctx_segment(index: int) -> str:
 
 log = logging.getLogger(__name__)
 
+RENDER_CACHE = 4096
+"""Calls whose render (its length and digest, not the tokens) a worker keeps for the next call's check."""
+
+
+class Renders:
+    """The template's render of recent calls' conversations (with the generation prompt), kept as length
+    and digest under (rollout id, call index, request key): a call's render is a pure function of its
+    request and the answers before it, so a kept one stands for the render until evicted."""
+
+    def __init__(self, size: int = RENDER_CACHE) -> None:
+        self.size = size
+        self._kept: OrderedDict[tuple[str, int, str], tuple[int, bytes]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def keep(self, key: tuple[str, int, str], tokens: list[int]) -> None:
+        with self._lock:
+            self._kept[key] = (len(tokens), _digest(tokens))
+            self._kept.move_to_end(key)
+            while len(self._kept) > self.size:
+                self._kept.popitem(last=False)
+
+    def extension(
+        self, key: tuple[str, int, str], full: list[int], answered: list[int], tail: list[int]
+    ) -> list[int] | None:
+        """The tokens to append after a call's stored answer (``answered``: the tokens it sampled) for
+        the template's render ``full`` of the next conversation: ``tail`` (the template's closing the
+        model did not sample) and what ``full`` adds after it; None when call ``key``'s render is not kept,
+        or ``full`` is not that render, then ``answered`` and ``tail``, then more."""
+        with self._lock:
+            kept = self._kept.get(key)
+        if kept is None:
+            return None
+        n, digest = kept
+        end = n + len(answered) + len(tail)
+        if len(full) < end or full[n:end] != [*answered, *tail] or _digest(full[:n]) != digest:
+            return None
+        return [*tail, *full[end:]]
+
+
+def _digest(tokens: list[int]) -> bytes:
+    return hashlib.blake2b(array("q", tokens).tobytes(), digest_size=16).digest()
+
 
 class GatewayTurns:
     """The gateway calls a worker answers: the store, the engine, and what it learnt of templates."""
@@ -118,6 +170,8 @@ class GatewayTurns:
         """The checks every model turn makes: the logprobs mode served, a published policy version."""
         self._closing: dict[tuple[str, str], list[int]] = {}
         """(engine, model) -> the tokens the chat template closes an assistant turn with."""
+        self.renders = Renders()
+        """The renders of the calls this worker answered, for the next call's one-render check."""
 
     async def answer(
         self, inp: GatewayCallInput, attempt: int = 1, queued_s: float = 0.0
@@ -128,16 +182,15 @@ class GatewayTurns:
             raise EnvironmentFailure(f"rollout {rid}: gateway call {idx} was never recorded")
         if call.answered:
             return _result(call, attempt)
-        total = len(await asyncio.to_thread(self.store.token_ids, rid))
+        tokens = await asyncio.to_thread(self.store.token_ids, rid)
         if inp.limit is not None:
-            return await self._limit(call, inp.limit, total, attempt)
+            return await self._limit(call, inp.limit, len(tokens), attempt)
         t0 = time.monotonic()
         fmt = await self._format(inp.ref.run_id)
         parser = await self._parser(fmt)  # before sampling: a parser that cannot load costs no sample
         options = Options.of_request(call.request)
-        ctx, canon = await self._context(inp, call, options)
+        ctx, tokens = await self._context(inp, call, options, tokens)
         seq_start = int(ctx.meta.get("sequence_start", 0))
-        tokens = await asyncio.to_thread(self.store.token_ids, rid)
         budget = turn_budget(len(tokens), inp.max_total_tokens, inp.max_tokens)  # over every sequence
         if budget.truncated is not None:
             return await self._limit(call, budget.truncated, len(tokens), attempt)
@@ -180,7 +233,7 @@ class GatewayTurns:
         body = chat.completion(rid, idx, model, parsed, finish, seg.start - seq_start, len(seg.token_ids))
         versions = [v for v in seg.policy_versions or [] if v is not None]
         detail = {
-            "messages": canon, "raw": raw, "closing": closing[k:],
+            "raw": raw, "closing": closing[k:],
             "sequence_start": seq_start,
             "start": seg.start, "end": seg.end, "finish_reason": seg.meta.get("finish_reason"),
             "version": versions[-1] if versions else None, "rewrite": "rewrite" in ctx.meta,
@@ -236,74 +289,90 @@ class GatewayTurns:
         return _result(stored, attempt)
 
     async def _context(
-        self, inp: GatewayCallInput, call: GatewayCall, options: Options
-    ) -> tuple[Segment, list[dict[str, Any]]]:
-        """The segment of what the harness added before this call (stored once), and the conversation as
-        the template renders it (recomputed: pure, from the request and the earlier answers)."""
+        self, inp: GatewayCallInput, call: GatewayCall, options: Options, tokens: list[int]
+    ) -> tuple[Segment, list[int]]:
+        """The segment of what the harness added before this call (stored once), and the rollout's tokens
+        (``tokens``: as read before) with it. The conversation as the template renders it is recomputed
+        (pure, from the request and the earlier answers)."""
         rid, idx, name = inp.ref.rollout_id, inp.index, ctx_segment(inp.index)
         messages, asked = chat.request_messages(call.request)
         tools = options.offered(asked)
         earlier = await asyncio.to_thread(self.store.gateway_calls, rid, idx)
-        answers: list[tuple[dict[str, Any], str | dict[str, Any]]] = [
-            (c.response["choices"][0]["message"], c.detail.get("rendered") or c.detail["raw"])
-            for c in earlier
-            if c.status == 200 and c.detail and "raw" in c.detail and c.response
-        ]
-        canon = chat.canonical(messages, answers)
+        answers = _answers(earlier)
+        canon = chat.canonical(messages, [a for _, a in answers])
         seg = await asyncio.to_thread(self.store.get_segment, rid, name)
         if seg is not None:
-            return seg, canon
+            return seg, tokens
         url, model = inp.engine_url, inp.ref.model
-        start = len(await asyncio.to_thread(self.store.token_ids, rid))
+        start, full = len(tokens), None
         meta: dict[str, Any] = {"gateway_call": idx}
         prev = next((c for c in reversed(earlier) if c.index == idx - 1), None)
         if prev is None:
             kind, ids = "prompt", await self.engine.tokenize_chat(url, model, canon, tools)
-            meta["sequence_start"] = 0
+            meta["sequence_start"], full = 0, ids
         else:
-            added, why, at = await self._extension(url, model, canon, tools, prev)
+            before = [a for i, a in answers if i < prev.index]
+            added, why, at, full = await self._extension(inp, canon, tools, prev, before, tokens)
             meta["sequence_start"] = (prev.detail or {}).get("sequence_start", 0)
             kind, ids = "observation", added or []
             if added is None:  # a rewrite: a new sequence, rendered whole, sampled on alone
-                kind, ids = "context", await self.engine.tokenize_chat(url, model, canon, tools)
+                if full is None:
+                    full = await self.engine.tokenize_chat(url, model, canon, tools)
+                kind, ids = "context", full
                 meta.update(sequence_start=start, rewrite={"call": idx, "at_message": at, "why": why})
         seg = Segment(name=ctx_segment(idx), kind=kind, turn=None, start=start, token_ids=ids, meta=meta)
-        return await asyncio.to_thread(self.store.put_segment, rid, seg), canon
+        seg = await asyncio.to_thread(self.store.put_segment, rid, seg)
+        if full is not None:
+            self.renders.keep((rid, idx, call.request_key), full)
+        return seg, [*tokens, *seg.token_ids]
 
     async def _extension(
-        self, url: str, model: str, canon: list[dict[str, Any]], tools: Any, prev: GatewayCall
-    ) -> tuple[list[int] | None, str, int | None]:
-        """The tokens to append after the previous call's sampled tokens, or None with why and where not."""
+        self,
+        inp: GatewayCallInput,
+        canon: list[dict[str, Any]],
+        tools: Any,
+        prev: GatewayCall,
+        answered_before: list[Answer],
+        tokens: list[int],
+    ) -> tuple[list[int] | None, str, int | None, list[int] | None]:
+        """The tokens to append after the previous call's sampled tokens, or None with why and where not;
+        and the template's render of ``canon`` where it was made."""
+        url, model = inp.engine_url, inp.ref.model
         detail = prev.detail or {}
-        if "raw" not in detail or detail.get("messages") is None:
+        if "raw" not in detail:
             why = detail.get("limit") or detail.get("refused")
-            return None, f"call {prev.index} ended without an answer to extend ({why})", None
+            return None, f"call {prev.index} ended without an answer to extend ({why})", None, None
         before_tools = Options.of_request(prev.request).offered(prev.request.get("tools"))
         if before_tools != tools:
-            return None, "the tools offered differ from the previous call's (rendered in the prompt)", None
-        before = [
-            *detail["messages"],
-            detail.get("rendered") or {"role": "assistant", "content": detail["raw"]},
-        ]
+            why = "the tools offered differ from the previous call's (rendered in the prompt)"
+            return None, why, None, None
+        sent = detail.get("messages")  # rows written before the conversation was recomputed instead
+        if sent is None:
+            sent = chat.canonical(chat.request_messages(prev.request)[0], answered_before)
+        before = [*sent, detail.get("rendered") or {"role": "assistant", "content": detail["raw"]}]
         at = chat.extends(canon, before)
         if at is not None:
-            return None, f"message {at} differs from what the previous call sent and was answered", at
+            return None, f"message {at} differs from what the previous call sent and was answered", at, None
         full = await self.engine.tokenize_chat(url, model, canon, tools)
+        tail = detail.get("closing", [])
+        sampled = tokens[int(detail["start"]) : int(detail["end"])]
+        added = self.renders.extension(
+            (inp.ref.rollout_id, prev.index, prev.request_key), full, sampled, tail
+        )
+        if added is not None:
+            return added, "", None, full
         prefix = await self.engine.tokenize_chat(url, model, before, tools, add_generation_prompt=False)
         delta = chat.template_delta(full, prefix)
         if delta is None:
-            return None, "the chat template's render of the new messages does not extend the old one", None
-        tail = detail.get("closing", [])
+            why = "the chat template's render of the new messages does not extend the old one"
+            return None, why, None, full
         closing = await self._closing_tokens(url, model)
         if closing and prefix[-len(closing) :] != closing:  # the template closes this answer otherwise
-            sampled = await asyncio.to_thread(
-                self.store.get_segment, prev.rollout_id, model_segment(prev.index)
-            )
-            if sampled is None or not sampled.token_ids or sampled.token_ids[-1] != prefix[-1]:
+            if not sampled or sampled[-1] != prefix[-1]:
                 why = "the chat template closes the answer with a token the model did not sample"
-                return None, why, None
+                return None, why, None, full
             tail = []  # the model sampled the template's last token of it (gpt-oss's <|call|>)
-        return [*tail, *delta], "", None
+        return [*tail, *delta], "", None, full
 
     async def _closing_tokens(self, url: str, model: str) -> list[int]:
         """The tokens the chat template puts after an assistant message's content (e.g. the end marker):
@@ -353,6 +422,19 @@ def sequence_starts(segs: list[Segment]) -> list[dict[str, Any]]:
     harness never rewrote its history)."""
     return [
         {"start": s.start, **s.meta["rewrite"]} for s in segs if s.kind == "context" and "rewrite" in s.meta
+    ]
+
+
+Answer = tuple[dict[str, Any], str | dict[str, Any]]
+"""An answered call's message as the harness was given it, and how later prompts render it."""
+
+
+def _answers(calls: list[GatewayCall]) -> list[tuple[int, Answer]]:
+    """The answered calls' (index, `Answer`)."""
+    return [
+        (c.index, (c.response["choices"][0]["message"], c.detail.get("rendered") or c.detail["raw"]))
+        for c in calls
+        if c.status == 200 and c.detail and "raw" in c.detail and c.response
     ]
 
 

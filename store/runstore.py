@@ -64,6 +64,8 @@ class RunStore(SegmentStore, LogStore, GatewayCallStore):
         self._contexts: OrderedDict[str, tuple[tuple[str, ...], list[int]]] = OrderedDict()
         self._cache_lock = threading.Lock()
         self._tasks: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self._requests = OrderedDict()
+        self._requests_lock = threading.Lock()
         self.db.migrate(BASE, MIGRATIONS)
 
     # -- plumbing -------------------------------------------------------------------------------------
