@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 
 from durable_rollouts.contracts.types import SamplingParams, TruncationReason
+from durable_rollouts.engines.pool import ShardedTransport
 from durable_rollouts.engines.watchdog import Watchdog
 from durable_rollouts.errors import ContextLengthExceeded, EngineBadReply, EngineBadRequest, EngineUnavailable
 from durable_rollouts.turns.budget import turn_budget
@@ -63,7 +64,11 @@ class EngineClient:
     def __init__(self, timeout_s: float = 120.0, stall_timeout_s: float | None = None) -> None:
         """``stall_timeout_s``: of calls made where ``engines.watchdog.stall_timeout`` is unset (None:
         those calls are not watched)."""
-        self._http = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0), limits=KEEPALIVE)
+        self._http = httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout_s, connect=5.0),
+            limits=KEEPALIVE,
+            transport=ShardedTransport(KEEPALIVE),
+        )
         self._max_len: dict[str, int] = {}
         self.watchdog = Watchdog(stall_timeout_s)
 
