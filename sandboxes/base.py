@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from durable_rollouts.errors import (
     SandboxPathError,
 )
+from durable_rollouts.sandboxes.egress_policy import EgressPolicy
 
 DEFAULT_IMAGE = "durable-rollouts-sandbox:latest"
 """Tag built by `sandboxes/image/build_image.sh`."""
@@ -102,6 +103,12 @@ class SandboxSpec(BaseModel):
     gateway: bool = False
     """Bind the rollout's own gateway folder (`gateway_dir`, on the daemon's machine) read-only at
     `GATEWAY_MOUNT`: its Unix socket is the only thing outside the container the sandbox can reach."""
+
+    egress: EgressPolicy = Field(default_factory=EgressPolicy)
+    """Hosts the sandbox may reach (``[sandbox.egress]``, the operator's; an environment may narrow it
+    per task): none by default, and then no network at all. Otherwise its only network is its own
+    ``--internal`` Docker network shared with the egress proxy alone (``sandboxes.egress``), named to
+    it by ``HTTP_PROXY``/``HTTPS_PROXY`` (and the lower-case forms) in every command's environment."""
 
     @model_validator(mode="after")
     def _check_tmpfs_fits_memory(self) -> SandboxSpec:

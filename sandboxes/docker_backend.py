@@ -1,6 +1,7 @@
 """Docker sandbox backend: hardened containers driven through the local daemon's API.
 
-Invariant: every container is created hardened (no network, no capabilities, no-new-privileges, non-root
+Invariant: every container is created hardened (no network unless its egress policy allows hosts, and
+then only its egress proxy (`sandboxes.egress`), no capabilities, no-new-privileges, non-root
 unless the spec allows root and the daemon remaps users (`sandboxes.users`), read-only root with size-capped
 tmpfs workdir and /tmp, memory/CPU/pids limits, init) and labelled for the reaper; a command's processes
 never outlive its exec; a dead, removed or frozen container is raised as `SandboxGone`, never returned as
@@ -47,6 +48,7 @@ from durable_rollouts.sandboxes.base import (
     gateway_binds,
     validate_relative_path,
 )
+from durable_rollouts.sandboxes.egress import EgressNetworks
 from durable_rollouts.sandboxes.users import UserResolver
 
 LABEL_PROJECT = "durable-rollouts"
@@ -84,7 +86,7 @@ def container_name(key: str) -> str:
     return f"dr-{clean}-{digest}" if clean else f"dr-{digest}"
 
 
-_LATER_FIELDS = ("mounts", "gateway", "exec_users", "user_source", "allow_root", "env")
+_LATER_FIELDS = ("mounts", "gateway", "exec_users", "user_source", "allow_root", "env", "egress")
 """Spec fields added after the first release: left out of the digest while at their defaults."""
 
 
@@ -113,6 +115,7 @@ class DockerBackend:
         self._locks = [threading.Lock() for _ in range(64)]
         self._host: str | None = None
         self._users = UserResolver(self.api)
+        self._egress = EgressNetworks(self.api)
 
     def host(self) -> str:
         """The daemon's name as ``docker info`` reports it (asked once): the ``RolloutSandboxHost`` of
@@ -206,8 +209,11 @@ class DockerBackend:
         for user in spec.exec_users:
             self._users.of(spec, user, name)
         uid, gid = ids.uid, ids.gid
+        network, proxy = "none", dict[str, str]()  # no egress policy: no network at all
+        if spec.egress.enabled:  # its own --internal network, shared with the egress proxy alone
+            network, proxy = self._egress.attach(name, labels[LABEL_RUN], spec.egress)
         host_config = self.api.create_host_config(
-            network_mode="none",
+            network_mode=network,
             cap_drop=["ALL"],
             security_opt=["no-new-privileges"],
             read_only=True,
@@ -236,8 +242,14 @@ class DockerBackend:
             working_dir=spec.workdir,
             labels=labels,
             hostname="sandbox",
-            environment={"HOME": spec.workdir, "LANG": "C.UTF-8", "PYTHONUNBUFFERED": "1", **spec.env},
-            network_disabled=True,
+            environment={
+                "HOME": spec.workdir,
+                "LANG": "C.UTF-8",
+                "PYTHONUNBUFFERED": "1",
+                **spec.env,
+                **proxy,
+            },
+            network_disabled=not spec.egress.enabled,
             host_config=host_config,
         )
         container_id = created["Id"]
@@ -260,8 +272,9 @@ class DockerBackend:
             key: The key given to `create`.
         """
         name = container_name(key)
-        with self._lock(name):
+        with self._lock(name), docker_errors(f"destroy sandbox {name}"):
             self._remove(name)
+            self._egress.detach(name)
 
     def _remove(self, name_or_id: str) -> None:
         try:
@@ -320,6 +333,8 @@ class DockerBackend:
             with self._lock(info.name):
                 self._remove(info.container_id)
             removed.append(info.name)
+        with docker_errors("reap egress networks"):
+            self._egress.reap(run_id, older_than_s)  # networks left by removed sandboxes, idle proxies
         return removed
 
     # ------------------------------------------------------------------------------------------- images
