@@ -39,7 +39,8 @@ class EnvironmentActivities:
     """The env step of every environment; holds the turn module's steps (store, engine, sandboxes)."""
 
     def __init__(self, store: RunStore, engine: Engine, sandboxes: SandboxActivities | None) -> None:
-        self.steps = EnvSteps(store, engine, sandboxes.bound if sandboxes is not None else None)
+        self.steps = EnvSteps(store, engine, sandboxes.bound if sandboxes is not None else None,
+                              sandboxes.siblings if sandboxes is not None else None)  # fmt: skip
 
     @options(
         Options(timedelta(minutes=15), ENV_RETRY, heartbeat=timedelta(seconds=30), wait_cancellation=True)

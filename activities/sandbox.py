@@ -36,7 +36,7 @@ from durable_rollouts.environments.base import SandboxPlan, TurnContext, calling
 from durable_rollouts.environments.registry import env_part
 from durable_rollouts.errors import EnvironmentFailure, RolloutError, SandboxGone, SandboxPathError, names
 from durable_rollouts.sandboxes import AsyncSandboxBackend, SandboxHandle
-from durable_rollouts.sandboxes.base import BoundSandbox
+from durable_rollouts.sandboxes.base import BoundSandbox, SandboxSpec, owner_key, sibling_key
 from durable_rollouts.sandboxes.hosts import SandboxHosts
 from durable_rollouts.sandboxes.images import ImageBuilds, ensure_image
 from durable_rollouts.sandboxes.pool import SandboxPool
@@ -78,6 +78,10 @@ class SandboxActivities:
         """The rollout's live sandbox (None when it has none)."""
         handle = await asyncio.to_thread(self.store.get_sandbox, rollout_id)
         return None if handle is None else BoundSandbox(self.backend, handle)
+
+    def siblings(self, rollout_id: str, run_id: str) -> RolloutSandboxes:
+        """The rollout's further sandboxes (``environments.base.Sandboxes``), e.g. a separate verifier's."""
+        return RolloutSandboxes(self, rollout_id, run_id)
 
     async def _plan(self, inp: SandboxStepInput) -> tuple[Any, SandboxPlan | None]:
         ref = inp.ref
@@ -167,9 +171,13 @@ class SandboxActivities:
     )
     @activity.defn
     async def sandbox_destroy(self, rollout_id: str) -> None:
-        """Remove the rollout's sandbox (absent is fine) and give back its pool slot."""
+        """Remove the rollout's sandbox and its further sandboxes (absent is fine) and give back its pool
+        slot."""
         try:
             await self.backend.destroy(rollout_id)
+            for info in await self.backend.list_containers():  # its further sandboxes (RolloutSandboxes)
+                if info.key != rollout_id and owner_key(info.key) == rollout_id:
+                    await self.backend.destroy(info.key)
         except RolloutError as e:
             raise e.to_application_error() from e
         await asyncio.to_thread(self.pool.release, rollout_id)
@@ -213,3 +221,33 @@ class SandboxActivities:
     def placement(self) -> list:
         """The activities any worker of the store runs for sandbox hosts (the run's own queue)."""
         return [self.sandbox_place, self.sandbox_release]
+
+
+class RolloutSandboxes:
+    """A rollout's further sandboxes (``environments.base.Sandboxes``) on this worker's backend, each keyed
+    ``<rollout id>#<name>`` (`sandboxes.base.sibling_key`): a retried step reattaches to the same container,
+    whose files and setup are laid out once (a marker in its /tmp); its image is built like the rollout's
+    own (once per tag and host), on this daemon. ``sandbox_destroy`` of the rollout removes them."""
+
+    LAID_OUT = "/tmp/.dr-laid-out"
+
+    def __init__(self, acts: SandboxActivities, rollout_id: str, run_id: str) -> None:
+        self.acts, self.rollout_id, self.run_id = acts, rollout_id, run_id
+
+    async def open(self, name: str, plan: SandboxPlan) -> BoundSandbox:
+        key = sibling_key(self.rollout_id, name)
+        backend = self.acts.backend
+        if plan.image_build is not None:
+            host = await backend.host() or "local"
+            await ensure_image(ImageBuilds(self.acts.store.db), backend, host, plan.image_build, key)
+        handle = await backend.create(key, self.run_id, plan.spec)
+        if (await backend.exec(handle, f"test -e {self.LAID_OUT}", 60)).exit_code != 0:
+            await self.acts._lay_out(handle, plan, key)
+            await backend.exec(handle, f"touch {self.LAID_OUT}", 60)
+        return BoundSandbox(backend, handle)
+
+    async def base_spec(self) -> SandboxSpec:
+        handle = await asyncio.to_thread(self.acts.store.get_sandbox, self.rollout_id)
+        if handle is None:
+            raise SandboxGone(f"rollout {self.rollout_id}: its own sandbox is gone")
+        return handle.spec

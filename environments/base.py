@@ -169,6 +169,19 @@ class Sandbox(Protocol):
     async def read_file(self, path: str, max_bytes: int = 1 << 20) -> bytes: ...
 
 
+class Sandboxes(Protocol):
+    """More sandboxes of one rollout besides its own (e.g. a verifier's own container), each by a name.
+
+    ``open`` makes (or, by the same rollout and name, finds again: a retried step reattaches) the sandbox of
+    ``plan`` (its image built as the rollout's own, its files and setup laid out once per container), on
+    the rollout's host; it is removed with the rollout's own sandbox (its destroy step, or the reaper).
+    ``base_spec``: the spec the rollout's own sandbox was made with (the run's defaults and the task's)."""
+
+    async def open(self, name: str, plan: SandboxPlan) -> Sandbox: ...
+
+    async def base_spec(self) -> SandboxSpec: ...
+
+
 @dataclass(frozen=True)
 class TurnContext:
     """What ``parse``, ``act``, ``score`` and ``replay`` get besides the turn's text or action."""
@@ -181,6 +194,9 @@ class TurnContext:
     """No model turn follows this one (``rollout.max_turns``): say ``done`` or the rollout truncates."""
     sandbox: Sandbox | None = None
     """The rollout's sandbox; None when the task has none."""
+    sandboxes: Sandboxes | None = None
+    """Further sandboxes of the rollout (``score`` of an environment whose verifier runs apart); None where
+    the worker offers none."""
 
 
 class Environment(ABC):

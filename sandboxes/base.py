@@ -37,6 +37,20 @@ GATEWAY_ROOT_ENV = "DR_GATEWAY_DIR"
 USER_PATTERN = r"^([0-9]+|[A-Za-z_][A-Za-z0-9_.-]{0,31})(:([0-9]+|[A-Za-z_][A-Za-z0-9_.-]{0,31}))?$"
 """A sandbox user in Docker's ``--user`` forms: ``uid``, ``uid:gid``, ``name``, ``name:group`` (or mixed)."""
 
+SIBLING_SEP = "#"
+"""Joins a rollout's key and a name into the key of another sandbox of that rollout (``<key>#verifier``)."""
+
+
+def sibling_key(key: str, name: str) -> str:
+    """The key of the sandbox ``name`` of the rollout whose own sandbox's key is ``key``."""
+    return f"{key}{SIBLING_SEP}{name}"
+
+
+def owner_key(key: str) -> str:
+    """The rollout key a sandbox key belongs to (itself for a rollout's own sandbox)."""
+    return key.partition(SIBLING_SEP)[0]
+
+
 _MAX_PATH_CHARS = 1024
 """Longest relative path accepted by `validate_relative_path`."""
 

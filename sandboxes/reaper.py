@@ -1,6 +1,7 @@
 """The sandbox reaper: removes containers whose rollout workflow is no longer running.
 
-Invariant: a container is kept while its rollout's workflow (workflow id = sandbox key = rollout id) is
+Invariant: a container is kept while its rollout's workflow (workflow id = sandbox key = rollout id; a
+rollout's further sandboxes are keyed ``<rollout id>#<name>``: `sandboxes.base.sibling_key`) is
 running; a finished, terminated or timed-out workflow's container is removed. This covers what the
 workflow's own finalize path cannot: a rollout terminated from the UI or CLI runs no code.
 
@@ -19,6 +20,7 @@ from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.service import RPCError, RPCStatusCode
 
 from durable_rollouts.sandboxes import AsyncSandboxBackend
+from durable_rollouts.sandboxes.base import owner_key
 from durable_rollouts.sandboxes.pool import SandboxPool
 
 log = logging.getLogger(__name__)
@@ -51,7 +53,7 @@ async def reap_orphans(
     never runs its destroy step).
     """
     infos = await backend.list_containers(run_id)
-    keep = {info.key for info in infos if await _in_use(client, info.key, unknown)}
+    keep = {info.key for info in infos if await _in_use(client, owner_key(info.key), unknown)}
     removed = await backend.reap(run_id=run_id, older_than_s=min_age_s, keep=keep)
     if pool is not None:
         for key in await asyncio.to_thread(pool.holders):

@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 from durable_rollouts.contracts.activity_io import EnvStepInput
 from durable_rollouts.contracts.types import EnvStepResult
 from durable_rollouts.environments import registry
-from durable_rollouts.environments.base import Environment, Score, Step, TurnContext, calling
+from durable_rollouts.environments.base import Environment, Sandboxes, Score, Step, TurnContext, calling
 from durable_rollouts.errors import StoreError
 from durable_rollouts.sandboxes.base import BoundSandbox
 from durable_rollouts.store import RunStore, Segment, model_segment, obs_segment
@@ -42,16 +42,22 @@ from durable_rollouts.turns.engine import Engine
 T = TypeVar("T")
 Bound = Callable[[str], Awaitable[BoundSandbox | None]]
 """The live sandbox of a rollout id (None: it has none)."""
+Siblings = Callable[[str, str], Sandboxes]
+"""A rollout's further sandboxes, by its rollout id and run id."""
 
 
 class EnvSteps:
     """The env step of every environment; holds the store, the engine (to tokenize) and the sandboxes."""
 
-    def __init__(self, store: RunStore, engine: Engine, bound: Bound | None = None) -> None:
+    def __init__(
+        self, store: RunStore, engine: Engine, bound: Bound | None = None, siblings: Siblings | None = None
+    ) -> None:
         self.store = store
         self.engine = engine
         self.bound = bound
         """How a step of an environment that uses a sandbox finds it (a worker without sandboxes: None)."""
+        self.siblings = siblings
+        """The rollout's further sandboxes (``TurnContext.sandboxes``), by rollout id and run id."""
 
     async def step(self, inp: EnvStepInput, attempt: int = 1, turn: Segment | None = None) -> EnvStepResult:
         """Step the environment with the turn's text, or (``score_only``) score the rollout as it stands.
@@ -113,15 +119,17 @@ class EnvSteps:
         row = await stored_task(self.store, ref.run_id, ref.task_id, timed)
         with calling(env, "validate_task", ref.rollout_id):
             task = env.validate_task(row, where=f"run {ref.run_id} task {ref.task_id}")
-        sandbox = None
+        sandbox, more = None, None
         if env.uses_sandbox:
             assert self.bound is not None, (
                 f"rollout {ref.rollout_id}: a sandboxed step on a worker without sandboxes"
             )
             sandbox = await _timed_async(timed, self.bound(ref.rollout_id))
+            more = self.siblings(ref.rollout_id, ref.run_id) if self.siblings is not None else None
         return TurnContext(
-            task=task, rollout_id=ref.rollout_id, turn=inp.turn, last_turn=inp.last_turn, sandbox=sandbox
-        )
+            task=task, rollout_id=ref.rollout_id, turn=inp.turn, last_turn=inp.last_turn, sandbox=sandbox,
+            sandboxes=more,
+        )  # fmt: skip
 
     async def _done(
         self, inp: EnvStepInput, seg: Segment, score: float | Score | None, t: _Times
