@@ -16,7 +16,9 @@ How one rollout goes (``run.env = "harbor"``, ``run.task_file`` a Harbor dataset
    tmpfs folders every user of the sandbox may write. ``[environment].env`` is every command's environment.
    The agent's commands run as ``[agent].user`` (unset: the sandbox's non-root user), the verifier as
    ``[verifier].user`` (unset: the agent's); root only on a daemon that remaps users (``sandboxes.users``).
-   Same hardening as every sandbox otherwise: no network, no capabilities. ``[environment.healthcheck]``
+   Same hardening as every sandbox otherwise: no capabilities, and no network unless the task's
+   ``network_mode`` asks for it and the run's egress policy allows it (`harbor_env.network`: then the
+   egress proxy to the allowed hosts only). ``[environment.healthcheck]``
    runs last in setup, before the agent's first turn, by Harbor's rule (failures within
    ``start_period_sec`` do not count; ``retries`` consecutive failures after it fail the rollout).
 3. ``prompt``: the tool format, ``Task id: <name>``, the instruction (``instruction.md``), the working
@@ -25,7 +27,9 @@ How one rollout goes (``run.env = "harbor"``, ``run.task_file`` a Harbor dataset
    its sandbox's creation (``SandboxPlan.timeout_s``: truncated, reason ``timeout``; the run's
    ``rollout.timeout_s`` still applies when shorter), and caps each bash command's limit.
 4. ``score``: Harbor's verifier in the same container (`harbor_env.verifier`): reward from
-   ``/logs/verifier/reward.json`` or ``reward.txt``; no reward or a timeout is `EnvironmentFailure`.
+   ``/logs/verifier/reward.json`` or ``reward.txt``; no reward or a timeout is `EnvironmentFailure`. A
+   separate verifier (``environment_mode = "separate"``) runs in a fresh sandbox of its own image with the
+   agent's artifacts handed over (`harbor_env.separate`).
 
 Invariants: model-generated code runs only in the sandbox; ``parse`` is pure; ``act``/``score``/
 ``replay`` are safe to repeat. A turn's bash command runs once in its container even when the worker
@@ -43,8 +47,8 @@ from durable_rollouts.environments.base import Prompt, SandboxPlan, Score, Task,
 from durable_rollouts.environments.tool_env import ToolCallEnvironment
 from durable_rollouts.errors import EnvironmentFailure, TaskFileError
 from durable_rollouts.sandboxes.base import ImageBuild, SandboxSpec
-from harbor_env import verifier
-from harbor_env.config import HealthcheckConfig, healthcheck_bound_s, user_name
+from harbor_env import network, verifier
+from harbor_env.config import HealthcheckConfig, healthcheck_bound_s, user_name, verifier_mode
 from harbor_env.tasks import HarborTask, load_dataset
 
 __all__ = ["HarborEnvironment", "HarborTask", "healthcheck_script", "image_tag", "load_dataset"]
@@ -77,9 +81,10 @@ class HarborEnvironment(ToolCallEnvironment):
     verifier_version: ClassVar[str] = "harbor-verifier-v1"
     task_model: ClassVar[type[Task]] = HarborTask
 
-    def load_tasks(self, path: Any) -> list[Task]:
-        """A Harbor dataset (`harbor_env.tasks.load_dataset`)."""
-        return list(load_dataset(path))
+    def load_tasks(self, path: Any, sandbox: SandboxSpec | None = None) -> list[Task]:
+        """A Harbor dataset (`harbor_env.tasks.load_dataset`); with the run's ``[sandbox]``, each task's
+        network mode is checked against its egress policy here (else when its sandbox is planned)."""
+        return list(load_dataset(path, egress=sandbox.egress if sandbox is not None else None))
 
     def prompt(self, task: Task) -> Prompt:
         t = _harbor(task)
@@ -107,6 +112,7 @@ class HarborEnvironment(ToolCallEnvironment):
                 "cpus": float(env.cpus) if env.cpus is not None else default.cpus,
                 "workdir_size_mb": workdir_mb, "mounts": dict(MOUNTS), "command_timeout_s": timeout,
                 "env": {**default.env, **env.env}, **users(t, default),
+                "egress": network.planned(t.cfg, default.egress, f"task {t.id} ({t.source}/task.toml)"),
             }
         )  # fmt: skip
         SandboxSpec.model_validate(spec.model_dump())  # the copy skipped validation
@@ -128,6 +134,10 @@ class HarborEnvironment(ToolCallEnvironment):
 
     async def score(self, ctx: TurnContext, text: str | None) -> Score:
         t = _harbor(ctx.task)
+        if verifier_mode(t.cfg) == "separate":
+            from harbor_env import separate
+
+            return await separate.verify(ctx, t, self.sandbox_of(ctx))
         tests = t.tree("tests")
         executables = {p.removeprefix("tests/") for p in t.executables if p.startswith("tests/")}
         ver = t.cfg.verifier
@@ -178,14 +188,11 @@ def healthcheck_script(hc: HealthcheckConfig) -> str:
     )
 
 
-def image_build(t: HarborTask, tag: str) -> ImageBuild:
-    """The task's image: ``environment/`` as the context (or ``FROM docker_image``), plus the seed layer."""
+def image_build(t: HarborTask, tag: str, workdir: str | None = None) -> ImageBuild:
+    """The task's image: ``environment/`` as the context (or ``FROM docker_image``), plus the seed layer
+    (of ``workdir``: default the task's working directory)."""
     env = t.cfg.environment
-    seed = (
-        "\nUSER root\n"
-        f"RUN rm -rf {SEED_DIR} && mkdir -p {SEED_DIR} && "
-        f"if [ -d '{t.workdir}' ]; then cp -a '{t.workdir}/.' {SEED_DIR}/; fi && chmod -R a+rX {SEED_DIR}\n"
-    )
+    seed = seed_layer(workdir or t.workdir)
     if env.docker_image is not None:
         context = {"Dockerfile": _b64(f"FROM {env.docker_image}\n{seed}")}
         executables: list[str] = []
@@ -202,6 +209,16 @@ def image_build(t: HarborTask, tag: str) -> ImageBuild:
         executables=executables,
         timeout_s=env.build_timeout_sec,
         what=f"task {t.id}",
+    )
+
+
+def seed_layer(workdir: str) -> str:
+    """The Dockerfile lines the pipeline adds to a task's image: the working directory's content copied to
+    ``SEED_DIR`` (setup copies it into the sandbox's writable working directory)."""
+    return (
+        "\nUSER root\n"
+        f"RUN rm -rf {SEED_DIR} && mkdir -p {SEED_DIR} && "
+        f"if [ -d '{workdir}' ]; then cp -a '{workdir}/.' {SEED_DIR}/; fi && chmod -R a+rX {SEED_DIR}\n"
     )
 
 

@@ -6,8 +6,8 @@ A dataset (``run.task_file``) is one of:
 - a folder of task directories (each sub-folder not starting with ``.`` must be one);
 - a dataset file listing them: TOML with ``tasks = ["dir", "more/*", ...]`` (paths relative to the file,
   globs allowed) and optionally ``network_policy = "no-network"`` (run tasks whose network mode is
-  ``public`` or ``allowlist`` without network; without it they are refused), or a plain text file with one
-  path per line (``#`` comments).
+  ``public`` or ``allowlist`` without network; without it they need the run's egress policy:
+  `harbor_env.network`), or a plain text file with one path per line (``#`` comments).
 
 Each task directory becomes one `HarborTask`: its parsed ``task.toml`` (``harbor_env.config``), its
 instruction (canary lines stripped, as Harbor does), and the files of ``environment/``, ``tests/`` and
@@ -32,7 +32,9 @@ from pydantic import ConfigDict, Field
 
 from durable_rollouts.environments.base import Task
 from durable_rollouts.errors import TaskFileError
+from durable_rollouts.sandboxes.egress_policy import EgressPolicy
 from harbor_env import config as cfgmod
+from harbor_env import network
 
 MAX_TASK_BYTES = 64 * 1024 * 1024
 """Largest task directory (environment, tests and solution together) accepted."""
@@ -45,6 +47,8 @@ _CANARY = re.compile(r"^(<!--.*canary.*-->|#.*canary.*)$", re.IGNORECASE)
 TASK_PARTS = ("instruction.md", "environment", "tests", "solution")
 """What makes a folder a task directory even without its task.toml."""
 COMPOSE_FILES = ("docker-compose.yaml", "docker-compose.yml", "compose.yaml", "compose.yml")
+NO_EGRESS = EgressPolicy()
+"""The egress policy a dataset is checked against when the caller names none: no host allowed."""
 
 
 class HarborTask(Task):
@@ -74,8 +78,11 @@ class HarborTask(Task):
         return {p[len(prefix) :]: base64.b64decode(b) for p, b in self.files.items() if p.startswith(prefix)}
 
 
-def load_dataset(path: str | Path) -> list[HarborTask]:
+def load_dataset(path: str | Path, egress: EgressPolicy | None = NO_EGRESS) -> list[HarborTask]:
     """Every task of the dataset at ``path`` (see the module docstring), in order, ids unique.
+
+    ``egress``: the run's egress policy, which a task's network mode must fit (`harbor_env.network`); the
+    default allows nothing; None: not known here (checked when each rollout's sandbox is planned).
 
     Raises:
         TaskFileError: one line naming the task directory (or dataset file) and the field at fault.
@@ -95,7 +102,7 @@ def load_dataset(path: str | Path) -> list[HarborTask]:
     tasks: list[HarborTask] = []
     seen: dict[str, Path] = {}
     for d in dirs:
-        task = load_task_dir(d, policy)
+        task = load_task_dir(d, policy, egress)
         if task.id in seen:
             raise TaskFileError(f"{d}: task name {task.id!r} is also the name of {seen[task.id]}")
         seen[task.id] = d
@@ -137,7 +144,9 @@ def _listing(path: Path) -> tuple[list[Path], str | None]:
     return dirs, policy
 
 
-def load_task_dir(d: Path, network_policy: str | None = None) -> HarborTask:
+def load_task_dir(
+    d: Path, network_policy: str | None = None, egress: EgressPolicy | None = NO_EGRESS
+) -> HarborTask:
     """One task directory as a `HarborTask`.
 
     Raises:
@@ -152,13 +161,24 @@ def load_task_dir(d: Path, network_policy: str | None = None) -> HarborTask:
         cfg = cfgmod.parse(_read(d, toml_path, "task.toml"))
     except cfgmod.ConfigProblem as e:
         raise TaskFileError(f"{d}: {e}") from None
-    bad = cfgmod.unsupported(cfg, network_policy)
+    bad = cfgmod.unsupported(cfg)
     if bad is not None:
         raise TaskFileError(f"{d}: task.toml {bad[0]}: {bad[1]}")
+    if network_policy == "no-network":
+        cfg = network.offline(cfg)
+    elif egress is not None:
+        try:
+            network.egress_for(cfg, egress)
+        except network.NetworkRefused as e:
+            raise TaskFileError(f"{d}: task.toml {e}") from None
     if not (d / "instruction.md").is_file():
         raise TaskFileError(f"{d}: instruction.md: missing")
     instruction = strip_canary(_read(d, d / "instruction.md", "instruction.md"))
-    if not (d / "tests" / "test.sh").is_file():
+    own = cfg.verifier.environment
+    bundled = cfgmod.verifier_mode(cfg) == "separate" and (
+        (own is not None and own.docker_image is not None) or (d / "tests" / "Dockerfile").is_file()
+    )  # the verifier's own image holds /tests (Harbor's bundled tests)
+    if not bundled and not (d / "tests" / "test.sh").is_file():
         raise TaskFileError(f"{d}: tests/test.sh: missing (the verifier runs tests/test.sh)")
     env_dir = d / "environment"
     for name in COMPOSE_FILES:

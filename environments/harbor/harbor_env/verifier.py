@@ -46,28 +46,33 @@ def tests_tar(files: dict[str, bytes], executables: set[str]) -> bytes:
 
 async def verify(
     box: Sandbox, task_id: str, tests: dict[str, bytes], executables: set[str], timeout_s: float,
-    env: dict[str, str], once: str | None = None, user: str | None = None,
+    env: dict[str, str], once: str | None = None, user: str | None = None, upload: bool = True,
 ) -> Score:  # fmt: skip
     """Run ``tests`` (``tests/`` of the task, relative paths) as Harbor's verifier does; the reward.
 
     With ``once`` (an exec key scope, e.g. ``score-N``), the copy and the verifier run once per sandbox: a
     retry (its worker died mid-verifier) waits for the first run and reads its reward. ``user``: who the
     copy and the tests run as (``[verifier].user``; None: the sandbox's user). The upload of the tests is
-    written and removed as the sandbox's user, who owns the working directory."""
+    written and removed as the sandbox's user, who owns the working directory. ``upload=False``: the
+    sandbox's image holds ``/tests`` already (a separate verifier's own image: Harbor's bundled tests)."""
+    prepare = f"rm -f {VERIFIER_DIR}/reward.txt {VERIFIER_DIR}/reward.json && mkdir -p {VERIFIER_DIR}"
     bundle = f".harbor-tests-{secrets.token_hex(8)}.tar"
-    await box.write_file(bundle, tests_tar(tests, executables))
-    prepare = (
-        f"rm -f {VERIFIER_DIR}/reward.txt {VERIFIER_DIR}/reward.json && mkdir -p {VERIFIER_DIR} && "
-        f"find {TESTS_DIR} -mindepth 1 -delete && tar -xf {bundle} -C {TESTS_DIR} --no-same-owner"
-    )
+    if upload:
+        await box.write_file(bundle, tests_tar(tests, executables))
+        prepare += (
+            f" && find {TESTS_DIR} -mindepth 1 -delete && tar -xf {bundle} -C {TESTS_DIR} --no-same-owner"
+        )
     res = await _exec(box, prepare, 60, f"{once}.prepare" if once else None, user)
-    await box.exec(f"rm -f {bundle}", timeout_s=60)
+    if upload:
+        await box.exec(f"rm -f {bundle}", timeout_s=60)
     if res.exit_code != 0:
         raise EnvironmentFailure(f"task {task_id}: could not copy tests/ to {TESTS_DIR}: {res.output[-300:]}")
     exports = "".join(f"export {k}={shlex.quote(v)}; " for k, v in sorted(env.items()))
+    test = f"{TESTS_DIR}/test.sh"
     run = (
-        f"chmod +x {TESTS_DIR}/test.sh; {exports}"
-        f"{TESTS_DIR}/test.sh > {VERIFIER_DIR}/test-stdout.txt 2>&1 </dev/null"
+        f"chmod +x {test} 2>/dev/null; {exports}"
+        f"if [ -x {test} ]; then {test}; else bash {test}; fi "
+        f"> {VERIFIER_DIR}/test-stdout.txt 2>&1 </dev/null"
     )
     res = await _exec(box, run, timeout_s, f"{once}.run" if once else None, user)
     if res.timed_out:

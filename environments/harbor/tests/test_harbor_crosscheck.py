@@ -81,3 +81,32 @@ def test_every_example_parses_as_harbor_parses_it(make_task: MakeTask) -> None:
         assert ours.id == theirs["name"], d
         assert ours.instruction == theirs["instruction"], d
         assert_same(theirs["config"], ours.config, d.name)
+
+
+SEPARATE = PACKAGE.parents[1] / "tests" / "integration" / "harbor_tasks"
+
+
+def test_separate_verifier_tasks_resolve_as_harbor_resolves_them(make_task: MakeTask) -> None:
+    """The integration test's separate-verifier tasks, and a verifier with an image named in its own
+    [verifier.environment]: parsed as Harbor parses them, and the verifier's mode, image source and bundled
+    tests resolved as Harbor resolves them."""
+    from harbor_env.config import verifier_mode
+    from harbor_env.separate import Definition
+
+    named = make_task(
+        "named",
+        toml='[verifier.environment]\ndocker_image = "harbor-examples/base:bookworm"\n'
+        'network_mode = "no-network"\nmemory_mb = 1024\n[environment]\nnetwork_mode = "no-network"\n',
+    )
+    dirs = [SEPARATE / "separate-own-image", SEPARATE / "separate-task-image", named]
+    for d, theirs in zip(dirs, harbor_parse(dirs), strict=True):
+        ours = load_task_dir(d)
+        assert ours.id == theirs["name"], d
+        assert_same(theirs["config"], ours.config, d.name)
+        definition = Definition(ours)
+        assert theirs["verifier"] == {
+            "mode": verifier_mode(ours.cfg),
+            "bundled": definition.bundled,
+            "directory": "tests" if definition.bundled else "environment",
+        }, d.name
+    assert load_task_dir(named).cfg.verifier.environment is not None

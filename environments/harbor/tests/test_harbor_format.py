@@ -102,7 +102,8 @@ def test_the_healthcheck_follows_harbors_retry_rule(tmp_path: Path) -> None:
         ('[environment]\nnetwork_mode = "no-network"\n[verifier.environment]\n',
          "[verifier.environment].network_mode"),
         ('[environment]\nnetwork_mode = "no-network"\n[verifier]\nenvironment_mode = "shared"\n'
-         '[verifier.environment]\nnetwork_mode = "no-network"\n', "environment_mode='shared' is incompatible"),
+         '[verifier.environment]\nnetwork_mode = "no-network"\n',
+         "environment_mode='shared' is incompatible"),
         ('artifacts = ["/app/out.txt"]\n[environment]\nnetwork_mode = "no-network"\n', "artifacts: "),
         ('artifacts = [{source = "/x", service = "db"}]\n[environment]\nnetwork_mode = "no-network"\n'
          '[verifier]\nenvironment_mode = "separate"\n', "artifacts[0].service"),

@@ -1,0 +1,3 @@
+#!/bin/bash
+echo separate > /app/result.txt
+echo "not an artifact" > /app/not-handed.txt
