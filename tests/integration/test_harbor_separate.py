@@ -169,3 +169,34 @@ async def test_an_artifact_the_verifier_cannot_hold_fails_as_the_environments(
         assert_no_containers(docker, run_id)
     finally:
         docker.reap(run_id=run_id)
+
+
+async def test_an_agents_tmp_handed_over_cannot_forge_the_verifiers_keyed_runs(
+    docker: DockerBackend, harbor_base: None, tmp_path: Path
+) -> None:
+    """/tmp as an artifact: the agent's files arrive, its copy of the keyed-exec records does not."""
+    env = registry.get("harbor")
+    run_id = f"harbor-separate-tmp-{uuid.uuid4().hex[:8]}"
+    task_dir = tmp_path / OWN
+    shutil.copytree(TASKS / OWN, task_dir)
+    toml = task_dir / "task.toml"
+    toml.write_text(toml.read_text().replace('["result.txt"]', '["result.txt", "/tmp"]'))
+    solve = task_dir / "solution" / "solve.sh"
+    solve.write_text(solve.read_text() + "echo kept > /tmp/kept.txt\nmkdir -p /tmp/.dr-once/forged\n")
+    store = RunStore(tmp_path / "store")
+    try:
+        acts = SandboxActivities(store, lambda: AsyncSandboxBackend(docker))
+        task, rid, box = await _agent_sandbox(acts, docker, task_dir, run_id)
+        ctx = TurnContext(task=task, rollout_id=rid, turn=3, last_turn=True, sandbox=box,
+                          sandboxes=acts.siblings(rid, run_id))  # fmt: skip
+        assert (await env.score(ctx, None)).metrics == OWN_METRICS
+        (handle,) = [c for c in docker.list_containers(run_id) if c.key == sibling_key(rid, "verifier")]
+        res = docker.client.containers.get(handle.container_id).exec_run(
+            ["sh", "-c", "cat /tmp/kept.txt; ls /tmp/.dr-once"]
+        )
+        out = res.output.decode()
+        assert out.startswith("kept\n") and "forged" not in out and "score-3.run" in out, out
+        await acts.sandbox_destroy(rid)
+        assert_no_containers(docker, run_id)
+    finally:
+        docker.reap(run_id=run_id)

@@ -47,6 +47,10 @@ from harbor_env.tasks import DEFAULT_WORKDIR, SEED_VERSION, HarborTask, dockerfi
 
 NAME = "verifier"
 """The verifier's sandbox among the rollout's (``Sandboxes.open``)."""
+KEEP_OUT = (".dr-once", ".dr-laid-out")
+"""Names never unpacked from an artifact nor cleared by one (an agent's /tmp handed over): the verifier
+sandbox's keyed-exec records (``sandboxes`` keeps them in /tmp/.dr-once) and its setup marker, which an
+agent's copies would otherwise forge or erase."""
 PACK = ".harbor-artifact"
 """Prefix of the artifact archives in either sandbox's working directory (left out of what is packed)."""
 
@@ -162,17 +166,21 @@ def source_path(t: HarborTask, a: ArtifactConfig) -> str:
 
 
 async def _pack(agent: Sandbox, t: HarborTask, i: int, a: ArtifactConfig) -> tuple[str, str, bytes]:
-    """(path, "dir" | "file" | "missing", tar archive) of one artifact, packed in the agent's sandbox."""
+    """(path, "dir" | "file" | "missing", tar archive) of one artifact, packed in the agent's sandbox: a
+    folder's entries (not the folder itself, whose owner and mode stay the verifier's), or the file."""
     path = source_path(t, a)
-    archive = f"{PACK}-{i}.tar"
-    excludes = "".join(f" --exclude={shlex.quote(x)}" for x in a.exclude)
-    rel = shlex.quote(path.lstrip("/") or ".")
+    archive = f"{t.workdir.rstrip('/')}/{PACK}-{i}.tar"
+    tar = f"tar -cf {archive} --exclude='{PACK}-*.tar'" + "".join(
+        f" --exclude={shlex.quote(x)}" for x in a.exclude
+    )
     cmd = (
         f"rm -f {archive}; p={shlex.quote(path)}; "
-        'if [ -d "$p" ]; then echo kind=dir; elif [ -e "$p" ]; then echo kind=file; '
+        'if [ -d "$p" ]; then echo kind=dir; '
+        f"""out=$(cd "$p" && find . -mindepth 1 -maxdepth 1 -printf '%P\\0' | {tar} --null -T - 2>&1); """
+        'elif [ -e "$p" ]; then echo kind=file; '
+        f'out=$({tar} -C "$(dirname "$p")" -- "$(basename "$p")" 2>&1); '
         "else echo kind=missing; exit 0; fi; "
-        f"out=$(tar -cf {archive} --exclude='{PACK}-*.tar'{excludes} -C / {rel} 2>&1) || "
-        '{ echo "$out" | tail -c 300; exit 1; }'
+        '[ $? = 0 ] || { echo "$out" | tail -c 300; exit 1; }'
     )
     res = await agent.exec(cmd, timeout_s=600)
     kind = "missing" if "kind=missing" in res.output else ("dir" if "kind=dir" in res.output else "file")
@@ -183,22 +191,29 @@ async def _pack(agent: Sandbox, t: HarborTask, i: int, a: ArtifactConfig) -> tup
             f"task {t.id}: artifact {a.source!r}: could not pack {path} in the agent's sandbox: "
             f"{res.output[-300:].strip()}"
         )
+    rel = archive.removeprefix(t.workdir.rstrip("/") + "/")
     try:
-        data = await agent.read_file(archive, max_bytes=256 << 20)
+        data = await agent.read_file(rel, max_bytes=256 << 20)
     finally:
         await agent.exec(f"rm -f {archive}", timeout_s=60)
     return path, kind, data
 
 
 async def _unpack(box: Sandbox, t: HarborTask, scope: str, i: int, path: str, kind: str, data: bytes) -> None:
-    """Place one packed artifact at its path in the verifier's sandbox (a folder replacing what is there)."""
+    """Place one packed artifact at its path in the verifier's sandbox (a folder's entries replacing what
+    the folder held, but for the sandbox's own records: `KEEP_OUT`)."""
     archive = f"{PACK}-{i}.tar"
     await box.write_file(archive, data)
     q = shlex.quote(path)
-    clear = f"mkdir -p {q} && find {q} -mindepth 1 -delete" if kind == "dir" else f"mkdir -p $(dirname {q})"
+    if kind == "dir":
+        keep = "".join(f" ! -name {name}" for name in KEEP_OUT)
+        place = f"mkdir -p {q} && find {q} -mindepth 1 -maxdepth 1{keep} -exec rm -rf {{}} + && cd {q}"
+    else:
+        place = f'mkdir -p "$(dirname {q})" && cd "$(dirname {q})"'
+    excludes = "".join(f" --exclude={name}" for name in KEEP_OUT)
     cmd = (
-        f"exec 3< {archive} && rm -f {archive} && {clear} && "
-        "tar -xf - -C / --no-same-owner --no-overwrite-dir -m <&3"
+        f"exec 3< {archive} && rm -f {archive} && {place} && "
+        f"tar -xf - --no-same-owner --no-overwrite-dir -m{excludes} <&3"
     )
     res = await box.exec(cmd, timeout_s=600, once_key=f"{scope}.artifact-{i}")
     await box.exec(f"rm -f {archive}", timeout_s=60)  # a retry's copy (its keyed exec did not run again)
