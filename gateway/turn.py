@@ -177,24 +177,23 @@ class GatewayTurns:
         self, inp: GatewayCallInput, attempt: int = 1, queued_s: float = 0.0
     ) -> GatewayCallResult:
         rid, idx = inp.ref.rollout_id, inp.index
-        call = await asyncio.to_thread(self.store.get_call, rid, idx)
-        if call is None:
+        stored = await asyncio.to_thread(self._read, rid, idx)  # one trip to the store thread, not five
+        if stored is None:
             raise EnvironmentFailure(f"rollout {rid}: gateway call {idx} was never recorded")
+        call, tokens, earlier, ctx_seg, seg = stored
         if call.answered:
             return _result(call, attempt)
-        tokens = await asyncio.to_thread(self.store.token_ids, rid)
         if inp.limit is not None:
             return await self._limit(call, inp.limit, len(tokens), attempt)
         t0 = time.monotonic()
         fmt = await self._format(inp.ref.run_id)
         parser = await self._parser(fmt)  # before sampling: a parser that cannot load costs no sample
         options = Options.of_request(call.request)
-        ctx, tokens = await self._context(inp, call, options, tokens)
+        ctx, tokens = await self._context(inp, call, options, tokens, earlier, ctx_seg)
         seq_start = int(ctx.meta.get("sequence_start", 0))
         budget = turn_budget(len(tokens), inp.max_total_tokens, inp.max_tokens)  # over every sequence
         if budget.truncated is not None:
             return await self._limit(call, budget.truncated, len(tokens), attempt)
-        seg = await asyncio.to_thread(self.store.get_segment, rid, model_segment(idx))
         if seg is None:
             cap = (
                 budget.max_tokens
@@ -229,7 +228,10 @@ class GatewayTurns:
         if stopped:
             finish = "stop"
         offered = options.offered(chat.request_messages(call.request)[1])
-        parsed = await asyncio.to_thread(parser.parse, shown, written, offered, options.tool_choice, idx)
+        if fmt.builtin:  # a regular expression over the answer: less than a trip to a thread
+            parsed = parser.parse(shown, written, offered, options.tool_choice, idx)
+        else:
+            parsed = await asyncio.to_thread(parser.parse, shown, written, offered, options.tool_choice, idx)
         body = chat.completion(rid, idx, model, parsed, finish, seg.start - seq_start, len(seg.token_ids))
         versions = [v for v in seg.policy_versions or [] if v is not None]
         detail = {
@@ -242,6 +244,23 @@ class GatewayTurns:
             detail["rendered"] = chat.rendered_answer(body["choices"][0]["message"])
         stored = await asyncio.to_thread(self.store.answer_call, rid, idx, 200, body, detail)
         return _result(stored, attempt)
+
+    def _read(
+        self, rid: str, idx: int
+    ) -> tuple[GatewayCall, list[int], list[GatewayCall], Segment | None, Segment | None] | None:
+        """What a call's answer starts from, read at once: the call, the rollout's tokens, the calls
+        before it, and its context and sampled segments where an earlier attempt stored them (None: the
+        call was never recorded)."""
+        call = self.store.get_call(rid, idx)
+        if call is None or call.answered:
+            return None if call is None else (call, [], [], None, None)
+        return (
+            call,
+            self.store.token_ids(rid),
+            self.store.gateway_calls(rid, idx),
+            self.store.get_segment(rid, ctx_segment(idx)),
+            self.store.get_segment(rid, model_segment(idx)),
+        )
 
     async def _sample(
         self,
@@ -289,20 +308,25 @@ class GatewayTurns:
         return _result(stored, attempt)
 
     async def _context(
-        self, inp: GatewayCallInput, call: GatewayCall, options: Options, tokens: list[int]
+        self,
+        inp: GatewayCallInput,
+        call: GatewayCall,
+        options: Options,
+        tokens: list[int],
+        earlier: list[GatewayCall],
+        seg: Segment | None,
     ) -> tuple[Segment, list[int]]:
         """The segment of what the harness added before this call (stored once), and the rollout's tokens
-        (``tokens``: as read before) with it. The conversation as the template renders it is recomputed
-        (pure, from the request and the earlier answers)."""
-        rid, idx, name = inp.ref.rollout_id, inp.index, ctx_segment(inp.index)
+        (``tokens``: as read before, with ``earlier`` calls and the segment if stored) with it. The
+        conversation as the template renders it is recomputed (pure, from the request and the earlier
+        answers)."""
+        rid, idx = inp.ref.rollout_id, inp.index
         messages, asked = chat.request_messages(call.request)
         tools = options.offered(asked)
-        earlier = await asyncio.to_thread(self.store.gateway_calls, rid, idx)
-        answers = _answers(earlier)
-        canon = chat.canonical(messages, [a for _, a in answers])
-        seg = await asyncio.to_thread(self.store.get_segment, rid, name)
         if seg is not None:
             return seg, tokens
+        answers = _answers(earlier)
+        canon = chat.canonical(messages, [a for _, a in answers])
         url, model = inp.engine_url, inp.ref.model
         start, full = len(tokens), None
         meta: dict[str, Any] = {"gateway_call": idx}
