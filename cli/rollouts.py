@@ -88,7 +88,7 @@ def run(
     tasks_path = resolve_path(cfg.run.task_file, "run.task_file")
     cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"task_file": str(tasks_path)})})
     try:
-        tasks = load_tasks(tasks_path, cfg.run.env)
+        tasks = load_tasks(tasks_path, cfg.run.env, cfg.sandbox)
     except TaskFileError as e:
         raise fail(str(e)) from None
     except EnvironmentCodeError as e:  # a bug in the environment's code: its failure, exit 3

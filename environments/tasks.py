@@ -6,12 +6,14 @@ nothing downstream ever sees a half-valid task.
 
 from __future__ import annotations
 
+import inspect
 import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from durable_rollouts.errors import TaskFileError
+from durable_rollouts.sandboxes.base import SandboxSpec
 
 
 def json_objects(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -36,8 +38,11 @@ def json_objects(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
         yield n, obj
 
 
-def load_tasks(path: str | Path, env: str) -> list[dict[str, Any]]:
+def load_tasks(path: str | Path, env: str, sandbox: SandboxSpec | None = None) -> list[dict[str, Any]]:
     """Read and validate a task file with the environment registered as ``env``; tasks as JSON objects.
+
+    ``sandbox``: the run's ``[sandbox]``, passed on to an environment whose ``load_tasks`` takes a
+    ``sandbox`` argument (e.g. Harbor's, which checks each task's network mode against its egress policy).
 
     Raises:
         TaskFileError: one line naming the file, line and field at fault.
@@ -50,5 +55,7 @@ def load_tasks(path: str | Path, env: str) -> list[dict[str, Any]]:
 
     environment = registry.get(env)
     found = resolve_path(path, "run.task_file")  # a file, or a package's bundled one (PACKAGE:RELATIVE)
+    takes = sandbox is not None and "sandbox" in inspect.signature(environment.load_tasks).parameters
     with calling(environment, "load_tasks", str(found)):
-        return [t.model_dump(mode="json") for t in environment.load_tasks(found)]
+        tasks = environment.load_tasks(found, **({"sandbox": sandbox} if takes else {}))
+        return [t.model_dump(mode="json") for t in tasks]

@@ -10,10 +10,9 @@ with two differences, both at submit and both one line naming the task directory
 - A field this pipeline cannot honour is refused, never ignored (`unsupported`): multi-step tasks,
   compose sidecar hooks and services, GPUs/TPUs, MCP servers, skills, artifacts without a separate
   verifier (Harbor only collects them to the host then), Windows, ``${VAR}`` templates (Harbor fills them
-  from the host's environment), and any network mode other than ``no-network`` unless the dataset's
-  network policy says to run such tasks without network
-  (sandboxes never have one). Empty lists and tables and zero counts (``artifacts = []``, ``gpus = 0``,
-  an empty ``[environment.env]``) ask for nothing and are accepted, as Harbor accepts them.
+  from the host's environment). A network mode other than ``no-network`` is checked against the run's
+  egress policy (``harbor_env.network``). Empty lists and tables and zero counts (``artifacts = []``,
+  ``gpus = 0``, an empty ``[environment.env]``) ask for nothing and are accepted, as Harbor accepts them.
 
 A separate verifier (``[verifier].environment_mode = "separate"`` or a ``[verifier.environment]``) is
 honoured (`verifier_mode`, `verifier_environment`: Harbor's resolution; ``harbor_env.separate`` runs it),
@@ -354,12 +353,9 @@ def _artifact_checks(cfg: TaskConfig) -> list[tuple[bool, str, str]]:
     ]  # fmt: skip
 
 
-def unsupported(cfg: TaskConfig, network_policy: str | None) -> tuple[str, str] | None:
-    """The first field of ``cfg`` the pipeline cannot honour, as (field, why); None when it can run it.
-
-    ``network_policy``: the dataset's network policy (``"no-network"``: run tasks that ask for network
-    without it); None refuses every task whose network mode is not ``no-network``.
-    """
+def unsupported(cfg: TaskConfig) -> tuple[str, str] | None:
+    """The first field of ``cfg`` the pipeline cannot honour, as (field, why); None when it can run it
+    (network modes aside: ``harbor_env.network`` checks them against the run's egress policy)."""
     env, agent, ver = cfg.environment, cfg.agent, cfg.verifier
     separate = verifier_mode(cfg) == "separate"
     checks: list[tuple[bool, str, str]] = [
@@ -382,17 +378,4 @@ def unsupported(cfg: TaskConfig, network_policy: str | None) -> tuple[str, str] 
     for bad, field, why in checks:
         if bad:
             return field, why
-    for field, mode in (
-        ("[environment].network_mode", env.network_mode),
-        ("[agent].network_mode", agent.network_mode),
-        ("[verifier].network_mode", ver.network_mode),
-        ("[verifier.environment].network_mode", ver.environment.network_mode if ver.environment else None),
-    ):
-        if mode not in (None, "no-network") and network_policy != "no-network":
-            default = " (Harbor's default)" if field.startswith("[environment]") and mode == "public" else ""
-            return field, (
-                f'{mode!r}{default}: sandboxes never have network; set network_mode = "no-network" in the '
-                'task, or list the tasks in a dataset file with network_policy = "no-network" to run them '
-                "without network"
-            )
     return None

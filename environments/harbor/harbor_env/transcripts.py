@@ -82,7 +82,9 @@ def write(path: str | Path, dataset: str | Path, script: Turns | None = None) ->
     script = script or turns
     out = Path(path)
     lines = [
-        {"task_id": t.id, "mode": m, "turns": script(t, m)} for t in load_dataset(dataset) for m in MODES
+        {"task_id": t.id, "mode": m, "turns": script(t, m)}
+        for t in load_dataset(dataset, egress=None)  # the files only: no run's policy to check
+        for m in MODES
     ]
     out.write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")
     return out
