@@ -1,24 +1,33 @@
-"""Gateway overhead per model call: a harness's call through the rollout's gateway vs the tool harness's
-call path, on one simulated engine, in one run.
+"""Gateway overhead per model call: a harness's call through the rollout's gateway vs the tool harness's call
+path, on one simulated engine, for this checkout's gateway and an older commit's, in one run.
 
 Both sides make ``--calls`` sequential model calls of one growing conversation (a prompt, then each turn
-followed by a short observation) against the simulated engine (its own process, the random policy, no
-delays), with the run store in a temporary directory:
+followed by a short observation) against the simulated engine (its own process, no delays), with the run
+store in a temporary directory:
 
 - ``tool``: the pipeline's own turn, as the tool harness drives it: the stored context read, one
   token-in/token-out generate, the turn's segment stored, the observation tokenized and stored.
 - ``gateway``: a harness process (a child, speaking HTTP over the rollout's Unix socket) posts
   ``/v1/chat/completions``; the gateway server records the request and "signals" (here: schedules the
   call's turn in process, where a worker gets the ``gateway_call`` activity), the turn renders the
-  conversation through the engine's chat template (two renders: the new conversation and the previous
-  one closed), checks it extends the stored tokens, generates, stores, detokenizes and answers.
+  conversation through the engine's chat template, checks it extends the stored tokens, generates, stores,
+  detokenizes and answers.
 
-Reported per call: latency (ms, as the caller sees it) and this process's CPU (ms: the worker side; the
-engine and the harness client are other processes). Temporal's own cost (the signal, the activity's
-scheduling) is not in either side: it is the same per call for both (one activity) plus one signal for the
-gateway.
+Two engines: ``text``, the scripted policy playing a transcript of tool-calling turns (what a trained model
+samples: text whose tokens are the tokenizer's own), and ``random``, random byte tokens (a sample the
+template's render of its text never reproduces, so no answer can be checked in one render: the worst case).
 
-    python bench/gateway_overhead.py --calls 40 --out bench/results/gateway_overhead.json
+Each version (``--before REV``: that commit's code, extracted with ``git archive``; ``after``: this
+checkout) runs in its own process (``--child``) importing its own ``durable_rollouts``, the versions
+alternating ``--repeats`` times per engine so that load drifts hit both. Reported per version and engine:
+latency per call (ms, as the harness sees it; median over every call of every repeat), this process's CPU
+per call (ms: the worker side; the engine and the harness client are other processes), the chat-template
+renders per call (``/tokenize`` requests with messages) and the bytes the store keeps of the calls; and the
+ratios after / before of the gateway's added latency and CPU (gateway minus tool path, same process).
+Temporal's own cost (the signal, the activity's scheduling) is not in either side.
+
+    python bench/gateway_overhead.py --calls 40 --repeats 3 --before e789909 \
+        --out bench/results/gateway_overhead.json
 """
 
 from __future__ import annotations
@@ -79,10 +88,20 @@ print(json.dumps(out))
 """
 
 
-def start_engine(port: int) -> subprocess.Popen[bytes]:
-    argv = [sys.executable, "-m", "durable_rollouts.simengine", "--port", str(port), "--policy", "random",
-            "--random-median-tokens", "48", "--max-model-len", "65536",
-            "--num-gpu-blocks", "65536"]  # fmt: skip
+TURN = (
+    "Step {i}: I will look at the repository and run the failing test again.\n"
+    '<tool_call>{{"name": "bash", "arguments": {{"command": "cd /app && ls -la src && python -m pytest -q '
+    'tests/test_step_{i}.py"}}}}</tool_call>'
+)
+
+
+def start_engine(port: int, policy: str, transcripts: Path) -> subprocess.Popen[bytes]:
+    argv = [sys.executable, "-m", "durable_rollouts.simengine", "--port", str(port),
+            "--max-model-len", "65536", "--num-gpu-blocks", "65536"]  # fmt: skip
+    if policy == "random":
+        argv += ["--policy", "random", "--random-median-tokens", "48"]
+    else:
+        argv += ["--policy", "scripted", "--transcripts", str(transcripts)]
     return subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -171,44 +190,141 @@ def summary(lat: list[float], cpu_per_call: float) -> dict[str, float]:
     }
 
 
-async def main(calls: int, out: Path | None) -> dict[str, Any]:
+async def child(url: str, calls: int) -> dict[str, Any]:
+    """One version's measurement (this process imports that version's ``durable_rollouts``)."""
+    import durable_rollouts.gateway.turn as turn_module
+
+    engine = EngineClient()
+    renders = 0
+    tokenize_chat = engine.tokenize_chat
+
+    async def counted(*args: Any, **kw: Any) -> list[int]:  # the renders this version asks for
+        nonlocal renders
+        renders += 1
+        return await tokenize_chat(*args, **kw)
+
+    engine.tokenize_chat = counted  # type: ignore[method-assign]
+    with tempfile.TemporaryDirectory() as tmp:
+        home = Path(tmp)
+        store = RunStore(home / "store")
+        await tool_path(store, engine, url, 3)  # warm both paths (connections, caches)
+        tool = await tool_path(store, engine, url, calls)
+        renders = 0
+        gw = await gateway_path(store, engine, url, calls, home)
+        segs = store.segments("bench/gateway/0")
+        q = "SELECT sum(length(request_json)), sum(length(detail_json)) FROM gateway_calls"
+        req_bytes, detail_bytes = store.db.execute(q).fetchone()
+    await engine.aclose()
+    return {
+        "code": str(Path(turn_module.__file__).resolve().parents[1]),
+        "tool": tool,
+        "gateway": gw,
+        "renders": renders,
+        "tokens_at_end": segs[-1].end if segs else 0,
+        "stored_bytes": {"requests": req_bytes, "details": detail_bytes},
+    }
+
+
+def run_child(import_path: str | None, url: str, calls: int) -> dict[str, Any]:
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    if import_path is not None:
+        env["PYTHONPATH"] = import_path
+    argv = [sys.executable, "-P", str(Path(__file__).resolve()), "--child", url, "--calls", str(calls)]
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(argv)} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def aggregate(runs: list[dict[str, Any]], calls: int) -> dict[str, Any]:
+    """One version on one engine over its repeats: both paths' summaries and the gateway's added cost."""
+    tool_lat = [x for r in runs for x in r["tool"]["latency_s"]]
+    tool_cpu = statistics.mean(x for r in runs for x in r["tool"]["cpu_s"])
+    gw_lat = [x for r in runs for x in r["gateway"]["latency_s"]]
+    gw_cpu = statistics.mean(r["gateway"]["cpu_s_total"] / calls for r in runs)
+    tool, gw = summary(tool_lat, tool_cpu), summary(gw_lat, gw_cpu)
+    return {
+        "tool": tool,
+        "gateway": gw,
+        "added_per_call": {
+            "latency_ms": round(gw["latency_ms_median"] - tool["latency_ms_median"], 2),
+            "cpu_ms": round(gw["cpu_ms_per_call"] - tool["cpu_ms_per_call"], 2),
+        },
+        "renders_per_call": round(statistics.mean(r["renders"] for r in runs) / calls, 2),
+        "context_tokens_at_end": runs[-1]["tokens_at_end"],
+        "stored_bytes": runs[-1]["stored_bytes"],
+    }
+
+
+def ratio(after: float, before: float) -> float | None:
+    return round(after / before, 3) if before > 0 else None
+
+
+def main(calls: int, repeats: int, before: str, out: Path | None) -> dict[str, Any]:
     import socket
 
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    proc = start_engine(port)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        await wait_up(url)
-        engine = EngineClient()
-        with tempfile.TemporaryDirectory() as tmp:
-            home = Path(tmp)
-            store = RunStore(home / "store")
-            await tool_path(store, engine, url, 3)  # warm both paths (connections, caches)
-            tool = await tool_path(store, engine, url, calls)
-            gw = await gateway_path(store, engine, url, calls, home)
-            segs = store.segments("bench/gateway/0")
-            tokens = segs[-1].end if segs else 0
-        await engine.aclose()
-    finally:
-        proc.terminate()
-        proc.wait(10)
-    tool_sum = summary(tool["latency_s"], statistics.mean(tool["cpu_s"]))
-    gw_sum = summary(gw["latency_s"], gw["cpu_s_total"] / calls)
+    sys.path.insert(0, str(REPO / "bench"))
+    from orchestration_cost import checkout, import_path
+
+    rev = subprocess.run(
+        ["git", "rev-parse", before], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    engines: dict[str, tuple[subprocess.Popen[bytes], str]] = {}
+    results: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        transcripts = Path(tmp) / "transcripts.jsonl"
+        turns = [TURN.format(i=i) for i in range(calls + 8)]
+        transcripts.write_text(json.dumps({"task_id": "bench", "mode": "reference", "turns": turns}) + "\n")
+        versions = {"before": import_path(checkout(rev, Path(tmp) / f"code-{rev[:8]}")), "after": None}
+        try:
+            for policy in ("text", "random"):
+                s = socket.socket()
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+                s.close()
+                engines[policy] = (start_engine(port, policy, transcripts), f"http://127.0.0.1:{port}")
+            for _, url in engines.values():
+                asyncio.run(wait_up(url))
+            for r in range(repeats):
+                order = list(versions) if r % 2 == 0 else list(reversed(versions))
+                for policy, (_, url) in engines.items():
+                    for name in order:
+                        run = run_child(versions[name], url, calls)
+                        results.setdefault(policy, {}).setdefault(name, []).append(run)
+        finally:
+            for proc, _ in engines.values():
+                proc.terminate()
+                proc.wait(10)
+    by_engine: dict[str, Any] = {}
+    for policy, per_version in results.items():
+        agg = {name: aggregate(runs, calls) for name, runs in per_version.items()}
+        b, a = agg["before"], agg["after"]
+        agg["after_over_before"] = {
+            "added_latency": ratio(a["added_per_call"]["latency_ms"], b["added_per_call"]["latency_ms"]),
+            "added_cpu": ratio(a["added_per_call"]["cpu_ms"], b["added_per_call"]["cpu_ms"]),
+            "gateway_latency": ratio(a["gateway"]["latency_ms_median"], b["gateway"]["latency_ms_median"]),
+            "gateway_cpu": ratio(a["gateway"]["cpu_ms_per_call"], b["gateway"]["cpu_ms_per_call"]),
+            "stored_bytes": ratio(sum(a["stored_bytes"].values()), sum(b["stored_bytes"].values())),
+        }
+        by_engine[policy] = agg
+    dirty = bool(
+        subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True, text=True
+        ).stdout.strip()
+    )
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
     result = {
         "bench": "gateway_overhead",
+        "command": " ".join(["python", "bench/gateway_overhead.py", *sys.argv[1:]]),
         "calls": calls,
-        "gateway_context_tokens_at_end": tokens,
-        "tool": tool_sum,
-        "gateway": gw_sum,
-        "overhead_per_call": {
-            "latency_ms": round(gw_sum["latency_ms_median"] - tool_sum["latency_ms_median"], 2),
-            "cpu_ms": round(gw_sum["cpu_ms_per_call"] - tool_sum["cpu_ms_per_call"], 2),
-        },
-        "note": "simulated engine (random policy, no delays) in its own process; Temporal's signal and "
-        "activity scheduling not included; CPU = this (worker-side) process only",
+        "repeats": repeats,
+        "before": rev,
+        "after": {"commit": head.strip(), "dirty": dirty},
+        "engines": by_engine,
+        "note": "simulated engine (no delays) in its own process; Temporal's signal and activity scheduling "
+        "not included; CPU = the worker-side process only; a shared 2-core machine: absolute numbers are "
+        "upper bounds, the ratios (both versions alternating in one run) are what compares",
     }
     print(json.dumps(result, indent=2))
     if out is not None:
@@ -219,6 +335,12 @@ async def main(calls: int, out: Path | None) -> dict[str, Any]:
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--calls", type=int, default=40)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--before", default="HEAD", help="the older commit whose gateway is compared")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--child", metavar="ENGINE_URL", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
-    asyncio.run(main(args.calls, args.out))
+    if args.child:
+        print(json.dumps(asyncio.run(child(args.child, args.calls))))
+    else:
+        main(args.calls, args.repeats, args.before, args.out)
