@@ -225,10 +225,15 @@ class PostgresDatabase(Database):
     dialect = "postgresql"
     for_update = " FOR UPDATE"
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, reconnect_s: float = 30.0) -> None:
         super().__init__()
         self.url = url
         self.location = redact(url)
+        self.reconnect_s = reconnect_s
+        """How long a new connection to a server this object has reached before is tried again (backoff up
+        to 2 s) before the statement fails with a retryable `StoreError`: a server restart or a short
+        partition is ridden out inside the statement, not spent from the caller's own retries (an engine
+        call's, say). The first connection is never retried: a wrong URL fails at once."""
         self._reached = False
 
     def _connect(self) -> Any:
@@ -236,13 +241,21 @@ class PostgresDatabase(Database):
         a later one (a server restarting under a running worker) is a retryable `StoreError`."""
         import psycopg
 
-        try:
-            # text comes back as str whatever the database's encoding (a SQL_ASCII one hands back bytes)
-            conn = psycopg.connect(self.url, autocommit=True, connect_timeout=10, client_encoding="utf8")
-        except psycopg.OperationalError as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            error = StoreError if self._reached else ConfigError
-            raise error(f"store {self.location}: cannot connect: {first}") from None
+        deadline = time.monotonic() + (self.reconnect_s if self._reached else 0.0)
+        pause = 0.2
+        while True:
+            try:
+                # text comes back as str whatever the database's encoding (a SQL_ASCII one hands back bytes)
+                conn = psycopg.connect(self.url, autocommit=True, connect_timeout=10, client_encoding="utf8")
+                break
+            except psycopg.OperationalError as e:
+                if time.monotonic() + pause < deadline:  # a server that was there: restarting, or cut off
+                    time.sleep(pause)
+                    pause = min(2 * pause, 2.0)
+                    continue
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                error = StoreError if self._reached else ConfigError
+                raise error(f"store {self.location}: cannot connect: {first}") from None
         self._reached = True
         conn.row_factory = _row_factory
         return conn
@@ -259,16 +272,48 @@ class PostgresDatabase(Database):
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise StoreError(f"store {self.location}: {first}") from None
 
+    def _stale(self, e: Exception) -> bool:
+        """Whether ``e`` says the server ended the thread's connection (`_NEVER_RAN`: shut down or restarted,
+        or the backend terminated); if so, the connection is dropped so the next statement reconnects."""
+        if getattr(e, "sqlstate", None) not in _NEVER_RAN:
+            return False
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.close()
+            self._local.conn = None
+        return True
+
     def execute(self, sql: str, args: Sequence[Any] = ()) -> Any:
+        """One statement; once more on a new connection when the server ended the thread's connection
+        (`_stale`)."""
+        import psycopg
+
         with self._lost():
+            try:
+                return super().execute(sql, args)
+            except psycopg.OperationalError as e:
+                if not self._stale(e):
+                    raise
             return super().execute(sql, args)
 
     @contextmanager
     def tx(self) -> Iterator[Tx]:
-        with self._lost():
-            conn = self._conn()
-            with conn.transaction():
-                yield Tx(conn, self.dialect)
+        """A transaction; its BEGIN once more on a new connection when the server had ended the thread's
+        connection (`_stale`: nothing of the transaction has run then). An error inside the body is the
+        caller's (a retryable `StoreError` for a lost connection)."""
+        import psycopg
+
+        with self._lost(), contextlib.ExitStack() as stack:
+            try:
+                conn = self._conn()
+                stack.enter_context(conn.transaction())
+            except psycopg.OperationalError as e:
+                if not self._stale(e):
+                    raise
+                conn = self._conn()
+                stack.enter_context(conn.transaction())
+            yield Tx(conn, self.dialect)
 
     def schema_version(self) -> int:
         conn = self._conn()
@@ -297,6 +342,13 @@ class PostgresDatabase(Database):
                         "INSERT INTO schema_migrations (version, applied_at) VALUES (%s, %s)",
                         (version, time.time()),
                     )
+
+
+_NEVER_RAN = frozenset({"57P01", "57P02", "57P03"})
+"""SQLSTATEs of a connection the server ended (admin_shutdown, crash_shutdown, cannot_connect_now): the
+statement on it never ran, or ran and was rolled back with the server's shutdown, so it is run again. (The
+store's record writes are keyed, ``ON CONFLICT DO NOTHING``, so even a statement that committed just before
+the server's notice cannot double a record.)"""
 
 
 def redact(url: str) -> str:
