@@ -18,8 +18,10 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import datetime
 import importlib.resources
 import json
+import re
 import threading
 import time
 from typing import Any
@@ -37,6 +39,8 @@ LABEL_NETWORK = "durable-rollouts.egress-network"
 """On a sandbox's egress network: the sandbox's container name."""
 LABEL_RUN = "durable-rollouts.run"
 NO_PROXY = "localhost,127.0.0.1,::1"
+NETWORK_GRACE_S = 120.0
+"""A sandbox network younger than this is never reaped: its sandbox may be being created right now."""
 
 
 def proxy_name(policy: EgressPolicy) -> str:
@@ -108,14 +112,16 @@ class EgressNetworks:
         no sandbox network is attached to (created at least ``older_than_s`` ago); returns their names."""
         removed: list[str] = []
         labels = [LABEL_NETWORK] + ([f"{LABEL_RUN}={run_id}"] if run_id is not None else [])
+        now = time.time()
         for net in self.api.networks(filters={"label": labels}):
+            if now - _created(net.get("Created", "")) < NETWORK_GRACE_S:
+                continue
             sandbox = (net.get("Labels") or {}).get(LABEL_NETWORK, "")
             try:
                 self.api.inspect_container(sandbox)
             except docker.errors.NotFound:
                 self.detach(sandbox)
                 removed.append(net["Name"])
-        now = time.time()
         for row in self.api.containers(all=True, filters={"label": [LABEL_PROXY]}):
             key = row["Labels"].get(LABEL_PROXY, "")
             if older_than_s is not None and now - float(row.get("Created", 0)) < older_than_s:
@@ -221,3 +227,13 @@ class EgressNetworks:
 
     def _networks_of(self, container: str) -> dict[str, Any]:
         return dict(self.api.inspect_container(container)["NetworkSettings"].get("Networks") or {})
+
+
+def _created(stamp: str) -> float:
+    """Unix time of a Docker timestamp (RFC 3339, nanoseconds); now when it cannot be read."""
+    match = re.fullmatch(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d+))?(Z|[+-]\d\d:\d\d)", stamp)
+    if match is None:
+        return time.time()
+    whole, fraction, zone = match.groups()
+    when = datetime.datetime.fromisoformat(whole + ("+00:00" if zone == "Z" else zone))
+    return when.timestamp() + float(f"0.{fraction or 0}")
