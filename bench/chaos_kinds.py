@@ -18,8 +18,8 @@ has one worker, which is also its only sandbox host (local placement, the machin
 SIGKILLed and every container of the runs is removed at once (what a host that dies takes with it), left
 down for the fault's duration, then started again.
 
-Invariant: everything made here lives under the soak's home, or is named after the soak (images built by
-its Harbor runs are listed by `built_images` for removal at its end).
+Invariant: everything made here lives under the soak's home, or is named after the soak (the images of
+``examples/soak-build`` its Harbor runs built are listed by `built_images` for removal at its end).
 """
 
 from __future__ import annotations
@@ -228,10 +228,12 @@ async def lanes(
 
 
 def built_images(store: RunStore, run_ids: list[str]) -> list[str]:
-    """The image tags builds by the rollouts of ``run_ids`` claimed (to remove at the soak's end)."""
+    """The image tags of ``examples/soak-build`` that the rollouts of ``run_ids`` built (to remove at the
+    soak's end); images of the other tasks are content-hash caches other runs on the daemon share."""
     prefixes = tuple(f"{r}/" for r in run_ids)
-    rows = store.db.execute("SELECT tag, owner FROM image_builds").fetchall()
-    return sorted({r["tag"] for r in rows if r["owner"] and r["owner"].startswith(prefixes)})
+    rows = store.db.execute("SELECT tag, owner, what FROM image_builds").fetchall()
+    mine = [r for r in rows if r["owner"] and r["owner"].startswith(prefixes)]
+    return sorted({r["tag"] for r in mine if r["what"] == f"task examples/{BUILD_TASK}"})
 
 
 def remove_images(tags: list[str]) -> None:
