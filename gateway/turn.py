@@ -108,6 +108,14 @@ def ctx_segment(index: int) -> str:
 
 log = logging.getLogger(__name__)
 
+Answer = tuple[dict[str, Any], str | dict[str, Any]]
+"""An answered call's message as the harness was given it, and how later prompts render it."""
+Earlier = tuple[GatewayCall | None, list[tuple[int, Answer]]]
+"""The call before a call (None: the first, or not recorded), and (index, `Answer`) of every answered call
+before it."""
+
+ANSWERS_CACHE = 1024
+"""Rollouts whose earlier answers a worker keeps, to read only the previous call for the next one."""
 RENDER_CACHE = 4096
 """Calls whose render (its length and digest, not the tokens) a worker keeps for the next call's check."""
 
@@ -172,6 +180,9 @@ class GatewayTurns:
         """(engine, model) -> the tokens the chat template closes an assistant turn with."""
         self.renders = Renders()
         """The renders of the calls this worker answered, for the next call's one-render check."""
+        self._answers: OrderedDict[str, tuple[int, list[tuple[int, Answer]]]] = OrderedDict()
+        """Rollout id -> (n, the answers of its calls before n) as last read (`ANSWERS_CACHE`)."""
+        self._lock = threading.Lock()
 
     async def answer(
         self, inp: GatewayCallInput, attempt: int = 1, queued_s: float = 0.0
@@ -180,7 +191,7 @@ class GatewayTurns:
         stored = await asyncio.to_thread(self._read, rid, idx)  # one trip to the store thread, not five
         if stored is None:
             raise EnvironmentFailure(f"rollout {rid}: gateway call {idx} was never recorded")
-        call, tokens, earlier, ctx_seg, seg = stored
+        call, tokens, earlier, ctx_seg, seg = stored  # earlier: (the previous call, the answers before)
         if call.answered:
             return _result(call, attempt)
         if inp.limit is not None:
@@ -247,20 +258,41 @@ class GatewayTurns:
 
     def _read(
         self, rid: str, idx: int
-    ) -> tuple[GatewayCall, list[int], list[GatewayCall], Segment | None, Segment | None] | None:
-        """What a call's answer starts from, read at once: the call, the rollout's tokens, the calls
-        before it, and its context and sampled segments where an earlier attempt stored them (None: the
-        call was never recorded)."""
+    ) -> tuple[GatewayCall, list[int], Earlier, Segment | None, Segment | None] | None:
+        """What a call's answer starts from, read at once: the call, the rollout's tokens, the previous
+        call and the answers before this one, and its context and sampled segments where an earlier
+        attempt stored them (None: the call was never recorded)."""
         call = self.store.get_call(rid, idx)
         if call is None or call.answered:
-            return None if call is None else (call, [], [], None, None)
+            return None if call is None else (call, [], (None, []), None, None)
         return (
             call,
             self.store.token_ids(rid),
-            self.store.gateway_calls(rid, idx),
+            self._earlier(rid, idx),
             self.store.get_segment(rid, ctx_segment(idx)),
             self.store.get_segment(rid, model_segment(idx)),
         )
+
+    def _earlier(self, rid: str, idx: int) -> Earlier:
+        """Call ``idx - 1`` and the answers of the calls before ``idx``: the previous call read alone where
+        this worker kept the answers before it (answers never change once written), else every call."""
+        with self._lock:
+            kept = self._answers.get(rid)
+        prev: GatewayCall | None = None
+        if idx == 0:
+            answers: list[tuple[int, Answer]] = []
+        elif kept is not None and kept[0] == idx - 1 and (prev := self.store.get_call(rid, idx - 1)):
+            answers = [*kept[1], *_answers([prev])]
+        else:
+            calls = self.store.gateway_calls(rid, idx)
+            prev = next((c for c in reversed(calls) if c.index == idx - 1), None)
+            answers = _answers(calls)
+        with self._lock:
+            self._answers[rid] = (idx, answers)
+            self._answers.move_to_end(rid)
+            while len(self._answers) > ANSWERS_CACHE:
+                self._answers.popitem(last=False)
+        return prev, answers
 
     async def _sample(
         self,
@@ -313,11 +345,11 @@ class GatewayTurns:
         call: GatewayCall,
         options: Options,
         tokens: list[int],
-        earlier: list[GatewayCall],
+        earlier: Earlier,
         seg: Segment | None,
     ) -> tuple[Segment, list[int]]:
         """The segment of what the harness added before this call (stored once), and the rollout's tokens
-        (``tokens``: as read before, with ``earlier`` calls and the segment if stored) with it. The
+        with it (``tokens`` as read, with the ``earlier`` call and answers, and the segment if stored). The
         conversation as the template renders it is recomputed (pure, from the request and the earlier
         answers)."""
         rid, idx = inp.ref.rollout_id, inp.index
@@ -325,12 +357,11 @@ class GatewayTurns:
         tools = options.offered(asked)
         if seg is not None:
             return seg, tokens
-        answers = _answers(earlier)
+        prev, answers = earlier
         canon = chat.canonical(messages, [a for _, a in answers])
         url, model = inp.engine_url, inp.ref.model
         start, full = len(tokens), None
         meta: dict[str, Any] = {"gateway_call": idx}
-        prev = next((c for c in reversed(earlier) if c.index == idx - 1), None)
         if prev is None:
             kind, ids = "prompt", await self.engine.tokenize_chat(url, model, canon, tools)
             meta["sequence_start"], full = 0, ids
@@ -447,10 +478,6 @@ def sequence_starts(segs: list[Segment]) -> list[dict[str, Any]]:
     return [
         {"start": s.start, **s.meta["rewrite"]} for s in segs if s.kind == "context" and "rewrite" in s.meta
     ]
-
-
-Answer = tuple[dict[str, Any], str | dict[str, Any]]
-"""An answered call's message as the harness was given it, and how later prompts render it."""
 
 
 def _answers(calls: list[GatewayCall]) -> list[tuple[int, Answer]]:

@@ -11,8 +11,9 @@ Invariants:
   the ones it shares with that call, the other fields that changed, and the previous call's index and
   key), so a conversation of n calls stores O(n) messages, not O(n^2); every read returns the request
   whole, rebuilt exactly (`apply_delta`). The first call, and rows written before deltas (whole
-  requests), are read as they are. A row is never rewritten once inserted, so a store object keeps the
-  last request it read or wrote of ``REQUEST_CACHE`` rollouts, whole, and rebuilds the next one from it.
+  requests), are read as they are. A row's request is never rewritten once inserted, nor its answer once
+  written, so a store object keeps the last request it read or wrote of ``REQUEST_CACHE`` rollouts, whole,
+  to rebuild the next one from, and the last answered call it read or wrote, to read it again unasked.
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ class GatewayCallStore:
     _requests: OrderedDict[str, tuple[int, str, dict[str, Any]]]
     """Rollout id -> (index, key, whole request) of the last call read or written (`REQUEST_CACHE`)."""
     _requests_lock: threading.Lock
+    _answered: OrderedDict[str, GatewayCall]
+    """Rollout id -> its last answered call this store object read or wrote (`REQUEST_CACHE`)."""
 
     def open_call(self, rollout_id: str, key: str, request: dict[str, Any]) -> GatewayCall:
         """The call this request is: the rollout's last one when ``key`` matches it, else a new one (its
@@ -94,10 +97,19 @@ class GatewayCallStore:
         return GatewayCall(rollout_id, idx, key, kept, None, None, None)
 
     def get_call(self, rollout_id: str, index: int) -> GatewayCall | None:
+        with self._requests_lock:
+            done = self._answered.get(rollout_id)
+        if done is not None and done.index == index:
+            return done  # answered: it never changes
         row = self.db.execute(
             "SELECT * FROM gateway_calls WHERE rollout_id=? AND idx=?", (rollout_id, index)
         ).fetchone()
-        return self._row_call(self.db, row) if row else None
+        if row is None:
+            return None
+        call = self._row_call(self.db, row)
+        if call.answered:
+            self._keep_answered(call)
+        return call
 
     def call_status(self, rollout_id: str, index: int) -> int | None:
         """The answer's HTTP status (None: not answered yet); a cheap poll for the gateway."""
@@ -110,12 +122,27 @@ class GatewayCallStore:
         self, rollout_id: str, index: int, status: int, response: dict[str, Any], detail: dict[str, Any]
     ) -> GatewayCall:
         """Write the call's answer once; returns the call as stored (an earlier answer stands)."""
+        response_json, detail_json = json.dumps(response), json.dumps(detail)
         with self.db.tx() as db:
-            db.execute(
+            written = db.execute(
                 "UPDATE gateway_calls SET status=?, response_json=?, detail_json=?, answered_at=?"
                 " WHERE rollout_id=? AND idx=? AND status IS NULL",
-                (status, json.dumps(response), json.dumps(detail), time.time(), rollout_id, index),
+                (status, response_json, detail_json, time.time(), rollout_id, index),
+            ).rowcount
+        with self._requests_lock:
+            kept = self._requests.get(rollout_id)
+        if written == 1 and kept is not None and kept[0] == index:  # this answer stands: as it reads back
+            call = GatewayCall(
+                rollout_id,
+                index,
+                kept[1],
+                kept[2],
+                status,
+                json.loads(response_json),
+                json.loads(detail_json),
             )
+            self._keep_answered(call)
+            return call
         stored = self.get_call(rollout_id, index)
         if stored is None:
             raise KeyError(f"rollout {rollout_id}: no gateway call {index}")
@@ -176,6 +203,16 @@ class GatewayCallStore:
         request = apply_delta(stored, base_index, base_key, base, rollout_id)
         self._keep_request(rollout_id, index, key, request)
         return request
+
+    def _keep_answered(self, call: GatewayCall) -> None:
+        with self._requests_lock:
+            kept = self._answered.get(call.rollout_id)
+            if kept is not None and kept.index > call.index:
+                return
+            self._answered[call.rollout_id] = call
+            self._answered.move_to_end(call.rollout_id)
+            while len(self._answered) > REQUEST_CACHE:
+                self._answered.popitem(last=False)
 
     def _keep_request(self, rollout_id: str, index: int, key: str, request: dict[str, Any]) -> None:
         with self._requests_lock:

@@ -66,6 +66,7 @@ class RunStore(SegmentStore, LogStore, GatewayCallStore):
         self._tasks: OrderedDict[tuple[str, str], str] = OrderedDict()
         self._requests = OrderedDict()
         self._requests_lock = threading.Lock()
+        self._answered = OrderedDict()
         self.db.migrate(BASE, MIGRATIONS)
 
     # -- plumbing -------------------------------------------------------------------------------------
