@@ -6,11 +6,14 @@ A plug-in in its own distribution (``durable-rollouts-harness``) using the core'
 
 - Tasks: Harbor task directories, read at submit as the harbor plug-in reads them.
 - Sandbox: the harbor plug-in's plan (its task image, limits, seed, /logs /tests /solution), with one
-  layer more, ``/opt/harness`` copied from ``HARNESS_IMAGE`` (mini-swe-agent and its dependencies, built
-  offline by ``build_image.sh``), and the rollout's gateway folder mounted (no network).
-- Harness: ``python3 -m minisweagent.run.mini`` in yolo mode with the task's instruction (``Task id:
-  <name>`` first), its local environment (commands run in the sandbox's working directory as the
-  sandbox's user), the model ``openai/<rollout model>`` at the gateway's loopback URL.
+  layer more, ``/opt/harness`` copied from ``HARNESS_IMAGE`` (mini-swe-agent, its dependencies and its own
+  runtime, CPython 3.11 with the shared libraries it links, built offline by ``build_image.sh``), and the
+  rollout's gateway folder mounted (no network).
+- Harness: ``/opt/harness/bin/python3 -m minisweagent.run.mini`` (the bundled interpreter, isolated: the
+  task image's Python, if it has one, is neither used nor changed; no ``PYTHON*`` variable reaches the
+  agent's commands) in yolo mode with the task's instruction (``Task id: <name>`` first), its local
+  environment (commands run in the sandbox's working directory as the sandbox's user), the model
+  ``openai/<rollout model>`` at the gateway's loopback URL. The loopback shim runs on the same interpreter.
 - Score: Harbor's verifier in the same container once the harness exits 0.
 """
 
@@ -23,12 +26,17 @@ from harbor_env.harness_base import HarborHarness, as_harbor, task_text
 
 from durable_rollouts.environments.base import Task
 from durable_rollouts.environments.harness_trait import HarnessCommand
+from durable_rollouts.gateway.harness import SHIM_PYTHON
 
-__all__ = ["HARNESS_IMAGE", "MiniSweAgentEnvironment"]
+__all__ = ["HARNESS_IMAGE", "PYTHON", "MiniSweAgentEnvironment"]
 
 MSWEA_VERSION = "2.4.6"
-HARNESS_IMAGE = f"dr-harness/mini-swe-agent:{MSWEA_VERSION}"
+RUNTIME_REVISION = "rt1"
+"""The revision of the harness image's build (``REVISION`` in build_image.sh)."""
+HARNESS_IMAGE = f"dr-harness/mini-swe-agent:{MSWEA_VERSION}-{RUNTIME_REVISION}"
 """The image /opt/harness is copied from (``environments/harness/build_image.sh``)."""
+PYTHON = "/opt/harness/bin/python3"
+"""The harness's own interpreter (a launcher: the bundled CPython through the bundled loader, ``-I``)."""
 STATE = "/tmp/.dr-harness"
 TRAJECTORY = f"{STATE}/trajectory.json"
 """mini-swe-agent's own trajectory file, kept with the rollout (`RunStore.harness_files`)."""
@@ -43,7 +51,7 @@ class MiniSweAgentEnvironment(HarborHarness):
     """Harbor tasks solved by mini-swe-agent through the rollout's gateway (see the module docstring)."""
 
     name: ClassVar[str] = "mini-swe-agent"
-    env_version: ClassVar[str] = f"mini-swe-agent-{MSWEA_VERSION}-harbor-v1"
+    env_version: ClassVar[str] = f"mini-swe-agent-{MSWEA_VERSION}-harbor-v2"
     runtime_image: ClassVar[str] = HARNESS_IMAGE
     runtime_path: ClassVar[str] = "/opt/harness"
     image_prefix: ClassVar[str] = "dr-harness-env"
@@ -58,12 +66,12 @@ class MiniSweAgentEnvironment(HarborHarness):
         ]
         config = " ".join(f"-c {shlex.quote(o)}" for o in ["mini.yaml", *overrides])
         command = (
-            "python3 -m minisweagent.run.mini --yolo --exit-immediately"
+            f"{PYTHON} -m minisweagent.run.mini --yolo --exit-immediately"
             ' --model "openai/$DR_MODEL" --task "$DR_TASK" --environment-class local'
             f" --output {TRAJECTORY} {config}"
         )
         env = {
-            "PYTHONPATH": "/opt/harness",
+            SHIM_PYTHON: PYTHON,
             "DR_TASK": task_text(t),
             "MSWEA_CONFIGURED": "true",
             "MSWEA_COST_TRACKING": "ignore_errors",
