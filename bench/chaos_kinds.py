@@ -11,7 +11,8 @@ Kinds (``KINDS``), each a lane of runs back to back, run ids ``soak-<kind>-NNN``
   verifier, its once-keys; the simulated engine plays the oracle (``harbor_env.transcripts``). One task,
   ``examples/soak-build``, gets a Dockerfile of its own per run, so every Harbor run builds an image;
 - ``mini-swe-agent``: a Harbor task solved by mini-swe-agent in the harness image, every model call through
-  the rollout's gateway (a Unix socket), the simulated engine playing the reference transcript.
+  the rollout's gateway (a Unix socket), the simulated engine playing the reference transcript (the
+  task's agent timeout raised from 120 s to 600 s: the soak shares a loaded machine).
 
 The soak's fault ``host_loss`` (`KindsChaos`): the sandbox host lost with its containers. The embedded stack
 has one worker, which is also its only sandbox host (local placement, the machine's Docker daemon): it is
@@ -141,6 +142,11 @@ def _datasets(work: Path) -> tuple[Path, Path]:
     set_build_marker(harbor, "soak-start")
     harness = work / "harness-data"
     shutil.copytree(HARBOR / "examples" / HARNESS_TASK, harness / HARNESS_TASK)
+    agent = harness / HARNESS_TASK / "task.toml"  # the agent's 120 s are a quiet machine's: give it 600
+    text = agent.read_text()
+    if "[agent]\ntimeout_sec = 120.0\n" not in text:
+        raise RuntimeError(f"chaos soak: {agent}: no [agent] timeout_sec = 120.0 to raise")
+    agent.write_text(text.replace("[agent]\ntimeout_sec = 120.0\n", "[agent]\ntimeout_sec = 600.0\n"))
     return harbor, harness
 
 
