@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 from durable_rollouts.environments.base import SandboxPlan, Score, Task, TurnContext
 from durable_rollouts.environments.harness_trait import HarnessEnvironment
 from durable_rollouts.sandboxes.base import SandboxSpec
-from harbor_env import HarborEnvironment, HarborTask, load_dataset
+from harbor_env import HarborEnvironment, HarborTask
 
 _HARBOR = HarborEnvironment()
 
@@ -47,8 +47,9 @@ class HarborHarness(HarnessEnvironment):
     image_prefix: ClassVar[str]
     """The repository of the layered task images (e.g. ``dr-harness-env``)."""
 
-    def load_tasks(self, path: Any) -> list[Task]:
-        return list(load_dataset(path))
+    def load_tasks(self, path: Any, sandbox: SandboxSpec | None = None) -> list[Task]:
+        """As Harbor's (`HarborEnvironment.load_tasks`): network modes checked against the run's egress."""
+        return _HARBOR.load_tasks(path, sandbox)
 
     def sandbox(self, task: Task, default: SandboxSpec) -> SandboxPlan:
         plan = _HARBOR.sandbox(task, default)
