@@ -17,8 +17,10 @@ Two engines: ``text``, the scripted policy playing a transcript of tool-calling 
 samples: text whose tokens are the tokenizer's own), and ``random``, random byte tokens (a sample the
 template's render of its text never reproduces, so no answer can be checked in one render: the worst case).
 
-Each version (``--before REV``: that commit's code, extracted with ``git archive``; ``after``: this
-checkout) runs in its own process (``--child``) importing its own ``durable_rollouts``, the versions
+Two versions of the code, both extracted with ``git archive`` from this checkout's HEAD: ``after`` as it is,
+``before`` with the gateway of commit ``--before`` put back (``gateway/`` and ``store/gateway_calls.py``,
+`GATEWAY_FILES`), so everything else (the engine client, the store, the tool path) is the same code on both
+sides. Each runs in its own process (``--child``) importing its own ``durable_rollouts``, the versions
 alternating ``--repeats`` times per engine so that load drifts hit both. Reported per version and engine:
 latency per call (ms, as the harness sees it; median over every call of every repeat), this process's CPU
 per call (ms: the worker side; the engine and the harness client are other processes), the chat-template
@@ -26,7 +28,7 @@ renders per call (``/tokenize`` requests with messages) and the bytes the store 
 ratios after / before of the gateway's added latency and CPU (gateway minus tool path, same process).
 Temporal's own cost (the signal, the activity's scheduling) is not in either side.
 
-    python bench/gateway_overhead.py --calls 40 --repeats 3 --before e789909 \
+    python bench/gateway_overhead.py --calls 40 --repeats 3 --before e789909 \\
         --out bench/results/gateway_overhead.json
 """
 
@@ -36,6 +38,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -93,6 +96,10 @@ TURN = (
     '<tool_call>{{"name": "bash", "arguments": {{"command": "cd /app && ls -la src && python -m pytest -q '
     'tests/test_step_{i}.py"}}}}</tool_call>'
 )
+
+
+GATEWAY_FILES = ("gateway", "store/gateway_calls.py")
+"""What ``--before`` takes from the older commit (the rest of both versions is HEAD's)."""
 
 
 def start_engine(port: int, policy: str, transcripts: Path) -> subprocess.Popen[bytes]:
@@ -225,16 +232,14 @@ async def child(url: str, calls: int) -> dict[str, Any]:
     }
 
 
-def run_child(import_path: str | None, url: str, calls: int) -> dict[str, Any]:
+def run_child(import_path: str, url: str, calls: int) -> dict[str, Any]:
     env = dict(os.environ)
-    env.pop("PYTHONPATH", None)
-    if import_path is not None:
-        env["PYTHONPATH"] = import_path
+    env["PYTHONPATH"] = import_path
     argv = [sys.executable, "-P", str(Path(__file__).resolve()), "--child", url, "--calls", str(calls)]
     proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(argv)} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.splitlines()[-1])  # type: ignore[no-any-return]
+    return json.loads(proc.stdout.splitlines()[-1])
 
 
 def aggregate(runs: list[dict[str, Any]], calls: int) -> dict[str, Any]:
@@ -267,16 +272,26 @@ def main(calls: int, repeats: int, before: str, out: Path | None) -> dict[str, A
     sys.path.insert(0, str(REPO / "bench"))
     from orchestration_cost import checkout, import_path
 
-    rev = subprocess.run(
-        ["git", "rev-parse", before], cwd=REPO, capture_output=True, text=True, check=True
-    ).stdout.strip()
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", *args], cwd=REPO, capture_output=True, text=True, check=True
+        ).stdout.strip()
+
+    rev, head = git("rev-parse", before), git("rev-parse", "HEAD")
     engines: dict[str, tuple[subprocess.Popen[bytes], str]] = {}
     results: dict[str, dict[str, list[dict[str, Any]]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         transcripts = Path(tmp) / "transcripts.jsonl"
         turns = [TURN.format(i=i) for i in range(calls + 8)]
         transcripts.write_text(json.dumps({"task_id": "bench", "mode": "reference", "turns": turns}) + "\n")
-        versions = {"before": import_path(checkout(rev, Path(tmp) / f"code-{rev[:8]}")), "after": None}
+        old = checkout(head, Path(tmp) / "before")
+        for name in GATEWAY_FILES:  # the older gateway over HEAD's tree
+            target = old / name
+            if target.is_dir():
+                shutil.rmtree(target)
+            archive = subprocess.run(["git", "archive", rev, name], cwd=REPO, capture_output=True, check=True)
+            subprocess.run(["tar", "-x", "-C", str(old)], input=archive.stdout, check=True)
+        versions = {"before": import_path(old), "after": import_path(checkout(head, Path(tmp) / "after"))}
         try:
             for policy in ("text", "random"):
                 s = socket.socket()
@@ -308,19 +323,13 @@ def main(calls: int, repeats: int, before: str, out: Path | None) -> dict[str, A
             "stored_bytes": ratio(sum(a["stored_bytes"].values()), sum(b["stored_bytes"].values())),
         }
         by_engine[policy] = agg
-    dirty = bool(
-        subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True, text=True
-        ).stdout.strip()
-    )
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
     result = {
         "bench": "gateway_overhead",
         "command": " ".join(["python", "bench/gateway_overhead.py", *sys.argv[1:]]),
         "calls": calls,
         "repeats": repeats,
-        "before": rev,
-        "after": {"commit": head.strip(), "dirty": dirty},
+        "before": {"code": head, "gateway_of": rev, "files": list(GATEWAY_FILES)},
+        "after": {"code": head},
         "engines": by_engine,
         "note": "simulated engine (no delays) in its own process; Temporal's signal and activity scheduling "
         "not included; CPU = the worker-side process only; a shared 2-core machine: absolute numbers are "

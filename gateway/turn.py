@@ -188,10 +188,10 @@ class GatewayTurns:
         self, inp: GatewayCallInput, attempt: int = 1, queued_s: float = 0.0
     ) -> GatewayCallResult:
         rid, idx = inp.ref.rollout_id, inp.index
-        stored = await asyncio.to_thread(self._read, rid, idx)  # one trip to the store thread, not five
-        if stored is None:
+        state = await asyncio.to_thread(self._read, rid, idx)  # one trip to the store thread, not five
+        if state is None:
             raise EnvironmentFailure(f"rollout {rid}: gateway call {idx} was never recorded")
-        call, tokens, earlier, ctx_seg, seg = stored  # earlier: (the previous call, the answers before)
+        call, tokens, earlier, ctx_seg, seg = state  # earlier: (the previous call, the answers before)
         if call.answered:
             return _result(call, attempt)
         if inp.limit is not None:
