@@ -26,7 +26,7 @@ from temporalio.client import Client
 from typer.testing import CliRunner
 
 from durable_rollouts.cli.rollouts import app
-from durable_rollouts.sandboxes import DockerBackend, SandboxSpec
+from durable_rollouts.sandboxes import DockerBackend, SandboxSpec, egress
 from durable_rollouts.sandboxes.egress import LABEL_NETWORK, LABEL_PROXY, network_name, proxy_name
 from durable_rollouts.sandboxes.egress_policy import EgressPolicy
 from durable_rollouts.simengine import Mode, ModeRule, SimEngine, SimSettings
@@ -116,7 +116,7 @@ def _address(docker: DockerBackend, container: str, network: str) -> str:
 
 
 def test_a_sandbox_reaches_only_the_allowed_hosts_through_the_proxy(
-    docker: DockerBackend, upstream: StandIns, host_port: int
+    docker: DockerBackend, upstream: StandIns, host_port: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     run = f"egress-{uuid.uuid4().hex[:8]}"
     stand_in_name = f"dr-test-standin-{upstream.network.rsplit('-', 1)[1]}"
@@ -183,11 +183,19 @@ def test_a_sandbox_reaches_only_the_allowed_hosts_through_the_proxy(
         plain = docker.create(f"{run}/plain", run, SandboxSpec(**SPEC))  # no policy: no network at all
         assert docker.api.inspect_container(plain.name)["HostConfig"]["NetworkMode"] == "none"
         assert "HTTP_PROXY" not in docker.exec(plain, "env").output
+        proxy = docker.api.inspect_container(proxy_name(policy))
+        assert proxy["HostConfig"]["CapDrop"] == ["ALL"] and proxy["HostConfig"]["ReadonlyRootfs"]
+        assert proxy["Config"]["User"] == "65534:65534" and not proxy["HostConfig"]["Binds"]
     finally:
-        for key in ("a", "b", "plain"):
+        for key in ("a", "plain"):
             docker.destroy(f"{run}/{key}")
-    assert docker.api.networks(filters={"label": [f"{LABEL_NETWORK}"], "name": a.name}) == []
-    docker.reap(run_id=run)  # the proxy no sandbox network uses any more
+    assert docker.api.networks(filters={"name": network_name(a.name)}) == []  # destroy removes its network
+    docker.api.remove_container(b.name, force=True)  # b lost without its destroy: its network stays behind
+    docker.reap(run_id=run)
+    assert docker.api.networks(filters={"name": network_name(b.name)}) != []  # too young to be an orphan
+    monkeypatch.setattr(egress, "NETWORK_GRACE_S", 0.0)
+    docker.reap(run_id=run)  # the orphaned network, then the proxy no sandbox network uses any more
+    assert docker.api.networks(filters={"label": [LABEL_NETWORK, f"durable-rollouts.run={run}"]}) == []
     assert docker.api.containers(all=True, filters={"label": [f"{LABEL_PROXY}={policy.key()}"]}) == []
     assert_no_containers(docker, run)
 
