@@ -228,7 +228,7 @@ class Core:
 
         with self._op("settings"):
             cfg = self._config(config, overrides)
-            return Settings(cfg, load_tasks(cfg.run.task_file, cfg.run.env))
+            return Settings(cfg, load_tasks(cfg.run.task_file, cfg.run.env, cfg.sandbox))
 
     def start_run(
         self,
@@ -250,7 +250,7 @@ class Core:
 
             cfg = self._config(config, overrides)
             client = self._client(cfg.temporal)
-            rows = tasks if tasks is not None else load_tasks(cfg.run.task_file, cfg.run.env)
+            rows = tasks if tasks is not None else load_tasks(cfg.run.task_file, cfg.run.env, cfg.sandbox)
 
             async def go() -> Any:
                 queue = await require_worker(client, cfg.temporal.task_queue, cfg.run.env)
@@ -349,7 +349,7 @@ class Core:
                 seed=None,
                 logprob_mode=cfg.engine.logprob_mode,
             )
-            tasks = load_tasks(cfg.run.task_file, cfg.run.env)
+            tasks = load_tasks(cfg.run.task_file, cfg.run.env, cfg.sandbox)
             env = registry.get(cfg.run.env)
             return self._run(
                 accuracy(cfg.engine.urls[0], cfg.engine.model, env, tasks, sampling, samples_per_task, seed)
