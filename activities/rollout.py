@@ -45,9 +45,11 @@ from durable_rollouts.engines.rejoin import EngineGate
 from durable_rollouts.engines.watchdog import watching
 from durable_rollouts.environments import registry
 from durable_rollouts.environments.base import calling
+from durable_rollouts.environments.tasks import read_tasks
 from durable_rollouts.errors import ConfigError, EngineBadRequest, RolloutError, TaskFileError, names
 from durable_rollouts.gateway.turn import sequence_starts
 from durable_rollouts.records.export import rollout_lineage
+from durable_rollouts.sandboxes.base import SandboxSpec
 from durable_rollouts.store import RunStore
 from durable_rollouts.turns.clock import StoreClock
 from durable_rollouts.turns.model import ModelTurns
@@ -102,9 +104,12 @@ class RolloutActivities:
             traits = env_traits(inp.env)
             uploaded = await asyncio.to_thread(self.store.task_count, inp.run_id)
             env = registry.get(inp.env)
+            sandbox = SandboxSpec.model_validate(json.loads(inp.config_json).get("sandbox") or {})
             with calling(env, "load_tasks", inp.run_id):
                 tasks = (
-                    [] if uploaded else await asyncio.to_thread(env.load_tasks, resolve_path(inp.task_file))
+                    []
+                    if uploaded
+                    else await asyncio.to_thread(read_tasks, env, resolve_path(inp.task_file), sandbox)
                 )
         except RolloutError as e:
             raise e.to_application_error() from e

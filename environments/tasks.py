@@ -10,10 +10,13 @@ import inspect
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from durable_rollouts.errors import TaskFileError
 from durable_rollouts.sandboxes.base import SandboxSpec
+
+if TYPE_CHECKING:
+    from durable_rollouts.environments.base import Environment, Task
 
 
 def json_objects(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -55,7 +58,12 @@ def load_tasks(path: str | Path, env: str, sandbox: SandboxSpec | None = None) -
 
     environment = registry.get(env)
     found = resolve_path(path, "run.task_file")  # a file, or a package's bundled one (PACKAGE:RELATIVE)
-    takes = sandbox is not None and "sandbox" in inspect.signature(environment.load_tasks).parameters
     with calling(environment, "load_tasks", str(found)):
-        tasks = environment.load_tasks(found, **({"sandbox": sandbox} if takes else {}))
-        return [t.model_dump(mode="json") for t in tasks]
+        return [t.model_dump(mode="json") for t in read_tasks(environment, found, sandbox)]
+
+
+def read_tasks(environment: Environment, path: Path, sandbox: SandboxSpec | None = None) -> list[Task]:
+    """``environment.load_tasks(path)``, given the run's ``[sandbox]`` when its ``load_tasks`` takes a
+    ``sandbox`` argument."""
+    takes = sandbox is not None and "sandbox" in inspect.signature(environment.load_tasks).parameters
+    return environment.load_tasks(path, **({"sandbox": sandbox} if takes else {}))

@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
-from temporalio.client import Client
+from temporalio.client import Client, WorkflowFailureError
 from typer.testing import CliRunner
 
 from durable_rollouts.cli.rollouts import app
@@ -276,6 +276,19 @@ async def test_a_task_installing_its_test_tool_from_the_allowed_index_scores_one
     run = f"egress-ref-{uuid.uuid4().hex[:8]}"
     async with worker(client, task_queue, tmp_path) as store:
         await run_to_end(client, cfg, run)
+        # Started without `rollouts run` on a run that allows no egress: refused when the run loads its tasks.
+        offline = cfg.model_copy(
+            update={"sandbox": cfg.sandbox.model_copy(update={"egress": EgressPolicy()})}
+        )
+        with pytest.raises(WorkflowFailureError) as failed:
+            await run_to_end(client, offline, f"{run}-offline")
+    error: BaseException | None = failed.value
+    while error is not None and "TaskFileError" not in str(error):
+        error = error.__cause__ or getattr(error, "cause", None)
+    cause = str(error)
+    assert "task.toml [environment].network_mode: 'public'" in cause and "sandbox.egress.allow" in cause, (
+        cause
+    )
     (rec,) = export(store, run)[0]
     assert rec["outcome"] == "completed" and rec["reward"] == 1.0, rec["reason"]
     assert_no_containers(docker, run)
