@@ -266,16 +266,20 @@ class Cluster:
         eng = self.net.spawn("engine", argv, env=self.env("engine"), log=self.logs / f"engine-{port}.log")
         self.wait_reachable("driver", self.host("engine").address, port, eng, "the simulated engine")
 
-    def start_dockerd(self, part: str) -> str:
+    def start_dockerd(self, part: str, tcp_port: int | None = None) -> str:
         """A Docker daemon of its own on host ``part`` (its socket, data root and exec root in a short
         folder under /tmp: a unix socket path is < 108 bytes; no bridge, no iptables: sandboxes run without
-        a network); its socket URL once it answers."""
+        a network); its socket URL once it answers. With ``tcp_port`` it also listens on the host's address
+        (plain TCP, inside the cluster's network only: `docker_tcp_url`), so a worker on another host can
+        drive it."""
         root = Path(tempfile.mkdtemp(prefix="/tmp/dr-mh-"))
         self._docker_roots.append(root)
         url = f"unix://{root}/docker.sock"
         argv = ["dockerd", "--host", url, "--data-root", str(root / "data"),
                 "--exec-root", str(root / "exec"), "--pidfile", str(root / "docker.pid"),
                 "--bridge", "none", "--iptables=false", "--ip6tables=false"]  # fmt: skip
+        if tcp_port is not None:
+            argv += ["--host", self.docker_tcp_url(part, tcp_port)]
         proc = self.net.spawn(part, argv, log=self.logs / f"dockerd-{part}.log")
         deadline = time.monotonic() + 90
         while subprocess.run(["docker", "-H", url, "info"], capture_output=True).returncode != 0:
@@ -283,6 +287,10 @@ class Cluster:
                 raise NetnsError(f"dockerd on {part} did not answer; see {self.logs}/dockerd-{part}.log")
             time.sleep(0.5)
         return url
+
+    def docker_tcp_url(self, part: str, port: int) -> str:
+        """The TCP URL of the Docker daemon `start_dockerd` started on ``part`` with ``tcp_port=port``."""
+        return f"tcp://{self.host(part).address}:{port}"
 
     def start_worker(self, name: str, *args: str) -> subprocess.Popen[bytes]:
         """``rollouts worker`` on host ``name``, reaching Temporal over mutual TLS (replacing an earlier
