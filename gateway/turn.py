@@ -205,6 +205,7 @@ class GatewayTurns:
         budget = turn_budget(len(tokens), inp.max_total_tokens, inp.max_tokens)  # over every sequence
         if budget.truncated is not None:
             return await self._limit(call, budget.truncated, len(tokens), attempt)
+        unsaved = None
         if seg is None:
             cap = (
                 budget.max_tokens
@@ -228,12 +229,22 @@ class GatewayTurns:
                 return _result(stored, attempt)
             if isinstance(sampled, TruncationReason):
                 return await self._limit(call, sampled, len(tokens), attempt)
-            seg = sampled
+            seg = unsaved = sampled
         model = inp.ref.model
         closing = await self._closing_tokens(inp.engine_url, model)
         k = _sampled_closing(seg.token_ids, closing)
         written = seg.token_ids[: len(seg.token_ids) - k]
-        raw = await self.engine.detokenize(inp.engine_url, model, written)
+        if unsaved is None:
+            raw = await self.engine.detokenize(inp.engine_url, model, written)
+        else:  # the sample is stored while its text is read: neither waits for the other
+            seg, raw = await asyncio.gather(
+                asyncio.to_thread(self.store.put_segment, rid, unsaved),
+                self.engine.detokenize(inp.engine_url, model, written),
+            )
+            if seg.token_ids != unsaved.token_ids:  # another attempt's sample was stored first: its text
+                k = _sampled_closing(seg.token_ids, closing)
+                written = seg.token_ids[: len(seg.token_ids) - k]
+                raw = await self.engine.detokenize(inp.engine_url, model, written)
         finish = str(seg.meta.get("finish_reason") or "stop")  # the engine's: stop or length, as OpenAI's
         shown, stopped = chat.cut_at_stop(raw, options.stop)  # the answer ends before a stop string
         if stopped:
@@ -307,8 +318,8 @@ class GatewayTurns:
     ) -> Segment | TruncationReason:
         """Sample on the call's sequence (``turns.model.call_model``: the turn's budget, the engine's window)
         under the checks of every model turn (the logprobs mode the run declares, a published policy
-        version) and store the segment, its tokens as the engine returned them (ended at a stop string by
-        the engine itself); or the limit that left nothing."""
+        version): the segment to store (the caller stores it), its tokens as the engine returned them
+        (ended at a stop string by the engine itself); or the limit that left nothing."""
         rid, url, timed = inp.ref.rollout_id, inp.engine_url, StoreClock()
         served = await self.checks.served_mode(url, inp.sampling.logprob_mode)
         engine: TurnEngine = _Stopping(self.engine, list(options.stop)) if options.stop else self.engine
@@ -326,7 +337,7 @@ class GatewayTurns:
             served=served, attempt=attempt, queued_s=queued_s, transfer_s=timed.seconds,
             gateway_call=inp.index, gateway_s=time.monotonic() - t0 - gen.model_s, **asked,
         )  # fmt: skip
-        return await asyncio.to_thread(self.store.put_segment, rid, seg)
+        return seg
 
     async def _limit(
         self, call: GatewayCall, reason: TruncationReason, at: int, attempt: int
