@@ -237,10 +237,12 @@ class GatewayTurns:
         if unsaved is None:
             raw = await self.engine.detokenize(inp.engine_url, model, written)
         else:  # the sample is stored while its text is read: neither waits for the other
-            seg, raw = await asyncio.gather(
+            put: Segment
+            put, raw = await asyncio.gather(
                 asyncio.to_thread(self.store.put_segment, rid, unsaved),
                 self.engine.detokenize(inp.engine_url, model, written),
             )
+            seg = put
             if seg.token_ids != unsaved.token_ids:  # another attempt's sample was stored first: its text
                 k = _sampled_closing(seg.token_ids, closing)
                 written = seg.token_ids[: len(seg.token_ids) - k]
