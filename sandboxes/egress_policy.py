@@ -57,7 +57,7 @@ class EgressPolicy(BaseModel):
     it. ``bridge``: the daemon's default network (NAT to the host's routes)."""
 
     proxy_image: str = Field(PROXY_IMAGE, min_length=1, max_length=255)
-    """Local image of the proxy's container (never pulled): any image with python3 (3.8 or later)."""
+    """Local image of the proxy's container (never pulled): any image with python3 (3.11 or later)."""
 
     @field_validator("allow")
     @classmethod

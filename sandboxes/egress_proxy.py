@@ -220,6 +220,10 @@ async def handle(rules: dict[str, Any], reader: asyncio.StreamReader, writer: as
             kept = [(k, v) for k, v in headers if k.lower() not in _HOP_HEADERS]
             lines = [f"{method} {path} {version}", *(f"{k}: {v}" for k, v in kept), "Connection: close"]
             up_writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
+            sending = asyncio.ensure_future(_pipe(reader, up_writer))  # a request body, if any
+            await _pipe(up_reader, writer)  # the response, to the upstream's close: then this connection's
+            sending.cancel()
+            return
         await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
     finally:
         for w in (upstream, writer):
