@@ -17,7 +17,10 @@ from typing import Any
 
 MARKER = "<!-- config-reference -->"
 ROOT = Path(__file__).resolve().parents[2]
-SOURCES = ("config/models.py", "sandboxes/base.py", "sandboxes/pool.py", "trainer/settings.py")
+SOURCES = (
+    "config/models.py", "sandboxes/base.py", "sandboxes/egress_policy.py", "sandboxes/pool.py",
+    "trainer/settings.py",
+)  # fmt: skip
 # Sections read by one command only, beside those of config.models.Config: (section, model, note).
 EXTRA = [("trainer", "TrainerSettings", "Read by `rollouts train` only, beside the run's sections.")]
 BOUNDS = {"ge": "≥", "gt": ">", "le": "≤", "lt": "<", "min_length": "length ≥", "max_length": "length ≤"}
@@ -126,6 +129,10 @@ def render() -> str:
     sections = [(s, shown.strip("`"), doc) for s, shown, _d, _b, doc in models["Config"].fields]
     sections += [(s, model, "") for s, model, _note in EXTRA]
     notes = {s: note for s, _model, note in EXTRA}
+    for section, type_, _doc in list(sections):  # a field that is a model of its own: a table of its own
+        for name, ftype, _d, _b, fdoc in _fields(models, type_) if type_ in models else []:
+            if ftype.strip("`") in models:
+                sections.append((f"{section}.{name}", ftype.strip("`"), fdoc))
     for section, type_, doc in sections:
         if type_ not in models:
             raise RuntimeError(f"config reference: no model {type_!r} for section [{section}] in {SOURCES}")
