@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,8 +82,9 @@ def _missing() -> str | None:
     return None
 
 
-def _wait_polled(c: Cluster, queue: str, env: str, pid: int) -> None:
-    c.wait_polled(env_queue(queue, env, registry.loadable()[env]), [pid])
+def _env_queue(p: Part) -> str:
+    env = "coding" if p is SANDBOX else "math"
+    return env_queue(p.queue, env, registry.loadable()[env])
 
 
 @pytest.fixture(scope="module")
@@ -102,15 +104,18 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         c.start_engine("--tasks", str(CODING_TASKS), "--mode", "reference", "--max-model-len", "4096",
                        "--decode-ms-per-token", "20", port=SANDBOX.engine_port)  # fmt: skip
         docker = c.start_dockerd("sandbox", tcp_port=DOCKER_PORT)
-        load = subprocess.run(f"docker save {SANDBOX_IMAGE} | docker -H {docker} load", shell=True,
-                              capture_output=True, text=True, timeout=300)  # fmt: skip
-        assert load.returncode == 0, f"loading {SANDBOX_IMAGE} on the sandbox host: {load.stderr.strip()}"
         host = ["--sandbox-host", "sbx", "--docker-host", c.docker_tcp_url("sandbox", DOCKER_PORT),
                 "--sandbox-slots", "8"]  # fmt: skip
         procs = {p: c.start_worker(p.worker, "--task-queue", p.queue) for p in (TEMPORAL, STORE)}
         procs[SANDBOX] = c.start_worker(SANDBOX.worker, "--task-queue", SANDBOX.queue, *host)
-        for p, proc in procs.items():
-            _wait_polled(c, p.queue, "coding" if p is SANDBOX else "math", proc.pid)
+        # the sandbox image loads on the host's daemon while the workers start
+        load = subprocess.run(f"docker save {SANDBOX_IMAGE} | docker -H {docker} load", shell=True,
+                              capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert load.returncode == 0, f"loading {SANDBOX_IMAGE} on the sandbox host: {load.stderr.strip()}"
+        queues = {p: _env_queue(p) for p in procs}
+        with ThreadPoolExecutor(len(procs)) as pool:
+            for f in [pool.submit(c.wait_polled, queues[p], [proc.pid]) for p, proc in procs.items()]:
+                f.result()
         yield c
     finally:
         made = c.net.made
