@@ -59,6 +59,8 @@ SYSTEM_PROMPT = (
     "Tools: bash(cmd), write_file(path, content), read_file(path), submit(). Paths are relative to the "
     "working directory; there is no network. Call submit() when the task is done: tests then check it."
 )
+NETWORK_NOTE = "the network reaches only the hosts this run allows (through the proxy in $HTTP_PROXY)"
+"""What the system prompt says of the network when the agent's phase has one (`harbor_env.network`)."""
 SEED_DIR = "/.harbor-seed"
 MOUNTS = {"/logs": 32, "/tests": 32, "/solution": 32}
 """Writable tmpfs folders every Harbor sandbox has besides its working directory and /tmp (MiB)."""
@@ -89,9 +91,10 @@ class HarborEnvironment(ToolCallEnvironment):
     def prompt(self, task: Task) -> Prompt:
         t = _harbor(task)
         user = f"Task id: {t.id}\n\n{t.instruction.strip()}\n\nYour working directory is {t.workdir}."
-        return Prompt(
-            messages=[{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user}]
-        )
+        system = SYSTEM_PROMPT
+        if network.phases(t.cfg)[0][1] != "no-network":  # the agent's phase has the run's allowed hosts
+            system = system.replace("there is no network", NETWORK_NOTE)
+        return Prompt(messages=[{"role": "system", "content": system}, {"role": "user", "content": user}])
 
     def sandbox(self, task: Task, default: SandboxSpec) -> SandboxPlan:
         t = _harbor(task)

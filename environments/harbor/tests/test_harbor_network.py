@@ -79,3 +79,12 @@ def test_a_dataset_without_network_runs_its_tasks_offline(make_task: MakeTask, t
     (task,) = load_dataset(listing, egress=OPERATOR)
     assert task.cfg.environment.network_mode == "no-network"
     assert not HarborEnvironment().sandbox(task, RUN).spec.egress.enabled
+
+
+def test_the_prompt_says_which_network_the_agent_has(make_task: MakeTask) -> None:
+    env = HarborEnvironment()
+    (offline,) = env.load_tasks(make_task("off"), sandbox=RUN)
+    (public,) = env.load_tasks(make_task("pub", toml="[agent]\ntimeout_sec = 5.0\n"), sandbox=RUN)
+    assert "there is no network" in env.prompt(offline).messages[0]["content"]
+    system = env.prompt(public).messages[0]["content"]
+    assert "there is no network" not in system and "only the hosts this run allows" in system
