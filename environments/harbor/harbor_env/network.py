@@ -35,7 +35,7 @@ class NetworkRefused(ValueError):
 
 def phases(cfg: TaskConfig) -> list[tuple[str, str, list[str]]]:
     """(field, mode, allowed hosts) deciding the agent's and the verifier's network, in that order."""
-    out = []
+    out: list[tuple[str, str, list[str]]] = []
     for name, phase in (("agent", cfg.agent), ("verifier", cfg.verifier)):
         own = cfg.verifier.environment if name == "verifier" else None
         env = own if own is not None else cfg.environment
