@@ -313,12 +313,14 @@ class Chaos:
         fault.check(self.network)
         ctx = fault.injected(self.network)
         await asyncio.to_thread(ctx.__enter__)
+        cut_short = True
         try:
             self._fired(p, target=fault.target)
             await asyncio.sleep(p.duration_s)
-        finally:  # synchronous: a cancelled schedule heals before it returns
+            cut_short = False
+        finally:  # synchronous: a cancelled schedule heals (and logs it) before it returns
             ctx.__exit__(None, None, None)
-        self._log("cleared", p, target=fault.target)
+            self._log("cleared", p, target=fault.target, **({"cut_short": True} if cut_short else {}))
 
     async def _pg_restart(self, p: Planned) -> None:
         db: Any = getattr(self.store, "db", None)
@@ -332,7 +334,8 @@ class Chaos:
             self._fired(p, target=str(server))
             await asyncio.sleep(p.duration_s)
         except BaseException:  # synchronous: a cancelled schedule starts the server again before it returns
-            pgrestart.start(server)
+            new = pgrestart.start(server)
+            self._log("cleared", p, target=str(server), new_pid=new.pid, cut_short=True)
             raise
         new = await asyncio.to_thread(pgrestart.start, server)
         self._log("cleared", p, target=str(server), new_pid=new.pid)

@@ -1,16 +1,22 @@
 """faults/netfaults.py and the chaos kit's network kinds: the kinds' syntax (pure), and on this machine (root,
 iproute2) a network attached from its description by another `Network`, whose fault the `Chaos` injector
-fires, logs and heals: at the fault's end, and also when the schedule is cancelled mid-fault."""
+fires, logs and heals: at the fault's end, also when the schedule is cancelled mid-fault, and when
+``rollouts chaos`` itself is sent SIGTERM mid-fault."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from temporalio.client import Client
 
 from durable_rollouts.faults.chaos import Chaos, check_kind
 from durable_rollouts.faults.netfaults import NetFault, parse
@@ -163,7 +169,44 @@ def test_a_cancelled_schedule_heals_the_partition_in_flight(net: Network, tmp_pa
 
     asyncio.run(go())
     assert _blackholes(net, "worker") == "" and _blackholes(net, "temporal") == ""
+    assert [(e["event"], e.get("cut_short")) for e in chaos.events] == [("fired", None), ("cleared", True)]
     assert _reaches(net)
+
+
+@pytest.mark.timeout(120)
+async def test_rollouts_chaos_sigtermed_mid_fault_heals_it_before_it_exits(
+    net: Network, tmp_path: Path, client: Client
+) -> None:
+    from durable_rollouts.store import RunStore
+
+    home = tmp_path / "home"
+    RunStore(home).register_run("victim", "{}", "h")
+    described = tmp_path / "network.json"
+    described.write_text(json.dumps(net.describe()))
+    log = tmp_path / "chaos.jsonl"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TEMPORAL_", "ROLLOUTS_"))}
+    env |= {"ROLLOUTS_HOME": str(home), "TEMPORAL_ADDRESS": client.service_client.config.target_host,
+            "TEMPORAL_CONFIG_FILE": str(tmp_path / "no-profile.toml")}  # fmt: skip
+    argv = [sys.executable, "-m", "durable_rollouts.cli.rollouts", "chaos", "victim", "--kinds",
+            "partition:worker/temporal", "--network", str(described), "--duration", "1.5", "--every", "1,1",
+            "--fault-s", "600,600", "--no-docker", "--wait", "1", "--log", str(log)]  # fmt: skip
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while not (log.exists() and '"fired"' in log.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0].decode()[-2000:]
+            await asyncio.sleep(0.1)
+        assert net.hosts["temporal"].address in _blackholes(net, "worker")
+        proc.send_signal(signal.SIGTERM)
+        out = (await asyncio.to_thread(proc.communicate, timeout=30))[0].decode()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode != 0, out
+    assert _blackholes(net, "worker") == "" and _blackholes(net, "temporal") == "", out
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [(e["event"], e.get("cut_short")) for e in events] == [("fired", None), ("cleared", True)], out
 
 
 def test_a_network_kind_without_a_network_is_skipped_with_why(tmp_path: Path) -> None:
