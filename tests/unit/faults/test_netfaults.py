@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from temporalio.client import Client
@@ -207,6 +208,47 @@ async def test_rollouts_chaos_sigtermed_mid_fault_heals_it_before_it_exits(
     assert _blackholes(net, "worker") == "" and _blackholes(net, "temporal") == "", out
     events = [json.loads(line) for line in log.read_text().splitlines()]
     assert [(e["event"], e.get("cut_short")) for e in events] == [("fired", None), ("cleared", True)], out
+
+
+def _connect_s(net: Network) -> float:
+    """Seconds the worker takes to open a connection to the temporal host's listener."""
+    address = net.hosts["temporal"].address
+    probe = (
+        "import socket, time; t = time.monotonic(); "
+        f"socket.create_connection(('{address}', {PORT}), timeout=5).close(); print(time.monotonic() - t)"
+    )
+    done = net.run("worker", [sys.executable, "-c", probe])
+    assert done.returncode == 0, done.stderr
+    return float(done.stdout)
+
+
+def test_chaos_slows_and_caps_a_parts_link_and_restores_it(net: Network, tmp_path: Path) -> None:
+    assert _reaches(net)
+    chaos = _chaos(tmp_path, net)
+    seen: dict[str, Any] = {}
+
+    async def go() -> None:
+        plan = [Planned(0.0, "latency:worker=150", 3.0), Planned(4.0, "bandwidth:worker=800", 1.5)]
+        run = asyncio.ensure_future(chaos.run(plan))
+        while not chaos.events:
+            await asyncio.sleep(0.05)
+        seen["slow"] = await asyncio.to_thread(_connect_s, net)
+        while len(chaos.events) < 3:
+            await asyncio.sleep(0.05)
+        seen["capped"] = net.qdiscs("worker")
+        await run
+
+    asyncio.run(go())
+    assert [(e["event"], e["kind"]) for e in chaos.events] == [
+        ("fired", "latency:worker=150"),
+        ("cleared", "latency:worker=150"),
+        ("fired", "bandwidth:worker=800"),
+        ("cleared", "bandwidth:worker=800"),
+    ]
+    assert seen["slow"] >= 0.3, seen  # the SYN out and the SYN-ACK back, 150 ms each
+    assert "tbf" in str(seen["capped"]) and "rate 800Kbit" in str(seen["capped"]), seen
+    assert "tbf" not in net.qdiscs("worker") and "netem" not in net.qdiscs("worker")
+    assert _connect_s(net) < 0.3
 
 
 def test_a_network_kind_without_a_network_is_skipped_with_why(tmp_path: Path) -> None:
