@@ -6,10 +6,13 @@ Parts and ports: ``temporal`` runs the dev server on its own loopback (127.0.0.1
 ``ADDRESS:7233`` terminating TLS (ALPN h2, ``verify required`` against the cluster's CA); ``store`` runs
 PostgreSQL on ``ADDRESS:5432`` (trust for the subnet); ``engine`` the simulated engine on ``ADDRESS:8000``;
 workers and the driver reach them with the ``TEMPORAL_*`` variables the ``temporal`` CLI reads and
-``ROLLOUTS_STORE``.
+``ROLLOUTS_STORE``. The network's description is written to `Cluster.network_file`, so ``rollouts chaos
+--network FILE`` (run on the driver host) can cut and degrade the links between the parts and restart the
+store's server (faults/netfaults.py, faults/pgrestart.py).
 
 Invariants: the certificates are a throwaway CA made with openssl in the cluster's folder; every process and
-namespace is the `Network`'s, so `Cluster.close` removes all of it (also after a failed start).
+namespace is the `Network`'s, so `Cluster.close` removes all of it (also after a failed start), and a
+PostgreSQL server the chaos kit started again on the store's data directory is stopped by its pid file.
 """
 
 from __future__ import annotations
