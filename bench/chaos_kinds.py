@@ -266,11 +266,13 @@ class KindsChaos(Chaos):
             return
         t = self._rng.choice(found)
         await asyncio.to_thread(process.kill, t)
-        lost = await asyncio.to_thread(self._lose_containers)
-        self._fired(p, target=str(t), containers_lost=lost)
-        await asyncio.sleep(p.duration_s)
-        new = await asyncio.to_thread(process.start, t)
-        self._log("cleared", p, target=str(t), new_pid=new.pid)
+        try:  # the worker comes back whatever happens to the containers (a daemon that times out)
+            lost = await asyncio.to_thread(self._lose_containers)
+            self._fired(p, target=str(t), containers_lost=lost)
+            await asyncio.sleep(p.duration_s)
+        finally:
+            new = await asyncio.to_thread(process.start, t)
+            self._log("cleared", p, target=str(t), new_pid=new.pid)
 
     def _lose_containers(self) -> list[str]:
         """Every container of the runs removed, running or not (the host took them with it)."""
