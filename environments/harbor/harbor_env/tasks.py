@@ -7,7 +7,10 @@ A dataset (``run.task_file``) is one of:
 - a dataset file listing them: TOML with ``tasks = ["dir", "more/*", ...]`` (paths relative to the file,
   globs allowed) and optionally ``network_policy = "no-network"`` (run tasks whose network mode is
   ``public`` or ``allowlist`` without network; without it they need the run's egress policy:
-  `harbor_env.network`), or a plain text file with one path per line (``#`` comments).
+  `harbor_env.network`) and ``default_user`` (the user of every task that names no ``[agent].user``, as
+  if it named this one: ``"root"`` for task sets written to run as root, such as Terminal-Bench 2; root
+  still runs only on a sandbox host whose daemon remaps users, and is refused in one line elsewhere), or
+  a plain text file with one path per line (``#`` comments).
 
 Each task directory becomes one `HarborTask`: its parsed ``task.toml`` (``harbor_env.config``), its
 instruction (canary lines stripped, as Harbor does), and the files of ``environment/``, ``tests/`` and
@@ -89,8 +92,9 @@ def load_dataset(path: str | Path, egress: EgressPolicy | None = NO_EGRESS) -> l
     """
     p = Path(path)
     policy: str | None = None
+    default_user: str | None = None
     if p.is_file():
-        dirs, policy = _listing(p)
+        dirs, policy, default_user = _listing(p)
     elif (p / "task.toml").is_file() or any((p / part).exists() for part in TASK_PARTS):
         dirs = [p]  # a task directory (one without task.toml is refused as such)
     elif p.is_dir():
@@ -102,7 +106,7 @@ def load_dataset(path: str | Path, egress: EgressPolicy | None = NO_EGRESS) -> l
     tasks: list[HarborTask] = []
     seen: dict[str, Path] = {}
     for d in dirs:
-        task = load_task_dir(d, policy, egress)
+        task = load_task_dir(d, policy, egress, default_user)
         if task.id in seen:
             raise TaskFileError(f"{d}: task name {task.id!r} is also the name of {seen[task.id]}")
         seen[task.id] = d
@@ -110,18 +114,20 @@ def load_dataset(path: str | Path, egress: EgressPolicy | None = NO_EGRESS) -> l
     return tasks
 
 
-def _listing(path: Path) -> tuple[list[Path], str | None]:
+def _listing(path: Path) -> tuple[list[Path], str | None, str | None]:
     text = _read(path, path, "dataset file")
     base = path.parent
-    policy = None
+    policy = default_user = None
     if path.suffix == ".toml":
         try:
             data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:
             raise TaskFileError(f"{path}: not valid TOML ({e})") from None
-        unknown = set(data) - {"tasks", "network_policy"}
+        unknown = set(data) - {"tasks", "network_policy", "default_user"}
         if unknown:
-            raise TaskFileError(f"{path}: field {sorted(unknown)[0]!r}: unknown (tasks, network_policy)")
+            raise TaskFileError(
+                f"{path}: field {sorted(unknown)[0]!r}: unknown (tasks, network_policy, default_user)"
+            )
         entries = data.get("tasks")
         if not isinstance(entries, list) or not entries or not all(isinstance(e, str) for e in entries):
             raise TaskFileError(f"{path}: field 'tasks': a non-empty list of task directory paths")
@@ -130,6 +136,16 @@ def _listing(path: Path) -> tuple[list[Path], str | None]:
             raise TaskFileError(
                 f"{path}: field 'network_policy': {policy!r}: only \"no-network\" is possible"
             )
+        default_user = data.get("default_user")
+        if default_user is not None and (
+            isinstance(default_user, bool)
+            or not isinstance(default_user, (str, int))
+            or cfgmod.bad_user(default_user)
+        ):
+            raise TaskFileError(
+                f"{path}: field 'default_user': {default_user!r}: a user name or uid, e.g. \"root\""
+            )
+        default_user = cfgmod.user_name(default_user)
     else:
         entries = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith("#")]
     dirs: list[Path] = []
@@ -141,13 +157,17 @@ def _listing(path: Path) -> tuple[list[Path], str | None]:
         dirs += [Path(m) for m in matches if Path(m).is_dir() or not glob.has_magic(entry)]
     if not dirs:
         raise TaskFileError(f"{path}: no tasks")
-    return dirs, policy
+    return dirs, policy, default_user
 
 
 def load_task_dir(
-    d: Path, network_policy: str | None = None, egress: EgressPolicy | None = NO_EGRESS
+    d: Path,
+    network_policy: str | None = None,
+    egress: EgressPolicy | None = NO_EGRESS,
+    default_user: str | None = None,
 ) -> HarborTask:
-    """One task directory as a `HarborTask`.
+    """One task directory as a `HarborTask` (``default_user``: the dataset's user for a task that names
+    no ``[agent].user``).
 
     Raises:
         TaskFileError: ``<dir>: <file or field>: <why>``.
@@ -164,6 +184,8 @@ def load_task_dir(
     bad = cfgmod.unsupported(cfg)
     if bad is not None:
         raise TaskFileError(f"{d}: task.toml {bad[0]}: {bad[1]}")
+    if default_user is not None and cfg.agent.user is None:
+        cfg = cfg.model_copy(update={"agent": cfg.agent.model_copy(update={"user": default_user})})
     if network_policy == "no-network":
         cfg = network.offline(cfg)
     elif egress is not None:
