@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from durable_rollouts.config.load import load_config
 from durable_rollouts.config.models import Config
 from durable_rollouts.contracts.types import group_id
@@ -189,6 +191,8 @@ class Lanes:
 
     configs: dict[str, Config]
     before: dict[str, Callable[[str], None]] = field(default_factory=dict)
+    sims: list[str] = field(default_factory=list)
+    """The simulated engines' URLs (told each new policy version: `KindsChaos.sim_urls`)."""
 
 
 @contextlib.asynccontextmanager
@@ -229,7 +233,9 @@ async def lanes(
             "mini-swe-agent": harness_config(harness_url, task_queue, harness),
         }
         yield Lanes(
-            {k: every[k] for k in kinds}, {"harbor": lambda rid: set_build_marker(harbor, f"built-by-{rid}")}
+            {k: every[k] for k in kinds},
+            {"harbor": lambda rid: set_build_marker(harbor, f"built-by-{rid}")},
+            [coding_url, harbor_url, harness_url],
         )
 
 
@@ -251,13 +257,24 @@ def remove_images(tags: list[str]) -> None:
 
 @dataclass
 class KindsChaos(Chaos):
-    """The fault kit's injector plus ``host_loss`` (see the module docstring)."""
+    """The fault kit's injector plus ``host_loss`` (see the module docstring); a ``publish`` also tells the
+    simulated engines (``sim_urls``) the new version, as a trainer publishing to every fleet would: they
+    have no weights to load, and an engine left on an older version is held out of rotation until it
+    serves the current one (engines/rejoin.py), which the publish protocol cannot bring a simulated
+    engine to."""
+
+    sim_urls: list[str] = field(default_factory=list)
 
     async def _fire(self, p: Planned) -> None:
         if p.kind == "host_loss":
             await self._host_loss(p)
-        else:
-            await super()._fire(p)
+            return
+        await super()._fire(p)
+        if p.kind == "publish" and self.sim_urls and (latest := self._latest_policy()) is not None:
+            async with httpx.AsyncClient(timeout=10) as http:
+                for url in self.sim_urls:
+                    body = {"new_version": latest["version"]}
+                    (await http.post(f"{url}/update_weight_version", json=body)).raise_for_status()
 
     async def _host_loss(self, p: Planned) -> None:
         found = process.targets(self.home, "worker")

@@ -159,6 +159,7 @@ async def _soak(args: argparse.Namespace) -> dict:
         chaos = kinds_chaos(home, seed=args.seed, store=store, client=client, image=image,
                             echo=lambda line: print(line, flush=True))  # fmt: skip
         async with lanes(home, info.engine_url, cfg.task_queue, image, cfg.policy_version, run_kinds) as ls:
+            chaos.sim_urls = ls.sims
             until = time.monotonic() + args.minutes * 60
             injected, run_ids = await asyncio.gather(chaos.run(plan), _runs(client, ls, until, chaos))
         pool = SandboxPool(store)
