@@ -81,6 +81,7 @@ class HarnessActivities:
         try:
             box = await self.sandboxes.bound(rid)
             if box is None:
+                await self.gateway.stop(rid)  # the socket file a SIGKILLed worker's gateway left, if any
                 raise SandboxGone(f"rollout {rid}: no sandbox to run the harness in")
             env = registry.get(ref.env)
             row = await asyncio.to_thread(self.store.get_task, ref.run_id, ref.task_id)
