@@ -31,6 +31,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -195,15 +196,22 @@ class Lanes:
     """The simulated engines' URLs (told each new policy version: `KindsChaos.sim_urls`)."""
 
 
+def transcripts(plugin: str, out: Path, dataset: Path) -> Path:
+    """The reference transcripts of ``dataset`` written to ``out`` by the plug-in's own command line
+    (``python -m PLUGIN.transcripts``), as a user would: the benchmarks import no plug-in."""
+    subprocess.run(
+        [sys.executable, "-m", f"{plugin}.transcripts", str(dataset), "-o", str(out)],
+        check=True, capture_output=True, text=True,
+    )  # fmt: skip
+    return out
+
+
 @contextlib.asynccontextmanager
 async def lanes(
     home: Path, engine_url: str, task_queue: str, image: str, policy_version: str, kinds: list[str]
 ) -> AsyncIterator[Lanes]:
     """The simulated engines of ``kinds`` (coding, Harbor, mini-swe-agent) served for the soak, and the
     configs of every kind, pointed at them or at the stack's engine."""
-    from harbor_env import transcripts as harbor_transcripts  # type: ignore[import-not-found]  # plug-ins (make setup)
-    from harness_env import transcripts as harness_transcripts  # type: ignore[import-not-found]
-
     unknown = sorted(set(kinds) - set(KINDS))
     if unknown:
         raise ValueError(f"chaos soak: unknown run kinds {unknown}; kinds: {', '.join(KINDS)}")
@@ -213,11 +221,11 @@ async def lanes(
     coding = SimSettings(tasks=CODING_TASKS, mode_rules=_victim_rules(), max_model_len=4096,
                          weight_version=policy_version)  # fmt: skip
     harbor_sim = SimSettings(
-        transcripts=harbor_transcripts.write(work / "harbor.jsonl", harbor),
+        transcripts=transcripts("harbor_env", work / "harbor.jsonl", harbor),
         mode_rules=[ModeRule(on="request", prefix="", mode=Mode.REFERENCE)], max_model_len=8192,
     )  # fmt: skip
     harness_sim = SimSettings(
-        transcripts=harness_transcripts.write(work / "harness.jsonl", harness),
+        transcripts=transcripts("harness_env", work / "harness.jsonl", harness),
         mode_rules=[ModeRule(on="request", prefix="", mode=Mode.REFERENCE)], max_model_len=65536,
     )  # fmt: skip
     async with (
