@@ -118,6 +118,12 @@ class SandboxSpec(BaseModel):
     """Bind the rollout's own gateway folder (`gateway_dir`, on the daemon's machine) read-only at
     `GATEWAY_MOUNT`: its Unix socket is the only thing outside the container the sandbox can reach."""
 
+    writable_root: bool = False
+    """Let commands write to the container's own filesystem (its copy-on-write layer, not size-capped;
+    the host's files stay out of reach), for tasks written to install packages when they run, such as
+    Terminal-Bench 2's ``apt-get install`` in ``tests/test.sh``. Off by default: the root filesystem is
+    read-only and only the workdir, /tmp and `mounts` are writable."""
+
     egress: EgressPolicy = Field(default_factory=EgressPolicy)
     """Hosts the sandbox may reach (``[sandbox.egress]``, the operator's; an environment may narrow it
     per task): none by default, and then no network at all. Otherwise its only network is its own

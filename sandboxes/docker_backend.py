@@ -216,7 +216,7 @@ class DockerBackend:
             network_mode=network,
             cap_drop=["ALL"],
             security_opt=["no-new-privileges"],
-            read_only=True,
+            read_only=not spec.writable_root,
             tmpfs={
                 spec.workdir: f"{_TMPFS_OPTS},size={spec.workdir_size_mb}m,uid={uid},gid={gid},mode=0755",
                 "/tmp": f"{_TMPFS_OPTS},size={spec.tmp_size_mb}m,mode=1777",
