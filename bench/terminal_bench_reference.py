@@ -27,6 +27,7 @@ from durable_rollouts.config.load import config_hash, load_config
 from durable_rollouts.contracts.types import RunInput
 from durable_rollouts.engines.client import EngineClient
 from durable_rollouts.records.export import iter_run
+from durable_rollouts.sandboxes.egress_policy import EgressPolicy
 from durable_rollouts.simengine import Mode, ModeRule, SimEngine, SimSettings
 from durable_rollouts.store import open_store
 from durable_rollouts.workers.worker import build_workers
@@ -35,22 +36,33 @@ from durable_rollouts.workflows.run import RunWorkflow
 QUEUE = "tb2-survey"
 
 
-def dataset_file(path: Path, dirs: list[Path]) -> Path:
-    """A Harbor dataset file listing ``dirs`` with the no-network policy."""
-    lines = ['network_policy = "no-network"', "tasks = ["]
+def dataset_file(
+    path: Path, dirs: list[Path], head: tuple[str, ...] = ('network_policy = "no-network"',)
+) -> Path:
+    """A Harbor dataset file listing ``dirs``, after the lines ``head`` (default: the no-network policy)."""
+    lines = [*head, "tasks = ["]
     lines += [f"  {json.dumps(str(d.resolve()))}," for d in dirs]
     path.write_text("\n".join([*lines, "]", ""]), encoding="utf-8")
     return path
 
 
-async def run_reference(dirs: list[Path], work: Path, command_timeout_s: int) -> dict[str, dict[str, Any]]:
+async def run_reference(
+    dirs: list[Path],
+    work: Path,
+    command_timeout_s: int,
+    head: tuple[str, ...] | None = None,
+    egress: dict[str, Any] | None = None,
+    config: dict[str, Any] | None = None,
+) -> dict[str, dict[str, Any]]:
     """Run every task in ``dirs`` once by its reference solution; task directory name -> its record's
-    outcome, reward and reason (and the rollout's seconds)."""
+    outcome, reward and reason (and the rollout's seconds). ``head``: the dataset file's settings
+    (default: the no-network policy); ``egress``: the run's ``[sandbox.egress]`` (default: none);
+    ``config``: more run config overrides (dotted key -> value)."""
     from harbor_env.tasks import load_dataset  # type: ignore[import-not-found]  # the plug-in (make setup)
     from harbor_env.transcripts import write  # type: ignore[import-not-found]
 
-    dataset = dataset_file(work / "dataset.toml", dirs)
-    names = {t.id: Path(t.source).name for t in load_dataset(dataset)}
+    dataset = dataset_file(work / "dataset.toml", dirs, *(() if head is None else (head,)))
+    names = {t.id: Path(t.source).name for t in load_dataset(dataset, egress=None)}
     transcripts = write(work / "transcripts.jsonl", dataset)
     settings = SimSettings(
         transcripts=transcripts,
@@ -68,8 +80,11 @@ async def run_reference(dirs: list[Path], work: Path, command_timeout_s: int) ->
     engine = EngineClient()
     try:
         async with SimEngine(settings).serve(port=0) as url, temporal_env() as env:
-            values = {**overrides, "engine.urls": [url]}
+            values = {**overrides, **(config or {}), "engine.urls": [url]}
             cfg = load_config(None, [f"{k}={json.dumps(v)}" for k, v in values.items()])
+            if egress is not None:
+                policy = EgressPolicy.model_validate(egress)
+                cfg = cfg.model_copy(update={"sandbox": cfg.sandbox.model_copy(update={"egress": policy})})
             async with contextlib.AsyncExitStack() as stack:
                 for w in build_workers(env.client, QUEUE, store, engine, envs={}):
                     await stack.enter_async_context(w)
