@@ -95,8 +95,11 @@ def other_images(dockerfile: str) -> list[str]:
     return [n for n in named[1:] if n.lower() not in stages and not n.isdigit()]
 
 
-def build_task(task: Path, facts: dict[str, Any], timeout_s: float, made: list[str]) -> dict[str, Any]:
-    """Build ``task``'s Dockerfile as its ``docker_image`` name; the outcome with its cause."""
+def build_task(
+    task: Path, facts: dict[str, Any], timeout_s: float, made: list[str], network: list[str] | None = None
+) -> dict[str, Any]:
+    """Build ``task``'s Dockerfile as its ``docker_image`` name; the outcome with its cause. ``network``:
+    the build's network arguments (default ``--network none``)."""
     tag = facts["docker_image"] or f"tb2-survey/{task.name}:local"
     base = facts["from"]
     if base not in STANDINS:
@@ -106,7 +109,8 @@ def build_task(task: Path, facts: dict[str, Any], timeout_s: float, made: list[s
         return {"built": False, "tag": tag, "cause": "names another image, from a registry", "images": others}
     if has_image(tag):
         return {"built": True, "tag": tag, "cause": None, "note": "image already present; not rebuilt"}
-    args = ["build", "--network", "none", "--rm", "--force-rm", "-t", tag, str(task / "environment")]
+    net = ["--network", "none"] if network is None else network
+    args = ["build", *net, "--rm", "--force-rm", "-t", tag, str(task / "environment")]
     try:
         done = _docker(*args, timeout=timeout_s)
     except subprocess.TimeoutExpired:

@@ -62,13 +62,12 @@ Components: main
 Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
 """
 CA_PATH = "/usr/local/share/tb2-standin/ca.pem"
+CA_VARS = ("SSL_CERT_FILE", "CURL_CA_BUNDLE", "REQUESTS_CA_BUNDLE", "PIP_CERT")
 SETTINGS: dict[str, Any] = {
     "sandbox.writable_root": True,
     "sandbox.tmp_size_mb": 512,
-    **{
-        f"sandbox.env.{v}": CA_PATH
-        for v in ("SSL_CERT_FILE", "CURL_CA_BUNDLE", "REQUESTS_CA_BUNDLE", "PIP_CERT")
-    },
+    "sandbox.memory_mb": 2048,  # the defaults must fit the larger /tmp; each task sets its own memory
+    **{f"sandbox.env.{v}": CA_PATH for v in CA_VARS},
 }
 """The run config besides the egress policy: the tasks install packages into their image's filesystem
 (apt-get, pip), unpack uv's release in /tmp (the default 64 MiB /tmp is too small), and trust the
@@ -127,6 +126,7 @@ def base_context(ctx: Path) -> Path:
         " && echo 'APT::Sandbox::User \"root\";' > /etc/apt/apt.conf.d/sandbox-no-setuid\n"
         "COPY debian.sources /etc/apt/sources.list.d/debian.sources\n"
         f"COPY ca.pem {CA_PATH}\n"
+        f"ENV {' '.join(f'{v}={CA_PATH}' for v in CA_VARS)}\n"
         f"RUN chmod 644 {CA_PATH} && python3.13 -c 'import ssl, sqlite3, ctypes, lzma, bz2'\n"
         f'LABEL {images.STANDIN_LABEL}="python:3.13-slim-bookworm from Debian bookworm with Python 3.13.0"\n'
     )
@@ -196,6 +196,26 @@ class BridgeRules:
             subprocess.run(["iptables", "-w", "-D", *rule], capture_output=True, timeout=30)
 
 
+def build_proxy(url: str, egress: dict[str, Any]) -> list[str]:
+    """``docker build`` arguments that give a build the stand-ins as its network: the run's own egress
+    proxy (started now; the run's sandboxes share it), named by Docker's predefined proxy build args."""
+    import docker
+
+    from durable_rollouts.sandboxes.egress import PORT, EgressNetworks
+    from durable_rollouts.sandboxes.egress_policy import EgressPolicy
+
+    policy = EgressPolicy.model_validate(egress)
+    name = EgressNetworks(docker.APIClient(base_url=url))._proxy(policy)
+    fmt = "{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}"
+    address = _docker(url, "inspect", "-f", fmt, name).stdout.strip()
+    names = ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy")
+    return [
+        "--network",
+        policy.upstream_network,
+        *(f"--build-arg={n}=http://{address}:{PORT}" for n in names),
+    ]
+
+
 def probe(backend: Any, dirs: list[Path], egress: dict[str, Any], command: str) -> None:
     """A diagnostic: ``command`` in a sandbox of each task's image, as the pipeline makes it for the task."""
     from durable_rollouts.sandboxes.base import SandboxSpec
@@ -242,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         names = args.names.split(",")
     else:
         names = [n for n, r in result["tasks"].items() if r.get("build", {}).get("built")]
+        names += list(si.BUILD_TASKS)
     dirs = [args.tasks / n for n in names]
     t0 = time.monotonic()
     sites, made = set_up()
@@ -267,11 +288,14 @@ def main(argv: list[str] | None = None) -> int:
             daemon.url, "inspect", "-f", "{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}", net
         ).stdout.strip()
         os.environ["DOCKER_HOST"] = daemon.url  # the builds below and the pipeline's sandboxes
+        via = build_proxy(daemon.url, si.policy(address, net))
         built: list[Path] = []
         for d in dirs:
             facts = accept.static_facts(d)
             t1 = time.monotonic()
-            rows[d.name] = {"build": images.build_task(d, facts, args.build_timeout, [])}
+            network = via if d.name in si.BUILD_TASKS else None
+            rows[d.name] = {"build": images.build_task(d, facts, args.build_timeout, [], network)}
+            rows[d.name]["build"]["network"] = "stand-ins" if network else "none"
             rows[d.name]["build"]["seconds"] = round(time.monotonic() - t1, 1)
             print(f"build {d.name}: {rows[d.name]['build']['built']}", flush=True)
             if rows[d.name]["build"]["built"]:

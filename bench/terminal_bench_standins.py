@@ -50,11 +50,22 @@ HTTPS_PORT, HTTP_PORT = 8443, 8080
 SERVER_IMAGE = "tb2-standins:local"
 DEBIAN = "http://deb.debian.org"
 SUITES = (("debian", "bookworm"), ("debian", "bookworm-updates"), ("debian-security", "bookworm-security"))
-APT_PACKAGES = ("curl",)
-"""What the runnable tasks' test.sh files ``apt-get install`` (only ``curl``)."""
+APT_PACKAGES = ("curl", "gcc", "git", "openssl", "vim", "nano", "gnucobol3", "tmux", "screen", "expect")
+"""What the runnable tasks ``apt-get install``: their test.sh files ``curl``; the rest the Dockerfiles
+built through the stand-ins (`BUILD_TASKS`) and their solve.sh (fetched as one install: what apt fetches for
+any subset on the same base is part of it)."""
+BUILD_TASKS = (
+    "circuit-fibsqrt", "cobol-modernization", "fix-git", "openssl-selfsigned-cert", "sanitize-git-repo",
+    "vulnerable-secret", "large-scale-text-editing", "headless-terminal", "feal-differential-cryptanalysis",
+    "feal-linear-cryptanalysis", "model-extraction-relu-logits", "regex-chess", "largest-eigenval",
+)  # fmt: skip
+"""Tasks on the stand-in base whose Dockerfile downloads only from the stood-in hosts (Debian's packages
+above, wheels below): built with the stand-ins as their network."""
 REQUIREMENTS = (
     ("pytest==8.4.1", "pytest-json-ctrf==0.3.5"),  # every uvx test runner
     ("scipy==1.16.0", "numpy==2.3.1"),  # raman-fitting's solve.sh
+    ("setuptools==80.9.0", "numpy==2.2.5", "chess"),  # BUILD_TASKS' Dockerfiles
+    ("numpy==2.3.0",),
     (  # kv-store-grpc's test.sh and solve.sh
         "pytest==8.4.2", "requests==2.32.5", "psutil==7.0.0", "pytest-json-ctrf==0.3.5", "grpcio==1.73.0",
         "grpcio-tools==1.73.0",
