@@ -326,6 +326,8 @@ def main(argv: list[str] | None = None) -> int:
         if rules is not None:
             rules.close()
         daemon.close()
+    for name, row in rows.items():
+        result["tasks"].setdefault(name, {})["build_standins"] = row["build"]
     for name, r in runs.items():
         result["tasks"].setdefault(name, {})["reference_standins"] = r
     result.setdefault("summary", {})["reference_standins"] = {
