@@ -131,6 +131,22 @@ def test_writes_outside_workdir_fail(backend, sandbox):
     assert backend.exec(handle, "echo fine").output == "fine\n"
 
 
+def test_a_writable_root_is_the_operators_choice_and_the_rest_stays_hardened(backend, sandbox):
+    """``sandbox.writable_root`` (for tasks that install packages as they run) lifts only the read-only
+    root: the same sandbox still runs as its non-root user, without capabilities or network."""
+    read_only = sandbox()
+    default = backend.api.inspect_container(read_only.container_id)["HostConfig"]
+    writable = sandbox(SMALL.model_copy(update={"writable_root": True}))
+    host = backend.api.inspect_container(writable.container_id)["HostConfig"]
+    assert default["ReadonlyRootfs"] is True and host["ReadonlyRootfs"] is False
+    assert host["CapDrop"] == default["CapDrop"] and host["NetworkMode"] == default["NetworkMode"] == "none"
+    assert backend.exec(writable, "id -u").output.strip() != "0"
+    # /var/tmp is the image's own world-writable folder on the root filesystem (no mount over it).
+    assert backend.exec(writable, "touch /var/tmp/probe && echo ok").output == "ok\n"
+    refused = backend.exec(read_only, "touch /var/tmp/probe")
+    assert refused.exit_code != 0 and "Read-only file system" in refused.output, refused
+
+
 # ---------------------------------------------------------------------------------------- containment
 
 
