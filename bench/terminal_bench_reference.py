@@ -17,6 +17,8 @@ import contextlib
 import json
 import re
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,7 @@ from harness import temporal_env
 from durable_rollouts.config.load import config_hash, load_config
 from durable_rollouts.contracts.types import RunInput
 from durable_rollouts.engines.client import EngineClient
+from durable_rollouts.environments import registry
 from durable_rollouts.records.export import iter_run
 from durable_rollouts.sandboxes.egress_policy import EgressPolicy
 from durable_rollouts.simengine import Mode, ModeRule, SimEngine, SimSettings
@@ -58,12 +61,15 @@ async def run_reference(
     outcome, reward and reason (and the rollout's seconds). ``head``: the dataset file's settings
     (default: the no-network policy); ``egress``: the run's ``[sandbox.egress]`` (default: none);
     ``config``: more run config overrides (dotted key -> value)."""
-    from harbor_env.tasks import load_dataset  # type: ignore[import-not-found]  # the plug-in (make setup)
-    from harbor_env.transcripts import write  # type: ignore[import-not-found]
-
     dataset = dataset_file(work / "dataset.toml", dirs, *(() if head is None else (head,)))
-    names = {t.id: Path(t.source).name for t in load_dataset(dataset, egress=None)}
-    transcripts = write(work / "transcripts.jsonl", dataset)
+    # The plug-in through the registry and its own command line, as every benchmark treats plug-ins.
+    tasks = registry.get("harbor").load_tasks(dataset)
+    names = {t.id: Path(t.source).name for t in tasks}  # type: ignore[attr-defined]  # a Harbor task
+    transcripts = work / "transcripts.jsonl"
+    subprocess.run(
+        [sys.executable, "-m", "harbor_env.transcripts", str(dataset), "-o", str(transcripts)],
+        check=True, capture_output=True, text=True,
+    )  # fmt: skip
     settings = SimSettings(
         transcripts=transcripts,
         mode_rules=[ModeRule(on="request", prefix="", mode=Mode.REFERENCE)],
