@@ -175,3 +175,21 @@ async def until(check: Callable[[], bool], timeout_s: float, what: str, every_s:
             return
         await asyncio.sleep(every_s)
     raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+def cluster_missing(*tools: str) -> str | None:
+    """Why a namespace cluster (faults.cluster) cannot be made here, or None: network namespaces, HAProxy,
+    PostgreSQL and the ``tools`` named (e.g. ``docker``)."""
+    import shutil
+
+    from durable_rollouts.faults.netns import available
+    from durable_rollouts.store.local_postgres import postgres_bin
+
+    if why := available():
+        return why
+    if shutil.which("haproxy") is None:
+        return "haproxy is not installed (apt-get install haproxy; .ci/with-services.sh does)"
+    if postgres_bin() is None or shutil.which("psql") is None:
+        return "PostgreSQL is not installed (apt-get install postgresql; .ci/with-services.sh does)"
+    missing = [t for t in tools if shutil.which(t) is None]
+    return f"{', '.join(missing)} not installed" if missing else None

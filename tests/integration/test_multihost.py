@@ -7,7 +7,6 @@ certificate, or with one from another CA, is refused in one line; everything mad
 from __future__ import annotations
 
 import json
-import shutil
 import signal
 import subprocess
 import sys
@@ -20,8 +19,8 @@ import pytest
 
 from durable_rollouts.environments.registry import env_queue
 from durable_rollouts.faults.cluster import DEV_PORT, STORE_PORT, TLS_PORT, Cluster
-from durable_rollouts.faults.netns import available, namespaces
-from durable_rollouts.store.local_postgres import postgres_bin
+from durable_rollouts.faults.netns import namespaces
+from tests.integration.support import cluster_missing
 
 pytestmark = pytest.mark.integration
 
@@ -29,19 +28,9 @@ RUN = "multihost"
 GROUPS, SIZE = 12, 4
 
 
-def _missing() -> str | None:
-    if why := available():
-        return why
-    if shutil.which("haproxy") is None:
-        return "haproxy is not installed (apt-get install haproxy; .ci/with-services.sh does)"
-    if postgres_bin() is None or shutil.which("psql") is None:
-        return "PostgreSQL is not installed (apt-get install postgresql; .ci/with-services.sh does)"
-    return None
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    if why := _missing():
+    if why := cluster_missing():
         pytest.skip(why)
     c = Cluster(tmp_path_factory.mktemp("multihost"))
     try:

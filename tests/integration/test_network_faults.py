@@ -19,7 +19,6 @@ rollouts were recorded before the fault fired, and some were recorded after it w
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 import time
@@ -34,8 +33,8 @@ from durable_rollouts.config.paths import resolve_path
 from durable_rollouts.environments import registry
 from durable_rollouts.environments.registry import env_queue
 from durable_rollouts.faults.cluster import ENGINE_PORT, Cluster
-from durable_rollouts.faults.netns import available, namespaces
-from durable_rollouts.store.local_postgres import postgres_bin
+from durable_rollouts.faults.netns import namespaces
+from tests.integration.support import cluster_missing
 
 pytestmark = pytest.mark.integration
 
@@ -70,18 +69,6 @@ SANDBOX = Part(
 RESTART = Part("nf-pg-restart", "nf-t", "worker-t", ENGINE_PORT, "pg_restart", RESTART_DOWN_S)
 
 
-def _missing() -> str | None:
-    if why := available():
-        return why
-    if shutil.which("haproxy") is None:
-        return "haproxy is not installed (apt-get install haproxy; .ci/with-services.sh does)"
-    if postgres_bin() is None or shutil.which("psql") is None:
-        return "PostgreSQL is not installed (apt-get install postgresql; .ci/with-services.sh does)"
-    if shutil.which("docker") is None:
-        return "docker is not installed"
-    return None
-
-
 def _env_queue(p: Part) -> str:
     env = "coding" if p is SANDBOX else "math"
     return env_queue(p.queue, env, registry.loadable()[env])
@@ -89,7 +76,7 @@ def _env_queue(p: Part) -> str:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    if why := _missing():
+    if why := cluster_missing("docker"):
         pytest.skip(why)
     c = Cluster(
         tmp_path_factory.mktemp("netfaults"), workers=("worker-t", "worker-s", "sbx-worker", "sandbox")
