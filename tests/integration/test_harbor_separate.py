@@ -19,9 +19,10 @@ the verifier's sandbox cannot hold fails as an environment error.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
@@ -145,58 +146,63 @@ async def test_a_retried_score_reattaches_and_never_runs_the_verifier_twice(
         docker.reap(run_id=run_id)
 
 
-async def test_an_artifact_the_verifier_cannot_hold_fails_as_the_environments(
-    docker: DockerBackend, harbor_base: None, tmp_path: Path
-) -> None:
-    env = registry.get("harbor")
-    run_id = f"harbor-separate-place-{uuid.uuid4().hex[:8]}"
+@contextlib.asynccontextmanager
+async def _own_task_scored(
+    docker: DockerBackend, tmp_path: Path, name: str, edit: Callable[[Path], None]
+) -> AsyncIterator[tuple[TurnContext, SandboxActivities, str, str]]:
+    """A copy of the own-image task, changed by ``edit`` (its folder), its agent's turn done: the last
+    turn's context, the sandbox activities, the rollout id and the run id. Every container of the run is
+    gone afterwards."""
+    run_id = f"harbor-separate-{name}-{uuid.uuid4().hex[:8]}"
     task_dir = tmp_path / OWN
     shutil.copytree(TASKS / OWN, task_dir)
-    toml = task_dir / "task.toml"  # root's file in the image: the verifier's user cannot replace it
-    toml.write_text(
-        toml.read_text().replace('artifacts = ["result.txt"]', 'artifacts = ["/etc/harbor-image"]')
-    )
-    store = RunStore(tmp_path / "store")
+    edit(task_dir)
     try:
-        acts = SandboxActivities(store, lambda: AsyncSandboxBackend(docker))
+        acts = SandboxActivities(RunStore(tmp_path / "store"), lambda: AsyncSandboxBackend(docker))
         task, rid, box = await _agent_sandbox(acts, docker, task_dir, run_id)
         ctx = TurnContext(task=task, rollout_id=rid, turn=3, last_turn=True, sandbox=box,
                           sandboxes=acts.siblings(rid, run_id))  # fmt: skip
-        with pytest.raises(EnvironmentFailure) as e:
-            await env.score(ctx, None)
-        assert "artifact /etc/harbor-image: could not place it in the verifier's sandbox" in str(e.value)
+        yield ctx, acts, rid, run_id
         await acts.sandbox_destroy(rid)
         assert_no_containers(docker, run_id)
     finally:
         docker.reap(run_id=run_id)
+
+
+def _replace(path: str, old: str, new: str, append: bool = False) -> Callable[[Path], None]:
+    def edit(task_dir: Path) -> None:
+        f = task_dir / path
+        f.write_text(f.read_text() + new if append else f.read_text().replace(old, new))
+
+    return edit
+
+
+async def test_an_artifact_the_verifier_cannot_hold_fails_as_the_environments(
+    docker: DockerBackend, harbor_base: None, tmp_path: Path
+) -> None:
+    # /etc/harbor-image is root's file in the image: the verifier's user cannot replace it.
+    edit = _replace("task.toml", 'artifacts = ["result.txt"]', 'artifacts = ["/etc/harbor-image"]')
+    async with _own_task_scored(docker, tmp_path, "place", edit) as (ctx, _, _, _):
+        with pytest.raises(EnvironmentFailure) as e:
+            await registry.get("harbor").score(ctx, None)
+        assert "artifact /etc/harbor-image: could not place it in the verifier's sandbox" in str(e.value)
 
 
 async def test_an_agents_tmp_handed_over_cannot_forge_the_verifiers_keyed_runs(
     docker: DockerBackend, harbor_base: None, tmp_path: Path
 ) -> None:
     """/tmp as an artifact: the agent's files arrive, its copy of the keyed-exec records does not."""
-    env = registry.get("harbor")
-    run_id = f"harbor-separate-tmp-{uuid.uuid4().hex[:8]}"
-    task_dir = tmp_path / OWN
-    shutil.copytree(TASKS / OWN, task_dir)
-    toml = task_dir / "task.toml"
-    toml.write_text(toml.read_text().replace('["result.txt"]', '["result.txt", "/tmp"]'))
-    solve = task_dir / "solution" / "solve.sh"
-    solve.write_text(solve.read_text() + "echo kept > /tmp/kept.txt\nmkdir -p /tmp/.dr-once/forged\n")
-    store = RunStore(tmp_path / "store")
-    try:
-        acts = SandboxActivities(store, lambda: AsyncSandboxBackend(docker))
-        task, rid, box = await _agent_sandbox(acts, docker, task_dir, run_id)
-        ctx = TurnContext(task=task, rollout_id=rid, turn=3, last_turn=True, sandbox=box,
-                          sandboxes=acts.siblings(rid, run_id))  # fmt: skip
-        assert (await env.score(ctx, None)).metrics == OWN_METRICS
+
+    def edit(task_dir: Path) -> None:
+        _replace("task.toml", '["result.txt"]', '["result.txt", "/tmp"]')(task_dir)
+        forge = "echo kept > /tmp/kept.txt\nmkdir -p /tmp/.dr-once/forged\n"
+        _replace("solution/solve.sh", "", forge, append=True)(task_dir)
+
+    async with _own_task_scored(docker, tmp_path, "tmp", edit) as (ctx, _, rid, run_id):
+        assert (await registry.get("harbor").score(ctx, None)).metrics == OWN_METRICS
         (handle,) = [c for c in docker.list_containers(run_id) if c.key == sibling_key(rid, "verifier")]
         res = docker.client.containers.get(handle.container_id).exec_run(
             ["sh", "-c", "cat /tmp/kept.txt; ls /tmp/.dr-once"]
         )
         out = res.output.decode()
         assert out.startswith("kept\n") and "forged" not in out and "score-3.run" in out, out
-        await acts.sandbox_destroy(rid)
-        assert_no_containers(docker, run_id)
-    finally:
-        docker.reap(run_id=run_id)
