@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import importlib.metadata
 import io
 import json
 import uuid
@@ -91,9 +92,9 @@ def sites() -> dict[str, dict[str, bytes]]:
 
 def pip_zip(dest: Path) -> Path:
     """The test venv's own pip as a zip a task image runs as ``python3 pip.zip/pip`` (offline)."""
-    import pip
-
-    root = Path(pip.__file__).parent
+    # Found by its distribution's files, not imported: importing pip in this process turns off setuptools'
+    # distutils shim, and a later in-process import of setuptools (torch, vLLM) then fails its assertion.
+    root = Path(str(importlib.metadata.distribution("pip").locate_file("pip")))
     with zipfile.ZipFile(dest, "w", zipfile.ZIP_DEFLATED) as z:
         for path in sorted(root.rglob("*")):
             if path.is_file() and "__pycache__" not in path.parts:
