@@ -29,7 +29,7 @@ from durable_rollouts.environments.base import (
     TurnContext,
 )
 from durable_rollouts.errors import SandboxPathError
-from durable_rollouts.sandboxes.base import ExecResult, SandboxHandle, SandboxSpec
+from durable_rollouts.sandboxes.base import ExecResult, SandboxHandle, SandboxInfo, SandboxSpec
 from durable_rollouts.store import RunStore
 from durable_rollouts.workers.worker import build_worker
 from durable_rollouts.workflows.group import GroupWorkflow
@@ -150,6 +150,9 @@ class MemorySandboxes:
 
     async def destroy(self, key: str) -> None:
         return None
+
+    async def list_containers(self, run_id: str | None = None) -> list[SandboxInfo]:
+        return []  # nothing outlives its destroy here
 
     async def host(self) -> str | None:
         return "memory"
