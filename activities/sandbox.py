@@ -135,7 +135,15 @@ class SandboxActivities:
             handle = await heartbeating(self.backend.create(inp.rollout_id, inp.ref.run_id, plan.spec))
             known = await asyncio.to_thread(self.store.get_sandbox, inp.rollout_id)
             if known is None or known.container_id != handle.container_id:
-                await heartbeating(self._lay_out(handle, plan, inp.rollout_id))
+                try:
+                    await heartbeating(self._lay_out(handle, plan, inp.rollout_id))
+                except EnvironmentFailure:
+                    # A failed setup is final: the rollout never holds this sandbox, so its own destroy
+                    # step would not remove it; removed here, and a local slot given back.
+                    await self.backend.destroy(inp.rollout_id)
+                    if inp.pool is not None and inp.pool.placement == "local":
+                        await asyncio.to_thread(self.pool.release, inp.rollout_id)
+                    raise
                 await asyncio.to_thread(self.store.put_sandbox, inp.rollout_id, handle)
             host = await self.backend.host()
         except RolloutError as e:

@@ -261,6 +261,7 @@ async def test_harbor_tasks_run_as_their_users_and_root_only_where_it_is_remappe
     assert sick and all(r["outcome"] == "failed" and r["reward"] is None for r in sick), sick
     assert sick[0]["reason"].startswith("environment: EnvironmentFailure: "), sick[0]["reason"]
     assert "health check failed after 2 consecutive retries: test -f /nothing" in sick[0]["reason"]
+    assert docker.list_containers("harbor-ref-plain") == []  # the failed health check's sandbox too
     for name, field in (("root", "[agent].user = 'root'"), ("split", "[verifier].user = 'root'")):
         # a group may try again: every try is refused
         refused = [r for r in records if r["task_id"] == f"users/{name}"]
