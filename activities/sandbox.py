@@ -182,8 +182,11 @@ class SandboxActivities:
         """Remove the rollout's sandbox and its further sandboxes (absent is fine) and give back its pool
         slot."""
         try:
+            own = await asyncio.to_thread(self.store.get_sandbox, rollout_id)
             await self.backend.destroy(rollout_id)
-            for info in await self.backend.list_containers():  # its further sandboxes (RolloutSandboxes)
+            # Its further sandboxes (RolloutSandboxes) carry its run's label; they exist only beside a stored
+            # sandbox of its own, so a rollout without one has none to look for.
+            for info in await self.backend.list_containers(own.run_id) if own is not None else []:
                 if info.key != rollout_id and owner_key(info.key) == rollout_id:
                     await self.backend.destroy(info.key)
         except RolloutError as e:
