@@ -35,7 +35,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["Host", "LinkFault", "NetnsError", "Network", "available", "enter", "namespaces"]
+__all__ = [
+    "UNNAMED", "Host", "LinkFault", "NetnsError", "Network", "available", "enter", "namespaces", "netns_of",
+]  # fmt: skip
+
+UNNAMED = "<unnamed>"
+"""What `netns_of` returns for a namespace other than this process's own that has no name."""
 
 
 class NetnsError(RuntimeError):
@@ -58,6 +63,22 @@ def enter(netns: str) -> list[str]:
     enters its network namespace and execs the program (same pid). Unlike ``ip netns exec`` it makes no
     mount namespace, whose fresh /sys hides the cgroup mounts a Docker daemon needs."""
     return ["nsenter", f"--net=/run/netns/{netns}", "--"]
+
+
+def netns_of(pid: int) -> str | None:
+    """The named network namespace (``/run/netns/NAME``) process ``pid`` runs in, as ``ip netns identify``
+    finds it (the same inode); None when it is this process's own, `UNNAMED` for another one without a name.
+
+    Raises:
+        OSError: ``pid`` is not running (or its namespace cannot be read).
+    """
+    theirs = os.stat(f"/proc/{pid}/ns/net").st_ino
+    run = Path("/run/netns")
+    for ns in sorted(run.iterdir()) if run.is_dir() else []:
+        with contextlib.suppress(OSError):
+            if os.stat(ns).st_ino == theirs:
+                return ns.name
+    return None if theirs == os.stat("/proc/self/ns/net").st_ino else UNNAMED
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:

@@ -25,6 +25,11 @@ Invariants:
   renamed itself; only the spawn marker and the supervisor are new), appends to the same log and rewrites the
   same pid file, so the stack's own ``status`` and ``down`` see the new process; it starts only once nothing
   of the old tree is left.
+- A restart comes back in the network namespace its process ran in: the namespace is read when the target is
+  found (before any kill; ``/run/netns/NAME`` whose inode is the process's, as ``ip netns identify`` reads
+  it), and the command line is started through ``nsenter --net=/run/netns/NAME`` unless it already enters
+  that namespace itself; a process of an unnamed namespace other than this one is never started again
+  elsewhere (the restart is refused).
 
 This module does not import ``stack`` (``cli`` imports both; no cycle): the pid-file format and the tree's
 membership check live in ``stack.proctree``.
@@ -39,6 +44,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from durable_rollouts.faults import netns
 from durable_rollouts.stack import proctree
 from durable_rollouts.stack.proctree import Record
 
@@ -59,6 +65,9 @@ class Target:
     cwd: str
     record: Record
     """What its pid file recorded (start time, spawn marker): how its tree is found and proven ours."""
+    netns: str | None = None
+    """The named network namespace its leader runs in; None for this process's own; `netns.UNNAMED` for
+    another namespace without a name (it cannot be started there again)."""
 
     def __str__(self) -> str:
         return f"{self.name} pid {self.pid}"
@@ -77,7 +86,11 @@ def find(home: Path, name: str) -> Target | None:
     if started is None:
         return None
     argv, env, cwd = started
-    return Target(home, name, rec.pid, tuple(argv), env, cwd, rec)
+    try:
+        where = netns.netns_of(rec.pid)
+    except OSError:  # exited meanwhile
+        return None
+    return Target(home, name, rec.pid, tuple(argv), env, cwd, rec, where)
 
 
 def targets(home: Path, component: str) -> list[Target]:
@@ -163,15 +176,16 @@ def start(t: Target) -> Target:
     if proctree.kill_tree(t.record, 10.0) is False:
         raise ProcessFaultError(f"{t}: process tree still alive 10 s after SIGKILL")
     proctree.reap(t.pid)
+    argv = restart_argv(t)
     log = t.home / "logs" / f"{t.name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in t.env.items() if k != proctree.MARKER_ENV}
     with log.open("ab") as out:
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-        out.write(f"\n=== {stamp} restart (fault kit): {' '.join(t.argv)}\n".encode())
+        out.write(f"\n=== {stamp} restart (fault kit): {' '.join(argv)}\n".encode())
         out.flush()
         try:
-            rec = proctree.spawn(t.argv, env, out, cwd=t.cwd)
+            rec = proctree.spawn(argv, env, out, cwd=t.cwd)
         except (OSError, proctree.SpawnError) as e:
             raise ProcessFaultError(f"{t.name}: could not start again ({e}); see {log}") from None
     pid_file(t.home, t.name).write_text(rec.line())
@@ -179,6 +193,22 @@ def start(t: Target) -> Target:
     if new is None:
         raise ProcessFaultError(f"{t.name}: exited at once after a restart; see {log}")
     return new
+
+
+def restart_argv(t: Target) -> list[str]:
+    """The command line that starts ``t`` again in the network namespace it ran in (module docstring).
+
+    Raises:
+        ProcessFaultError: it ran in an unnamed namespace other than this process's own.
+    """
+    if t.netns is None:
+        return list(t.argv)
+    if t.netns == netns.UNNAMED:
+        raise ProcessFaultError(f"{t}: runs in an unnamed network namespace; cannot start it there again")
+    prefix = netns.enter(t.netns)
+    if list(t.argv[: len(prefix)]) == prefix:  # it enters its namespace itself (spawned through nsenter)
+        return list(t.argv)
+    return [*prefix, *t.argv]
 
 
 def restart(t: Target, down_s: float = 0.0, graceful: bool = False) -> Target:
