@@ -32,6 +32,14 @@ def net() -> Iterator[Network]:
         assert n.close() == [] and not set(made) & set(namespaces())
 
 
+def _exec_done(pid: int) -> None:
+    """Wait until ``nsenter`` has entered the namespace and exec'd ``sleep`` (same pid)."""
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{pid}/comm").read_text().strip() != "sleep":
+        assert time.monotonic() < deadline, f"pid {pid}: nsenter did not exec sleep within 10 s"
+        time.sleep(0.01)
+
+
 def _leader_in(net: Network, home: Path) -> int:
     """``sleep`` started inside host ``comp`` by ``nsenter`` (which execs it: the leader's own command line
     no longer names the namespace), recorded in ``home``'s pid file as a launcher without a supervisor
@@ -41,10 +49,7 @@ def _leader_in(net: Network, home: Path) -> int:
         [*enter(net.hosts["comp"].netns), "sleep", "600"], env={**os.environ, proctree.MARKER_ENV: marker},
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True,
     )  # fmt: skip
-    deadline = time.monotonic() + 10
-    while Path(f"/proc/{proc.pid}/comm").read_text().strip() != "sleep":  # until nsenter has exec'd it
-        assert proc.poll() is None and time.monotonic() < deadline, "nsenter did not start sleep"
-        time.sleep(0.01)
+    _exec_done(proc.pid)
     stat = proctree.stat(proc.pid)
     assert stat is not None
     process.pid_file(home, "worker").parent.mkdir(parents=True)
@@ -62,6 +67,7 @@ def test_a_killed_process_is_started_again_in_its_own_network_namespace(net: Net
     new = process.start(t)
     try:
         assert new.pid != pid
+        _exec_done(new.pid)
         assert netns_of(new.pid) == ns  # not the machine's own (None)
         again = process.find(tmp_path, "worker")
         assert again is not None and again.netns == ns
