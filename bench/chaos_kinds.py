@@ -124,7 +124,7 @@ def _victim_rules() -> list[ModeRule]:
     ]
 
 
-def _images() -> None:
+def build_images() -> None:
     """The Harbor examples' base image and the harness image (offline, idempotent)."""
     for script in (HARBOR / "base_images.sh", HARNESS / "build_image.sh"):
         done = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=900)
@@ -208,14 +208,23 @@ def transcripts(plugin: str, out: Path, dataset: Path) -> Path:
 
 @contextlib.asynccontextmanager
 async def lanes(
-    home: Path, engine_url: str, task_queue: str, image: str, policy_version: str, kinds: list[str]
+    home: Path,
+    engine_url: str,
+    task_queue: str,
+    image: str,
+    policy_version: str,
+    kinds: list[str],
+    sim_host: str = "127.0.0.1",
+    images: bool = True,
 ) -> AsyncIterator[Lanes]:
-    """The simulated engines of ``kinds`` (coding, Harbor, mini-swe-agent) served for the soak, and the
-    configs of every kind, pointed at them or at the stack's engine."""
+    """The simulated engines of ``kinds`` (coding, Harbor, mini-swe-agent) served for the soak on
+    ``sim_host``, and the configs of every kind, pointed at them or at the stack's engine; with ``images``,
+    the Harbor base and harness images built first (on ``$DOCKER_HOST``'s daemon)."""
     unknown = sorted(set(kinds) - set(KINDS))
     if unknown:
         raise ValueError(f"chaos soak: unknown run kinds {unknown}; kinds: {', '.join(KINDS)}")
-    await asyncio.to_thread(_images)
+    if images:
+        await asyncio.to_thread(build_images)
     work = home / "soak-data"
     harbor, harness = _datasets(work)
     coding = SimSettings(tasks=CODING_TASKS, mode_rules=_victim_rules(), max_model_len=4096,
@@ -229,9 +238,9 @@ async def lanes(
         mode_rules=[ModeRule(on="request", prefix="", mode=Mode.REFERENCE)], max_model_len=65536,
     )  # fmt: skip
     async with (
-        SimEngine(coding).serve(port=0) as coding_url,
-        SimEngine(harbor_sim).serve(port=0) as harbor_url,
-        SimEngine(harness_sim).serve(port=0) as harness_url,
+        SimEngine(coding).serve(host=sim_host, port=0) as coding_url,
+        SimEngine(harbor_sim).serve(host=sim_host, port=0) as harbor_url,
+        SimEngine(harness_sim).serve(host=sim_host, port=0) as harness_url,
     ):
         every = {
             "math": math_config(engine_url, task_queue),
