@@ -261,9 +261,20 @@ class Sitting:
         if self.args.unsandboxed:
             argv.append("--unsandboxed")
         env = {"PYTHONPATH": import_path(self.code.root), "ROLLOUTS_HOME": str(self.home)}
-        self.workers = [procs.spawn(f"worker-{i}", argv, self.home, env=env) for i in range(n)]
+        self.workers = [
+            procs.spawn(f"worker-{i}", self._profiled(argv, n, i), self.home, env=env) for i in range(n)
+        ]
         assert self.client is not None
         await wait_for_workers(self.client, self.workers)
+
+    def _profiled(self, argv: list[str], n: int, i: int) -> list[str]:
+        """``argv`` of worker ``i`` of ``n``, under bench/sampler.py with ``--profile-dir``."""
+        where = self.args.profile_dir
+        if where is None:
+            return argv
+        where.mkdir(parents=True, exist_ok=True)
+        out = where / f"{self.code.label}-{n}w-{i}.json"
+        return [argv[0], "-P", str(REPO_ROOT / "bench" / "sampler.py"), "--out", str(out), *argv[2:]]
 
     def stop_workers(self) -> None:
         for i, pid in enumerate(self.workers):
@@ -404,6 +415,8 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         if args.old and args.old_variants:  # the same overrides on the old code, measured just before
             codes.append(Code(f"old-{label}", codes[0].commit, codes[0].root, sets))
         codes.append(Code(label, new.commit, REPO_ROOT, sets))
+    if args.variants_only:  # the defaults' sittings left out (the old code's checkout still serves)
+        codes = [c for c in codes if c.sets]
     tasks, transcripts = write_workload(tmp)
     port = procs.free_port()
     url = f"http://127.0.0.1:{port}"
@@ -446,7 +459,8 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         out["before_after"] = compare(sittings["old"]["summary"], sittings["new"]["summary"])
     for label, _ in args.variant:  # a variant against the old code, and against the current default
         base = "old" if "old" in sittings else "new"
-        out[f"{base}_vs_{label}"] = compare(sittings[base]["summary"], sittings[label]["summary"])
+        if base in sittings:
+            out[f"{base}_vs_{label}"] = compare(sittings[base]["summary"], sittings[label]["summary"])
         if f"old-{label}" in sittings:  # the variant's own before/after
             out[f"old-{label}_vs_{label}"] = compare(
                 sittings[f"old-{label}"]["summary"], sittings[label]["summary"]
@@ -479,6 +493,16 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also measure each --variant on the --old commit (sitting old-LABEL), for the variant's own "
         "before/after",
+    )
+    p.add_argument(
+        "--variants-only",
+        action="store_true",
+        help="measure the --variant sittings (and their --old-variants) without the current default's",
+    )
+    p.add_argument(
+        "--profile-dir",
+        type=Path,
+        help="run every worker under bench/sampler.py, its profile written here as LABEL-Nw-I.json",
     )
     p.add_argument("--out", type=Path, help="results JSON")
     return p
