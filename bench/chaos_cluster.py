@@ -32,8 +32,10 @@ redraw of the network faults' durations).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
+import os
 import random
 import subprocess
 import sys
@@ -44,8 +46,10 @@ from pathlib import Path
 
 from durable_rollouts.config.models import StackConfig
 from durable_rollouts.config.paths import resolve_path
+from durable_rollouts.faults import pgrestart
 from durable_rollouts.faults.cluster import ENGINE_PORT, Cluster
 from durable_rollouts.faults.netns import enter, namespaces
+from durable_rollouts.faults.pgrestart import PgRestartError
 from durable_rollouts.faults.schedule import Planned
 from durable_rollouts.sandboxes.base import DEFAULT_IMAGE
 from durable_rollouts.stack import stack
@@ -68,6 +72,8 @@ SANDBOX_HOST = "sandbox"
 SANDBOX_SLOTS = 24
 HOSTS = ("worker", SANDBOX_HOST)
 """The cluster's hosts beside temporal, store, engine and driver."""
+PARTS = ("temporal", "store", "engine", *HOSTS, "driver")
+"""Every host of the cluster (`faults.cluster.Cluster` adds them in this order)."""
 NETWORK_KINDS = (
     "partition:worker/temporal",
     "partition:worker/store",
@@ -191,12 +197,39 @@ def make(root: Path, home: Path) -> tuple[Cluster, State]:
 
 
 def teardown(c: Cluster, home: Path) -> list[str]:
-    """Stop the parts the driver started (the home's pid files) and close the cluster; what was left."""
+    """Stop the parts the driver started (the home's pid files), the cluster's own processes and a store
+    server the chaos kit started again, then close the cluster; what was left: a process `Cluster.close`
+    knew of, a namespace still named, or any process of the machine still in one of the cluster's
+    namespaces (a part the driver started, a sandbox's shim; looked for while the namespaces still have
+    their names, so no other namespace can have their inode numbers)."""
     stack.down(home)
+    for proc in reversed(c.net.procs):
+        c.net.stop(proc, timeout=10)
+    pg_root = getattr(c, "_pg_root", None)  # a restarted server is no process of the network's
+    if pg_root is not None:
+        with contextlib.suppress(PgRestartError):
+            pgrestart.stop(pgrestart.find(pg_root / "data"), timeout_s=15)
     made = c.net.made
+    inodes = {}
+    for ns in made:
+        with contextlib.suppress(OSError):
+            inodes[os.stat(f"/run/netns/{ns}").st_ino] = ns
+    inside = [f"process {pid} ({comm}) in {ns}" for pid, comm, ns in _inside(inodes)]
     left = c.close()
-    left += [f"namespace {ns}" for ns in set(made) & set(namespaces())]
-    return left
+    return left + [f"namespace {ns}" for ns in set(made) & set(namespaces())] + inside
+
+
+def _inside(inodes: dict[int, str]) -> list[tuple[int, str, str]]:
+    """The machine's processes whose network namespace has one of ``inodes`` (pid, name, namespace)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            ino = os.stat(proc / "ns" / "net").st_ino
+            if ino in inodes:
+                found.append((int(proc.name), (proc / "comm").read_text().strip(), inodes[ino]))
+    return found
 
 
 DRIVER_ARGS = ("--home", "--out", "--driver-state")
@@ -234,7 +267,9 @@ def start_parts(state: State, cfg: StackConfig) -> dict[str, float]:
     ready["temporal"] = round(time.monotonic() - t0, 2)
     t_engine = time.monotonic()
     argv = at_host(engine_argv(cfg), "--host", state.addresses["engine"])
-    engine = spawn("engine", _in(state, "engine", argv), home, engine_env(cfg))
+    # vLLM finds its own address by a route to the internet, which no host of the cluster has: name it
+    env = {**engine_env(cfg), "VLLM_HOST_IP": state.addresses["engine"]}
+    engine = spawn("engine", _in(state, "engine", argv), home, env)
     host = ["--sandbox-host", SANDBOX_HOST, "--docker-host", state.docker_url, "--sandbox-slots",
             str(SANDBOX_SLOTS)]  # fmt: skip
     argv = [*worker_argv(state.temporal_address, cfg.task_queue), *host]

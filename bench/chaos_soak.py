@@ -60,8 +60,8 @@ from durable_rollouts.config.load import config_hash
 from durable_rollouts.config.models import Config, StackConfig
 from durable_rollouts.contracts.client import connect
 from durable_rollouts.contracts.types import RunInput
-from durable_rollouts.faults import ledger
-from durable_rollouts.faults.chaos import INSTANT, KINDS, Chaos
+from durable_rollouts.faults import ledger, netfaults
+from durable_rollouts.faults.chaos import INSTANT, KINDS, Chaos, check_kind
 from durable_rollouts.faults.ledger import LedgerReport, check_run
 from durable_rollouts.faults.netns import Network
 from durable_rollouts.faults.schedule import schedule
@@ -329,8 +329,27 @@ def _cluster(args: argparse.Namespace) -> int:
     return rc if not left else 1
 
 
+def _check_kinds(args: argparse.Namespace) -> None:
+    """Refuse (one line) a fault kind the kit does not know, or a network kind in the embedded layout."""
+    for kind in (args.kinds or "").split(",") if args.kinds else []:
+        if kind == "host_loss":
+            continue
+        try:
+            check_kind(kind)
+        except ValueError as e:
+            raise SystemExit(f"chaos soak: --kinds: {e}") from None
+        if args.layout == "embedded" and kind not in KINDS:
+            raise SystemExit(f"chaos soak: --kinds: {kind} needs --layout cluster (a network of namespaces)")
+        net = netfaults.parse(kind)
+        if net is not None and not {net.a, net.b} - {None} <= set(chaos_cluster.PARTS):
+            raise SystemExit(
+                f"chaos soak: --kinds: {kind}: the cluster's parts are {', '.join(chaos_cluster.PARTS)}"
+            )
+
+
 def main() -> int:
     args = _parser().parse_args()
+    _check_kinds(args)
     args.command = [a for a in sys.argv[1:]]
     if args.layout == "cluster" and args.driver_state is None:
         return _cluster(args)

@@ -15,8 +15,7 @@ from durable_rollouts.faults import netfaults
 from durable_rollouts.faults.chaos import check_kind
 from durable_rollouts.faults.schedule import Planned, schedule
 
-PARTS = ("temporal", "store", "engine", *chaos_cluster.HOSTS, "driver")
-"""The hosts `chaos_cluster.make` gives its `faults.cluster.Cluster`."""
+PARTS = chaos_cluster.PARTS
 
 
 def _state(tmp_path: Path) -> State:
