@@ -251,14 +251,14 @@ class Chaos:
         elif p.kind == "container_oom":
             oom_killed = await asyncio.to_thread(containers.oom, c)
             self._fired(p, target=target, oom_killed=oom_killed)
-        else:
-            await asyncio.to_thread(c.pause)
+        else:  # a failed pause raises ContainerFaultError once the container is thawed (logged as an error)
+            await asyncio.to_thread(containers.pause, c)
             try:
                 self._fired(p, target=target)
                 await asyncio.sleep(p.duration_s)
-            finally:
-                await asyncio.to_thread(_unpause, c)
-            self._log("cleared", p, target=target)
+            finally:  # thawed whatever Docker does (its unpause may hang): how is logged
+                healed = await asyncio.to_thread(containers.unpause, c)
+            self._log("cleared", p, target=target, healed=healed)
 
     async def _sandbox_create(self, p: Planned) -> None:
         image = self.image or await asyncio.to_thread(self._run_image)
@@ -361,8 +361,3 @@ def _running(c: Any) -> bool:
     except docker.errors.NotFound:
         return False
     return bool(c.status == "running")
-
-
-def _unpause(c: Any) -> None:
-    with contextlib.suppress(docker.errors.NotFound, docker.errors.APIError):
-        c.unpause()
