@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 
 from durable_rollouts.contracts.types import SamplingParams, TruncationReason
-from durable_rollouts.engines.pool import ShardedTransport
+from durable_rollouts.engines.pool import EngineTransport, ShardedTransport
 from durable_rollouts.engines.watchdog import Watchdog
 from durable_rollouts.errors import ContextLengthExceeded, EngineBadReply, EngineBadRequest, EngineUnavailable
 from durable_rollouts.turns.budget import turn_budget
@@ -67,7 +67,9 @@ class EngineClient:
         self._http = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout_s, connect=5.0),
             limits=KEEPALIVE,
-            transport=ShardedTransport(KEEPALIVE),
+            transport=EngineTransport(
+                ShardedTransport(KEEPALIVE), keepalive_expiry=KEEPALIVE.keepalive_expiry or 4.0
+            ),
         )
         self._max_len: dict[str, int] = {}
         self.watchdog = Watchdog(stall_timeout_s)
