@@ -129,7 +129,8 @@ class _Call:
             return f"no answer in {wait_s:g} s"
         if self.error is None:
             return "returned"
-        return f"{type(self.error).__name__}: {self.error}"[:200]
+        said = getattr(self.error, "explanation", None) or self.error  # Docker's own words, not the URL
+        return f"{type(self.error).__name__}: {said}"[:200]
 
 
 def pause(container: Any, wait_s: float | None = None, root: Path | None = None) -> None:

@@ -77,3 +77,20 @@ def test_a_paused_sandbox_whose_unpause_times_out_runs_again(
     assert victim.timed_out == 1 and fz.state() == freezer.THAWED
     assert (result.exit_code, result.output.strip()) == (0, "answers") and took < 5.0
     assert "thawed its freezer directly (FROZEN; docker unpause: ReadTimeout" in caplog.text
+
+
+def test_a_pause_that_fails_on_a_frozen_sandbox_leaves_it_thawed(backend: DockerBackend, run_id: str) -> None:
+    """A failed freeze left behind Docker's back (runc's "unable to freeze" can leave the cgroup FREEZING):
+    the next ``docker pause`` fails, and the fault thaws the sandbox before it reports the error."""
+    handle = backend.create(f"{run_id}/0", run_id, SMALL)
+    container = backend.client.containers.get(handle.container_id)
+    fz = freezer.find(container.id)
+    if fz is None:
+        pytest.skip(f"no freezer cgroup of the container under {freezer.CGROUP_ROOT}")
+    assert fz.set(freezer.FROZEN, 5.0)
+    failed = pytest.raises(containers.ContainerFaultError, match="docker pause failed")
+    with failed as err, containers.paused(container):
+        pytest.fail("the body of a pause that failed ran")
+    assert "thawed its freezer directly (FROZEN" in str(err.value) and fz.state() == freezer.THAWED
+    result = backend.exec(handle, "echo answers", timeout_s=5)
+    assert (result.exit_code, result.output.strip()) == (0, "answers")
