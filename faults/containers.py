@@ -15,11 +15,10 @@
 A run's containers are found by the labels the Docker backend puts on every sandbox
 (``durable-rollouts.run``).
 
-Why Docker alone cannot be trusted to thaw (reproduced with Docker 20.10, runc 1.1.5, cgroup v1): a freeze
-fails ("unable to freeze") when processes keep forking in the container (runc gives up after 1,000 reads of
-FREEZING), and a ``docker exec`` racing the freeze hangs for good: its ``runc init`` joins the frozen cgroup
-and sleeps in ``__refrigerator``, the shim's resume waits behind that exec's start, and dockerd holds the
-container's lock meanwhile, so ``docker unpause`` and every inspect of it hang until the freezer is thawed.
+Why Docker alone may not thaw it (reproduced on Docker 20.10, runc 1.1.5, cgroup v1):
+- a freeze fails ("unable to freeze") while processes fork inside (runc gives up after 1,000 FREEZINGs);
+- a freeze racing a ``docker exec`` hangs: the exec's ``runc init`` sleeps in ``__refrigerator``, containerd's
+  resume queues behind that exec, and dockerd holds the container's lock, so unpause and every inspect hang.
 
 Invariants: only containers labelled with the run are touched; a paused container is always thawed on
 leaving the context (its freezer reads THAWED, or `ContainerFaultError` says it could not be), a failed
