@@ -5,6 +5,7 @@ cgroup v1/v2 directory here) and Docker's state is brought back to running.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -15,6 +16,8 @@ import pytest
 import requests
 
 from durable_rollouts.faults import containers, freezer
+from durable_rollouts.faults.chaos import Chaos
+from durable_rollouts.faults.schedule import Planned
 
 CID = "c0ffee" * 10 + "abcd"
 
@@ -28,7 +31,7 @@ class FakeContainer:
     """
 
     def __init__(self, state_file: Path, release: threading.Event, unpauses: list[str], pauses=("ok",)):
-        self.id, self.name = CID, "dr-fake-sandbox"
+        self.id, self.name, self.status, self.labels = CID, "dr-fake-sandbox", "running", {}
         self.attrs = {"State": {"Paused": False}}
         self.state_file, self.release = state_file, release
         self.scripts = {"unpause": list(unpauses), "pause": list(pauses)}
@@ -158,3 +161,23 @@ def test_the_freezer_is_found_for_each_layout(tmp_path: Path) -> None:
     assert freezer.find(CID, tmp_path / "none") is None
     (tmp_path / "v1" / "freezer").mkdir(parents=True)
     assert freezer.find(CID, tmp_path / "v1") is None  # v1 mount, no cgroup of that container
+
+
+@pytest.mark.timeout(20)
+async def test_the_injector_logs_how_each_pause_was_healed_and_a_failed_one_as_an_error(
+    cgroup: Path, release: threading.Event, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    victims = [
+        FakeContainer(cgroup, release, unpauses=["hang"]),
+        FakeContainer(cgroup, release, unpauses=[], pauses=["unable"]),
+    ]
+    monkeypatch.setattr(containers, "run_containers", lambda run_id, dc=None: [victims.pop(0)])
+    log = tmp_path / "chaos.jsonl"
+    chaos = Chaos(tmp_path, ["run"], log, store=object(), echo=lambda line: None)
+    chaos._docker = object()  # never the real daemon
+    await chaos.run([Planned(0.0, "container_pause", 0.1), Planned(1.5, "container_pause", 0.1)])
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [e["event"] for e in events] == ["fired", "cleared", "error"]
+    assert events[1]["healed"].startswith("thawed its freezer directly (FROZEN; docker unpause: no answer")
+    assert "docker pause failed (APIError: OCI runtime pause failed: unable to freeze" in events[2]["error"]
+    assert cgroup.read_text() == freezer.THAWED
