@@ -20,9 +20,13 @@ Invariants:
   turn, across the batch's own retries and the group's later batches (``attempt_base``): a member's
   first batch starts at 1, and a member run again from the store always calls with an attempt above 1,
   so its steps look for what an earlier try recorded (``turns.step``).
+- A batched group's close (``report_group``, from input revision 2) writes its record and tells the run
+  in one local activity: the run's signal is sent from here, idempotent on the group (the run ignores a
+  second ``group_done``).
 - Heartbeats every ``HEARTBEAT_EVERY_S`` name every member still running (turn, phase, replica, since
   when): an operator finds a stuck batch in the web UI as its group's pending activity, and a cancel of
-  the batch reaches it through the heartbeat.
+  the batch reaches it through the heartbeat. The first comes after one interval, as every activity's
+  (``activities.heartbeat``): a batch that ends sooner costs the server no heartbeat.
 """
 
 from __future__ import annotations
@@ -37,14 +41,16 @@ from typing import TypeVar
 
 from temporalio import activity
 from temporalio.common import RetryPolicy
+from temporalio.exceptions import ApplicationError
+from temporalio.service import RPCError, RPCStatusCode
 
 from durable_rollouts.activities.calls import Options, options
 from durable_rollouts.activities.environment import ENV_RETRY
 from durable_rollouts.activities.heartbeat import HEARTBEAT_EVERY_S
 from durable_rollouts.activities.members import finalize_rollout_input, rollout_replicas
-from durable_rollouts.activities.rollout import RolloutActivities
+from durable_rollouts.activities.rollout import RECORD_RETRY, RolloutActivities
 from durable_rollouts.contracts.activity_io import EnvStepInput, GenerateInput, PrepareInput
-from durable_rollouts.contracts.batch import BatchInput
+from durable_rollouts.contracts.batch import BatchInput, ReportGroupInput
 from durable_rollouts.contracts.types import (
     EnvStepResult,
     Outcome,
@@ -68,6 +74,9 @@ again and resumes from the store; past these attempts its group records the memb
 failed (infra)."""
 BATCH_MARGIN_S = 120.0
 """A batch may run this long past its members' ``rollout.timeout_s`` (their scoring and records)."""
+GROUP_DONE = "group_done"
+"""The run workflow's signal a group's close sends (``workflows.run.RunWorkflow.group_done``; activities sit
+below the workflows, so by name, as ``activities.harness`` signals its rollout)."""
 ATTEMPTS_PER_TRY = 10_000
 """Attempt numbers each try of a batch owns for one turn's calls (its retries, failovers and outage waits
 stay below this, so the attempt numbers of two tries never meet)."""
@@ -98,19 +107,39 @@ class BatchActivities:
         tasks = [asyncio.ensure_future(m.run()) for m in members]
         everything = asyncio.gather(*tasks)
         try:
-            while True:
-                activity.heartbeat(in_flight(live))
+            while True:  # the first heartbeat after HEARTBEAT_EVERY_S: a short batch sends none
                 done, _ = await asyncio.wait({everything}, timeout=HEARTBEAT_EVERY_S)
                 if done:
                     return everything.result()
+                activity.heartbeat(in_flight(live))
         finally:  # cancelled, or a member failed outside its own failures: stop the others
             for t in tasks:
                 t.cancel()
             with contextlib.suppress(BaseException):
                 await everything
 
+    @options(Options(timedelta(seconds=60), RECORD_RETRY, local=True))
+    @activity.defn
+    async def report_group(self, inp: ReportGroupInput) -> bool:
+        """A batched group's close in one local activity: finalize_group's writes (idempotent), then the
+        run's ``group_done`` signal, sent by this worker's client instead of a signal command of the
+        group's (which costs the group a workflow task and three events more); a retry may signal again,
+        which the run ignores. A run that is gone fails the call for good, as the group's signal did."""
+        written = await self.rollouts.finalize_group(inp.finalize)
+        if inp.run_workflow_id:
+            run = activity.client().get_workflow_handle(inp.run_workflow_id)
+            try:
+                await run.signal(GROUP_DONE, inp.finalize.record)
+            except RPCError as e:
+                if e.status != RPCStatusCode.NOT_FOUND:
+                    raise
+                raise ApplicationError(
+                    f"run {inp.run_workflow_id}: {e.message}", type="RunGone", non_retryable=True
+                ) from e
+        return written
+
     def all(self) -> list:
-        return [self.run_batch]
+        return [self.run_batch, self.report_group]
 
 
 def batch_timeout(members: list[RolloutInput]) -> timedelta:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
+from durable_rollouts.contracts.activity_io import FinalizeGroupInput
 from durable_rollouts.contracts.types import RolloutInput
 
 
@@ -19,3 +20,13 @@ class BatchInput(BaseModel):
     members: list[RolloutInput]
     batch_round: int = 0
     """How many batches its group ran before this one (a member in a later batch resumes from the store)."""
+
+
+class ReportGroupInput(BaseModel):
+    """A batched group's close: what finalize_group writes, and the run workflow its record goes to."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    finalize: FinalizeGroupInput
+    run_workflow_id: str | None = None
+    """The run workflow told ``group_done`` (None: a group started on its own tells nobody)."""

@@ -27,7 +27,10 @@ Invariants:
   (``activities.batch``), under the same rules: a cancel of any member (shed, retry, cancel_member,
   cancel_all) stops the batch; the told members are recorded cancelled (or keep the record they already
   have), the others run on in the next batch, resuming from the store; a batch that failed past its
-  retries leaves its unrecorded members failed (infra). The group reports what the store holds.
+  retries leaves its unrecorded members failed (infra). The group reports what the store holds. From
+  input revision 2 a batched group writes its record and signals the run in one local activity
+  (``BatchActivities.report_group``) instead of a signal command: a workflow task and five events fewer
+  per group; an input of an earlier revision (a replayed history) keeps the signal command.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ with workflow.unsafe.imports_passed_through():
     from durable_rollouts.admission.controller import CANCEL_REASON
     from durable_rollouts.config.models import Config
     from durable_rollouts.contracts.activity_io import StoredOutcome
-    from durable_rollouts.contracts.batch import BatchInput
+    from durable_rollouts.contracts.batch import BatchInput, ReportGroupInput
     from durable_rollouts.contracts.types import (
         EngineTarget,
         EnvTraits,
@@ -273,7 +276,15 @@ class GroupWorkflow:
         record, advantages = close_group(
             inp.run_id, inp.group_id, inp.task_id, inp.size, attempts, inp.advantage_eps, inp.on_infra_failure
         )
-        await call(RolloutActivities.finalize_group, finalize_input(record, advantages, attempts))
+        closing = finalize_input(record, advantages, attempts)
+        if inp.template.batched and inp.revision >= 2:  # the close and the run's signal: one local activity
+            await workflow.wait_condition(workflow.all_handlers_finished)
+            await call(
+                BatchActivities.report_group,
+                ReportGroupInput(finalize=closing, run_workflow_id=inp.run_workflow_id),
+            )
+            return record
+        await call(RolloutActivities.finalize_group, closing)
         await workflow.wait_condition(workflow.all_handlers_finished)
         if inp.run_workflow_id:
             with workflow.unsafe.imports_passed_through():  # run.py imports this module: resolve late

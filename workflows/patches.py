@@ -23,14 +23,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-REVISION = 1
+REVISION = 2
 """The command revision of the workflows this code starts (``RolloutInput.revision``,
 ``GroupInput.revision``). A change of commands that only workflows started after the upgrade may take rides
 on it instead of a patch: the parent sets it in the child's input, inputs written before lack it (0), so a
 replayed history takes its old branch without any marker. Cheaper than a patch (``patched`` records a
 marker and upserts ``TemporalChangeVersion``: two events and a visibility write per workflow), and
 retired like one (docs/upgrades.md). Revision 1: rollouts and groups no longer call
-``deprecate_patch(OPS)`` (its marker is in 0.2.0 histories only)."""
+``deprecate_patch(OPS)`` (its marker is in 0.2.0 histories only). Revision 2: a batched group
+(``group.batch_rollouts``) writes its record and signals its run in one local activity instead of a signal
+command (a workflow task and five events fewer per group)."""
 
 SUPPORTED_FROM = "0.2.0"
 """The oldest release whose in-flight workflows this code continues (the previous release)."""
