@@ -274,7 +274,8 @@ class Sitting:
             return argv
         where.mkdir(parents=True, exist_ok=True)
         out = where / f"{self.code.label}-{n}w-{i}.json"
-        return [argv[0], "-P", str(REPO_ROOT / "bench" / "sampler.py"), "--out", str(out), *argv[2:]]
+        exact = ["--cprofile"] if self.args.cprofile else []
+        return [argv[0], "-P", str(REPO_ROOT / "bench" / "sampler.py"), "--out", str(out), *exact, *argv[2:]]
 
     def stop_workers(self) -> None:
         for i, pid in enumerate(self.workers):
@@ -503,6 +504,9 @@ def _parser() -> argparse.ArgumentParser:
         "--profile-dir",
         type=Path,
         help="run every worker under bench/sampler.py, its profile written here as LABEL-Nw-I.json",
+    )
+    p.add_argument(
+        "--cprofile", action="store_true", help="with --profile-dir: also cProfile each worker's main thread"
     )
     p.add_argument("--out", type=Path, help="results JSON")
     return p

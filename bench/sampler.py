@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import collections
+import cProfile
 import json
 import os
 import runpy
@@ -105,6 +106,9 @@ class Sampler:
             if frame is not None and t is not threading.current_thread():
                 self.stacks[(name, _stack(frame))] += delta
 
+    def stopped(self) -> bool:
+        return self._stop.is_set()
+
     def write(self, out: Path) -> None:
         if self._stop.is_set():
             return
@@ -130,19 +134,35 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True, help="profile JSON written at exit")
     p.add_argument("--hz", type=float, default=200.0)
+    p.add_argument(
+        "--cprofile",
+        action="store_true",
+        help="also profile the main thread with cProfile (exact call counts and times; the sampler sees a "
+        "thread only where it gives up the GIL, mostly its I/O), written beside --out as .prof",
+    )
     p.add_argument("-m", dest="module", required=True, help="the module to run, then its arguments")
     args, rest = p.parse_known_args()
     sampler = Sampler(args.hz)
-    atexit.register(sampler.write, args.out)
+    exact = cProfile.Profile() if args.cprofile else None
+
+    def write() -> None:
+        if exact is not None and not sampler.stopped():
+            exact.disable()
+            exact.dump_stats(args.out.with_suffix(".prof"))
+        sampler.write(args.out)
+
+    atexit.register(write)
     hard_exit = os._exit
 
     def written_exit(status: int) -> NoReturn:  # workers leave through os._exit (stack.procs.exit_now)
-        sampler.write(args.out)
+        write()
         hard_exit(status)
 
     os._exit = written_exit
     sampler.start()
     sys.argv = [args.module, *rest]
+    if exact is not None:
+        exact.enable()
     runpy.run_module(args.module, run_name="__main__", alter_sys=True)
 
 
