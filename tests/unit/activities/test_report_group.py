@@ -1,0 +1,86 @@
+"""BatchActivities.report_group: a batched group's record written once and its run told ``group_done`` by
+the worker's client (again on a retry: the run ignores a second); a run that is gone fails it for good."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from temporalio.exceptions import ApplicationError
+from temporalio.service import RPCError, RPCStatusCode
+from temporalio.testing import ActivityEnvironment
+
+from durable_rollouts.activities.batch import GROUP_DONE, BatchActivities
+from durable_rollouts.activities.rollout import RolloutActivities
+from durable_rollouts.contracts.activity_io import FinalizeGroupInput
+from durable_rollouts.contracts.batch import ReportGroupInput
+from durable_rollouts.contracts.types import GroupResult
+from durable_rollouts.engines.client import EngineClient
+from durable_rollouts.store import RunStore
+
+RECORD = GroupResult(
+    run_id="run", group_id="g00000", task_id="t1", size=2, scorable=2, failed=0, reward_mean=0.5,
+    reward_std=0.5, zero_variance=False, outcomes={"completed": 2},
+)  # fmt: skip
+
+
+class FakeClient:
+    """What report_group asks of the worker's client: a handle by workflow id, and its signal."""
+
+    def __init__(self, fail: RPCError | None = None) -> None:
+        self.signals: list[tuple[str, str, Any]] = []
+        self.fail = fail
+
+    def get_workflow_handle(self, wid: str) -> FakeClient._Handle:
+        return FakeClient._Handle(self, wid)
+
+    class _Handle:
+        def __init__(self, client: FakeClient, wid: str) -> None:
+            self.client, self.wid = client, wid
+
+        async def signal(self, name: str, arg: Any) -> None:
+            if self.client.fail is not None:
+                raise self.client.fail
+            self.client.signals.append((self.wid, name, arg))
+
+
+async def _report(tmp_path: Path, client: FakeClient, run_workflow_id: str | None = "run") -> list[bool]:
+    store = RunStore(tmp_path / "home")
+    engine = EngineClient()
+    acts = BatchActivities(RolloutActivities(store, engine))
+    inp = ReportGroupInput(
+        finalize=FinalizeGroupInput(record=RECORD, advantages={"run/g00000/0": 1.0, "run/g00000/1": -1.0}),
+        run_workflow_id=run_workflow_id,
+    )
+    env = ActivityEnvironment(client=client)  # type: ignore[arg-type]
+    try:
+        return [await env.run(acts.report_group, inp) for _ in range(2)]  # the second: a retry
+    finally:
+        await engine.aclose()
+        assert store.group("run", "g00000") == RECORD.model_dump(mode="json")
+
+
+async def test_the_record_is_written_once_and_the_run_told_on_every_try(tmp_path: Path) -> None:
+    client = FakeClient()
+    assert await _report(tmp_path, client) == [True, False]
+    assert client.signals == [("run", GROUP_DONE, RECORD)] * 2
+
+
+async def test_a_group_without_a_run_tells_nobody(tmp_path: Path) -> None:
+    client = FakeClient()
+    assert await _report(tmp_path, client, run_workflow_id=None) == [True, False]
+    assert client.signals == []
+
+
+async def test_a_run_that_is_gone_fails_the_report_for_good(tmp_path: Path) -> None:
+    gone = RPCError("workflow not found", RPCStatusCode.NOT_FOUND, b"")
+    with pytest.raises(ApplicationError) as e:
+        await _report(tmp_path, FakeClient(gone))
+    assert e.value.non_retryable and e.value.type == "RunGone"
+
+
+async def test_another_rpc_failure_is_retried(tmp_path: Path) -> None:
+    unavailable = RPCError("server unavailable", RPCStatusCode.UNAVAILABLE, b"")
+    with pytest.raises(RPCError):
+        await _report(tmp_path, FakeClient(unavailable))
