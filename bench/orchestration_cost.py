@@ -405,9 +405,13 @@ def _variant(text: str) -> tuple[str, tuple[tuple[str, Any], ...]]:
 
 async def main(args: argparse.Namespace) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="orchestration-cost-"))
-    head = git("rev-parse", "HEAD")
-    dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
-    codes = [Code("new", head + ("+dirty" if dirty else ""), REPO_ROOT)]
+    if args.new:  # a commit of its own, extracted as the old one is (a checkout others are editing)
+        rev = git("rev-parse", args.new)
+        codes = [Code("new", rev, checkout(rev, tmp / f"code-new-{rev[:8]}"))]
+    else:
+        head = git("rev-parse", "HEAD")
+        dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+        codes = [Code("new", head + ("+dirty" if dirty else ""), REPO_ROOT)]
     if args.old:
         old = git("rev-parse", args.old)
         codes.insert(0, Code("old", old, checkout(old, tmp / f"code-{old[:8]}")))
@@ -415,7 +419,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     for label, sets in args.variant:
         if args.old and args.old_variants:  # the same overrides on the old code, measured just before
             codes.append(Code(f"old-{label}", codes[0].commit, codes[0].root, sets))
-        codes.append(Code(label, new.commit, REPO_ROOT, sets))
+        codes.append(Code(label, new.commit, new.root, sets))
     if args.variants_only:  # the defaults' sittings left out (the old code's checkout still serves)
         codes = [c for c in codes if c.sets]
     tasks, transcripts = write_workload(tmp)
@@ -473,6 +477,11 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--old", help="an older commit to measure first in the same sitting (e.g. cb3230d)")
+    p.add_argument(
+        "--new",
+        help="measure this commit as the current code instead of the checkout's working tree (extracted "
+        "like --old)",
+    )
     p.add_argument("--rollouts", type=int, default=400, help="rollouts of each 1-turn run")
     p.add_argument("--rollouts-long", type=int, default=120, help="rollouts of the 10-turn run")
     p.add_argument("--warm-rollouts", type=int, default=64, help="rollouts of the warm-up run per worker set")
