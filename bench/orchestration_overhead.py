@@ -13,7 +13,9 @@ client) and the Temporal server; the engine's CPU is reported apart.
 Turn latency is per rollout: its wall time (first prompt to record) divided by its turns. For the pipeline
 the per-turn breakdown comes from the run store: activity schedule-to-start (``queue_s``), the engine call as
 the activity saw it (``model_s``), the env step (``env_s``), and the rest (workflow tasks, local-activity
-round trips, child start and finish, spread over the turns).
+round trips, child start and finish, spread over the turns). With ``--batched`` the last round's profile is
+the batched run's timeline instead (bench/pipeline_profile.py: the groups' starts, their batches, each
+group's start to its batch and its batch's end to its close).
 
     python bench/orchestration_overhead.py --out bench/results/orchestration_overhead.json
 """
@@ -32,6 +34,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from harness import bare_round, child_pids, cpu_s, pipeline_round, proc_name, temporal_env
+from pipeline_profile import batched_timeline
 from temporalio.api.enums.v1 import EventType
 from temporalio.api.history.v1 import HistoryEvent
 from temporalio.client import Client
@@ -337,7 +340,8 @@ async def main(args: argparse.Namespace) -> dict:
                     file=sys.stderr,
                     flush=True,
                 )
-            profile = None if args.batched else await history_profile(env.client, store, pipe_tags[-1])
+            last = pipe_tags[-1]
+            profile = await (batched_timeline if args.batched else history_profile)(env.client, store, last)
         await engine.aclose()
     finally:
         procs.stop_pid(engine_pid)
