@@ -157,17 +157,40 @@ def _activity_times(ev: list[HistoryEvent], name: str) -> tuple[float, float, fl
     return _t(sched), started, completed
 
 
-GROUP_GAPS = ("start_to_batch_scheduled", "batch_scheduled_to_started", "batch_completed_to_closed")
-"""A batched group's steps (its history's events), apart from its batch's own run: its start to its batch's,
-and its batch's end to its close (its record written, its report to the run sent)."""
+GROUP_GAPS = (
+    "start_to_batch_scheduled",
+    "first_task_schedule_to_start",
+    "first_task_start_to_complete",
+    "batch_scheduled_to_started",
+    "batch_completed_to_closed",
+    "last_task_schedule_to_start",
+    "last_task_start_to_complete",
+)
+"""A batched group's steps (its history's events), apart from its batch's own run: its start to its batch's
+(its first workflow task: waiting for the worker to take it, then the worker's run of it), and its batch's
+end to its close (its last workflow task: its record written, its report to the run sent)."""
 
 
 def group_gaps(gev: list[HistoryEvent], batch: tuple[float, float, float]) -> dict[str, float]:
     """The seconds of each of a batched group's steps (`GROUP_GAPS`) from its history."""
+    et = EventType
+    tasks = [
+        [_t(e) for e in gev if e.event_type == kind]
+        for kind in (
+            et.EVENT_TYPE_WORKFLOW_TASK_SCHEDULED,
+            et.EVENT_TYPE_WORKFLOW_TASK_STARTED,
+            et.EVENT_TYPE_WORKFLOW_TASK_COMPLETED,
+        )
+    ]
+    first, last = [t[0] for t in tasks], [t[-1] for t in tasks]
     return {
         "start_to_batch_scheduled": batch[0] - _t(gev[0]),
+        "first_task_schedule_to_start": first[1] - first[0],
+        "first_task_start_to_complete": first[2] - first[1],
         "batch_scheduled_to_started": batch[1] - batch[0],
         "batch_completed_to_closed": _t(gev[-1]) - batch[2],
+        "last_task_schedule_to_start": last[1] - last[0],
+        "last_task_start_to_complete": last[2] - last[1],
     }
 
 

@@ -50,9 +50,19 @@ def test_group_gaps_are_the_steps_around_its_batch() -> None:
     et = EventType
     history = [
         _event(et.EVENT_TYPE_WORKFLOW_EXECUTION_STARTED, 10.0),
+        _event(et.EVENT_TYPE_WORKFLOW_TASK_SCHEDULED, 10.0),
+        _event(et.EVENT_TYPE_WORKFLOW_TASK_STARTED, 10.125),
+        _event(et.EVENT_TYPE_WORKFLOW_TASK_COMPLETED, 10.25),
+        _event(et.EVENT_TYPE_WORKFLOW_TASK_SCHEDULED, 12.0),
+        _event(et.EVENT_TYPE_WORKFLOW_TASK_STARTED, 12.25),
+        _event(et.EVENT_TYPE_WORKFLOW_TASK_COMPLETED, 12.5),
         _event(et.EVENT_TYPE_WORKFLOW_EXECUTION_COMPLETED, 12.5),
     ]
     gaps = _profile().group_gaps(history, (10.25, 10.3, 12.0))
     assert gaps["start_to_batch_scheduled"] == 0.25
+    assert gaps["first_task_schedule_to_start"] == 0.125
+    assert gaps["first_task_start_to_complete"] == 0.125
     assert round(gaps["batch_scheduled_to_started"], 6) == 0.05
     assert gaps["batch_completed_to_closed"] == 0.5
+    assert gaps["last_task_schedule_to_start"] == 0.25
+    assert gaps["last_task_start_to_complete"] == 0.25
