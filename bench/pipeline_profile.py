@@ -194,6 +194,18 @@ def group_gaps(gev: list[HistoryEvent], batch: tuple[float, float, float]) -> di
     }
 
 
+def slot_idle(starts: list[float], scheduled: list[float], completed: list[float]) -> list[float]:
+    """For each group started after another's batch ended (a slot turning over): its batch's schedule
+    minus the latest batch end before the group's start (a lower bound of the slot's time without a batch:
+    the ended group's record and report, the run's start of the next, its first workflow task)."""
+    out = []
+    for start, sched in zip(starts, scheduled, strict=True):
+        before = [c for c in completed if c <= start]
+        if before:
+            out.append(sched - max(before))
+    return out
+
+
 def _marker_times(ev: list[HistoryEvent]) -> list[float]:
     return [_t(e) for e in ev if e.event_type == EventType.EVENT_TYPE_MARKER_RECORDED]
 
@@ -256,6 +268,7 @@ async def batched_timeline(client: Client, store: RunStore, run_id: str) -> dict
         "rollout_ended_at_wall": [round(min(ended) - t0, 3), round(max(ended) - t0, 3)],
         "batch_completed": span(per["batch_done"]),
         "group_gaps_mean_ms": {k: ms(v) for k, v in gaps.items()},
+        "slot_idle_mean_ms": ms(slot_idle(per["start"], per["batch_sched"], per["batch_done"])),
         "group_done_signals_at_run": span(signals),
         "groups_closed": span(per["closed"]),
         "finish_run": [rel(x) for x in finish] if finish else None,

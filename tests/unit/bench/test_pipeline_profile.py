@@ -66,3 +66,8 @@ def test_group_gaps_are_the_steps_around_its_batch() -> None:
     assert gaps["batch_completed_to_closed"] == 0.5
     assert gaps["last_task_schedule_to_start"] == 0.25
     assert gaps["last_task_start_to_complete"] == 0.25
+
+
+def test_slot_idle_counts_only_groups_started_after_a_batch_ended() -> None:
+    starts, scheduled, completed = [0.0, 0.0, 2.0, 2.5], [0.1, 0.2, 2.25, 3.0], [1.0, 1.5, 3.5, 4.0]
+    assert _profile().slot_idle(starts, scheduled, completed) == [0.75, 1.5]
