@@ -121,7 +121,10 @@ async def main(args: argparse.Namespace) -> dict:
         tasks = load_tasks(TASKS, "math")
         engine = EngineClient()
         store = RunStore(home / "store")
-        async with temporal_env() as env, build_worker(env.client, "bench", store, engine):
+        async with (
+            temporal_env() as env,
+            build_worker(env.client, "bench", store, engine, sandboxed=not args.unsandboxed),
+        ):
             rounds = Rounds(env, store, url, pid, args.profile)
             await bare_round(engine, url, cfg, tasks, "warmup")  # first requests compile kernels
             for name, c in pipelines.items():  # imports and first workflow runs, outside the timed rounds
@@ -195,6 +198,9 @@ if __name__ == "__main__":
         metavar="INTERVAL_S",
         help="per round: CPU, the engine's occupancy (its /metrics every INTERVAL_S, default 0.05; 0: only"
         " its latency histograms) and the batched pipeline's timeline",
+    )
+    parser.add_argument(
+        "--unsandboxed", action="store_true", help="worker without the SDK's workflow sandbox (less CPU)"
     )
     parser.add_argument("--out", type=Path, default=None)
     a = parser.parse_args()
