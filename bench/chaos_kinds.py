@@ -305,8 +305,8 @@ class KindsChaos(Chaos):
             self._fired(p, target=str(t), containers_lost=lost)
             await asyncio.sleep(p.duration_s)
         finally:
-            new = await asyncio.to_thread(process.start, t)
-            self._log("cleared", p, target=str(t), new_pid=new.pid)
+            new, starts = await self.started_again(t, "worker")
+            self._log("cleared", p, target=str(t), new_pid=new.pid, starts=starts)
 
     def _lose_containers(self) -> list[str]:
         """Every container of the runs removed, running or not (the host took them with it)."""

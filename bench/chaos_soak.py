@@ -13,8 +13,9 @@ every run, summed per kind.
   untagged for a while (a tag of the sandbox image only the soak uses); a policy publish mid-run;
   ``pg_restart``, the store's PostgreSQL stopped and started again (``--store postgres``, the default: a
   cluster of the soak's own that the worker uses through ``$ROLLOUTS_STORE``); and ``host_loss``, the
-  sandbox host (the stack's worker) SIGKILLed with every container of the runs removed. Left out, with
-  the reason in the result (``faults_left_out``): network faults (the namespace cluster's).
+  sandbox host (the stack's worker) SIGKILLed with every container of the runs removed. Left out of the
+  embedded layout, with the reason in the result (``faults_left_out``): network faults (the cluster
+  layout's).
 - Layouts (``--layout``): ``embedded`` (the default: the stack above, in the machine's own network
   namespace; no root needed), or ``cluster`` (bench/chaos_cluster.py: Temporal, the store, vLLM, the worker,
   a sandbox host with a Docker daemon of its own, and the soak's driver each on a network namespace of its

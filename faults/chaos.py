@@ -69,6 +69,8 @@ INSTANT = frozenset({"worker_restart", "container_kill", "container_oom", "publi
 """Kinds with no duration (the schedule gives them 0)."""
 ENGINE_READY_S = 300.0
 TEMPORAL_READY_S = 60.0
+WORKER_READY_S = 300.0
+"""How long a restarted worker is given to poll its queue, started again meanwhile each time it exits."""
 
 
 def check_kind(kind: str) -> None:
@@ -179,14 +181,48 @@ class Chaos:
             return
         if action == "restart":
             self._fired(p, target=str(t))
-            new = await asyncio.to_thread(process.restart, t, 0.0, True)
+            await asyncio.to_thread(process.stop, t)
         else:
             await asyncio.to_thread(process.kill, t)
             self._fired(p, target=str(t))
             await asyncio.sleep(p.duration_s)
-            new = await asyncio.to_thread(process.start, t)
-        await self._ready(component)
-        self._log("cleared", p, target=str(t), new_pid=new.pid)
+        new, starts = await self.started_again(t, component)
+        self._log("cleared", p, target=str(t), new_pid=new.pid, **({"starts": starts} if starts > 1 else {}))
+
+    async def started_again(self, t: process.Target, component: str) -> tuple[process.Target, int]:
+        """Start ``t`` again and wait until it serves (`_ready`); a worker that exits before it polls its
+        queue (its store unreachable at that moment: a process's first store connection is not retried) is
+        started again, as a supervisor with a restart policy would, for up to `WORKER_READY_S`. Returns the
+        serving target and how many starts it took."""
+        new = await asyncio.to_thread(process.start, t)
+        starts = 1
+        if component != "worker":
+            await self._ready(component)
+            return new, starts
+        deadline = time.monotonic() + WORKER_READY_S
+        while not await self._worker_polls(new):
+            if time.monotonic() > deadline:
+                raise process.ProcessFaultError(f"{new}: no poll {WORKER_READY_S:.0f} s after its restart")
+            if process.find(self.home, new.name) is None:  # it exited while starting: start it again
+                await asyncio.sleep(min(10.0, 2.0 * starts))
+                new = await asyncio.to_thread(process.start, new)
+                starts += 1
+                continue
+            await asyncio.sleep(0.5)
+        return new, starts
+
+    async def _worker_polls(self, t: process.Target) -> bool:
+        """Whether worker ``t`` polls its ``--task-queue`` (as Temporal lists its pollers); without a
+        Temporal client or a queue on its command line, whether it runs."""
+        queue = t.argv[t.argv.index("--task-queue") + 1] if "--task-queue" in t.argv[:-1] else None
+        if self.client is None or queue is None:
+            return process.find(self.home, t.name) is not None
+        from durable_rollouts.environments.fleet import live_pollers
+
+        try:
+            return any(i.startswith(f"{t.pid}@") for i in await live_pollers(self.client, queue))
+        except Exception:  # Temporal unreachable meanwhile: not yet
+            return False
 
     async def _ready(self, component: str) -> None:
         """Wait until a restarted component serves again (the engine under the latest version)."""
