@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any
 
 import httpx
@@ -214,9 +215,12 @@ def _classify(url: str, resp: httpx.Response) -> Any:
         raise EngineBadReply(f"{url}: reply is not JSON: {resp.text[:120]!r}") from e
 
 
+_LOGPROB, _TOKEN_ID = itemgetter("logprob"), itemgetter("token_id")
+
+
 def _tokens(base_url: str, data: Any) -> list[int]:
     toks = data.get("tokens") if isinstance(data, dict) else None
-    if not isinstance(toks, list) or not all(isinstance(t, int) for t in toks):
+    if not isinstance(toks, list) or not all(map(int.__instancecheck__, toks)):
         raise EngineBadReply(f"{base_url}/tokenize: reply has no integer 'tokens' list")
     return toks
 
@@ -225,10 +229,10 @@ def _parse_generation(base_url: str, data: Any, elapsed: float) -> Generation:
     url = f"{base_url}/inference/v1/generate"
     try:
         choice = data["choices"][0]
-        token_ids = [int(t) for t in choice["token_ids"]]
+        token_ids = list(map(int, choice["token_ids"]))  # map, not a Python loop per token
         content = (choice.get("logprobs") or {}).get("content") or []
-        logprobs = [float(c["logprob"]) for c in content]
-        ids_from_logprobs = [int(c["token_id"]) for c in content]
+        logprobs = list(map(float, map(_LOGPROB, content)))
+        ids_from_logprobs = list(map(int, map(_TOKEN_ID, content)))
         finish = str(choice.get("finish_reason") or "stop")
     except (KeyError, IndexError, TypeError, ValueError) as e:
         raise EngineBadReply(f"{url}: malformed reply ({type(e).__name__}: {e})") from e
