@@ -18,9 +18,12 @@ Invariants:
   and the log's last lines; the failure stands for `FAILED_KEEP_S` (the rollouts starting with it get the
   same outcome, not a build each), after which the next rollout builds again.
 - The log of the latest build stays in the row (its last `LOG_KEEP_CHARS` characters).
-- An image the daemon already has is used as it is (no row needed). A rollout that found no image and
-  then finds the row ``built`` by a build that ended after it looked, looks again instead of building;
-  a row ``built`` before it looked (the image was removed since) is built again.
+- An image the daemon already has is used as it is; a ``building`` row of its tag on that host is marked
+  ``built`` then (`ImageBuilds.settle`: its builder's activity died after the daemon had finished the build,
+  e.g. a worker SIGKILLed or cut off from the daemon mid-build, so nothing else would end the row). A
+  rollout that found no image and then finds the row ``built`` by a build that ended after it looked,
+  looks again instead of building; a row ``built`` before it looked (the image was removed since) is built
+  again.
 
 With a registry (``sandbox_pool.registry``) the claim is one per tag and registry instead of per host (the
 row whose ``host`` is `registry_key`): the first sandbox host that needs the image builds it, pushes it
@@ -148,6 +151,14 @@ class ImageBuilds:
                  host, tag, owner),
             )  # fmt: skip
 
+    def settle(self, host: str, tag: str) -> None:
+        """The daemon of ``host`` has ``tag``: a ``building`` row of it is ``built`` (module docstring)."""
+        self.db.execute(
+            "UPDATE image_builds SET state='built', finished_at=?"
+            " WHERE host=? AND tag=? AND state='building'",
+            (time.time(), host, tag),
+        )
+
     def release(self, host: str, tag: str, owner: str, log: str, error: str) -> None:
         """The owner gives its build up without a verdict on the image (its push failed): the row is free
         for the next rollout that needs it, which builds again; ``error`` stays in the row."""
@@ -239,6 +250,7 @@ async def ensure_image(
     while True:
         looked_at = time.time()
         if await backend.has_image(build.tag):
+            await asyncio.to_thread(builds.settle, host, build.tag)
             return
         verdict, error = await asyncio.to_thread(builds.claim, host, build.tag, owner, build.what, looked_at)
         if verdict == "failed":
