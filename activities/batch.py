@@ -20,9 +20,10 @@ Invariants:
   turn, across the batch's own retries and the group's later batches (``attempt_base``): a member's
   first batch starts at 1, and a member run again from the store always calls with an attempt above 1,
   so its steps look for what an earlier try recorded (``turns.step``).
-- A batched group's close (``report_group``, from input revision 2) writes its record and tells the run
-  in one local activity: the run's signal is sent from here, idempotent on the group (the run ignores a
-  second ``group_done``).
+- A group's close (``report_group``: batched groups from input revision 2, every group from 3) writes its
+  record and tells the run in one local activity, idempotent on the group (the run ignores a second
+  report). From revision 3 it tells the run by update, which the run refuses while it drains for
+  continue-as-new: refused, the call is retried, and the next segment takes it (workflows/run.py).
 - Heartbeats every ``HEARTBEAT_EVERY_S`` name every member still running (turn, phase, replica, since
   when): an operator finds a stuck batch in the web UI as its group's pending activity, and a cancel of
   the batch reaches it through the heartbeat. The first comes after one interval, as every activity's
@@ -40,6 +41,7 @@ from functools import partial
 from typing import TypeVar
 
 from temporalio import activity
+from temporalio.client import WorkflowUpdateFailedError
 from temporalio.common import RetryPolicy
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
@@ -77,6 +79,9 @@ BATCH_MARGIN_S = 120.0
 GROUP_DONE = "group_done"
 """The run workflow's signal a group's close sends (``workflows.run.RunWorkflow.group_done``; activities sit
 below the workflows, so by name, as ``activities.harness`` signals its rollout)."""
+GROUP_REPORT = "group_report"
+"""The run workflow's update a group's close sends from input revision 3
+(``workflows.run.RunWorkflow.group_report``)."""
 ATTEMPTS_PER_TRY = 10_000
 """Attempt numbers each try of a batch owns for one turn's calls (its retries, failovers and outage waits
 stay below this, so the attempt numbers of two tries never meet)."""
@@ -121,15 +126,22 @@ class BatchActivities:
     @options(Options(timedelta(seconds=60), RECORD_RETRY, local=True))
     @activity.defn
     async def report_group(self, inp: ReportGroupInput) -> bool:
-        """A batched group's close in one local activity: finalize_group's writes (idempotent), then the
-        run's ``group_done`` signal, sent by this worker's client instead of a signal command of the
-        group's (which costs the group a workflow task and three events more); a retry may signal again,
-        which the run ignores. A run that is gone fails the call for good, as the group's signal did."""
+        """A group's close in one local activity: finalize_group's writes (idempotent), then the run's
+        ``group_report`` update (``by_update``) or ``group_done`` signal, sent by this worker's client
+        instead of a signal command of the group's (which costs the group a workflow task and three events
+        more); a retry may report again, which the run ignores. An update the run refuses (it is draining
+        for continue-as-new) fails this try, and a later try reaches the next segment. A run that is gone
+        fails the call for good, as the group's signal did."""
         written = await self.rollouts.finalize_group(inp.finalize)
         if inp.run_workflow_id:
             run = activity.client().get_workflow_handle(inp.run_workflow_id)
             try:
-                await run.signal(GROUP_DONE, inp.finalize.record)
+                if inp.by_update:
+                    await run.execute_update(GROUP_REPORT, inp.finalize.record)
+                else:
+                    await run.signal(GROUP_DONE, inp.finalize.record)
+            except WorkflowUpdateFailedError as e:  # refused while the run drains: the next segment takes it
+                raise ApplicationError(f"run {inp.run_workflow_id}: {e.cause}", type="RunDraining") from e
             except RPCError as e:
                 if e.status != RPCStatusCode.NOT_FOUND:
                     raise

@@ -127,8 +127,14 @@ async def segments(client: Client, run_id: str) -> list[dict[str, Any]]:
                 "history_bytes": sum(e.ByteSize() for e in events),
                 "carried_input_bytes": events[0].workflow_execution_started_event_attributes.input.ByteSize(),
                 "groups_started": len(starts),
-                "group_done_signals": sum(
-                    1 for e in events if e.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED
+                "group_done_signals": sum(  # the groups' reports: signals, and updates from revision 3
+                    1
+                    for e in events
+                    if e.event_type
+                    in (
+                        EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED,
+                        EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED,
+                    )
                 ),
                 "workflow_task_failures": dict(failed),
                 "last_start_to_end_s": round(t(events[-1]) - max(starts), 2) if starts else None,

@@ -23,10 +23,14 @@ class BatchInput(BaseModel):
 
 
 class ReportGroupInput(BaseModel):
-    """A batched group's close: what finalize_group writes, and the run workflow its record goes to."""
+    """A group's close: what finalize_group writes, and the run workflow its record goes to."""
 
     model_config = ConfigDict(extra="forbid")
 
     finalize: FinalizeGroupInput
     run_workflow_id: str | None = None
     """The run workflow told ``group_done`` (None: a group started on its own tells nobody)."""
+    by_update: bool = False
+    """Tell the run by its ``group_report`` update, which it refuses while it drains for continue-as-new
+    (input revision 3; the call is retried until the next segment takes it), instead of the ``group_done``
+    signal, which lands in whatever workflow task the run has in flight."""

@@ -93,6 +93,8 @@ class ClosedGroups:
         self.handles: dict[str, workflow.ChildWorkflowHandle] = {}
         """This segment's started groups' child handles (done once the group's close reached the run)."""
         self._tasks: set[asyncio.Task[None]] = set()
+        self._checks: set[asyncio.Task[None]] = set()
+        self._asking = self._stopping = False
 
     async def watched(
         self, gid: str, start: Awaitable[workflow.ChildWorkflowHandle]
@@ -132,18 +134,30 @@ class ClosedGroups:
         `NOTICE_CLOSED_GROUPS.id`)."""
         every = cfg.admission.poll_interval_s if cfg.admission.enabled else cfg.run.closed_group_check_s
         task = asyncio.create_task(self._check(slots, every))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._checks.add(task)
+        task.add_done_callback(self._checks.discard)
+
+    async def stop(self) -> None:
+        """End the checks of carried groups before a continue-as-new: a check asking now gets its answer
+        first (the completion of its activity must not land in the task that carries the continue-as-new),
+        then the wait for the next one is cancelled (its timer cancelled by a command of that task)."""
+        self._stopping = True
+        await workflow.wait_condition(lambda: not self._asking)
+        for task in list(self._checks):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
     async def _check(self, slots: dict[str, GroupSlot], interval_s: float) -> None:
         """Every ``interval_s`` while a carried group is in flight (``slots``), ask which of them closed,
         and account for each."""
         left = lambda: sorted(g for g in self.carried if g in slots and g not in self.why)  # noqa: E731
-        while left():
+        while left() and not self._stopping:
             with contextlib.suppress(TimeoutError):
                 await workflow.wait_condition(lambda: not left(), timeout=interval_s)
-            if not (ask := left()):
+            if not (ask := left()) or self._stopping:
                 return
+            self._asking = True
             try:
                 closed: dict[str, str] = await call(
                     DispatchActivities.closed_groups,
@@ -153,6 +167,8 @@ class ClosedGroups:
             except (ActivityError, ApplicationError) as e:  # asked again next interval
                 workflow.logger.warning("run %s: closed-group check failed: %s", self.run_id, e)
                 continue
+            finally:
+                self._asking = False
             for gid, status in sorted(closed.items()):
                 if gid in slots and gid not in self.why:
                     workflow.logger.warning(

@@ -5,8 +5,11 @@ Invariants:
   (completed, truncated, failed or cancelled), and members that failed for infrastructure reasons count
   toward the size but stay out of the reward statistics and advantages.
 - A member whose child workflow itself died still gets exactly one record (written here).
-- The group reports its result to the run workflow by signal, so the run can continue-as-new while
-  groups are in flight.
+- The group reports its result to the run workflow by message (never a child's result), so the run can
+  continue-as-new while groups are in flight: from input revision 3 by the run's ``group_report`` update,
+  sent with its record in one local activity (``BatchActivities.report_group``), which the run refuses
+  while it drains for continue-as-new so no report lands in the task carrying it (the activity retries);
+  before, by the ``group_done`` signal.
 - The dispatcher may ``shed`` members (cancel, reason admission): they get a cancelled record, count toward
   the size and stay out of the comparison; with ``redispatch_cancelled`` the slot runs again under id
   ``<run>/<group>/<i>r<n>`` (same sample index), so the group still compares ``size`` finished slots.
@@ -277,12 +280,12 @@ class GroupWorkflow:
             inp.run_id, inp.group_id, inp.task_id, inp.size, attempts, inp.advantage_eps, inp.on_infra_failure
         )
         closing = finalize_input(record, advantages, attempts)
-        if inp.template.batched and inp.revision >= 2:  # the close and the run's signal: one local activity
+        if inp.revision >= 3 or (inp.template.batched and inp.revision >= 2):  # close and report: one call
             await workflow.wait_condition(workflow.all_handlers_finished)
-            await call(
-                BatchActivities.report_group,
-                ReportGroupInput(finalize=closing, run_workflow_id=inp.run_workflow_id),
+            report = ReportGroupInput(
+                finalize=closing, run_workflow_id=inp.run_workflow_id, by_update=inp.revision >= 3
             )
+            await call(BatchActivities.report_group, report)
             return record
         await call(RolloutActivities.finalize_group, closing)
         await workflow.wait_condition(workflow.all_handlers_finished)

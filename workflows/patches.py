@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-REVISION = 2
+REVISION = 3
 """The command revision of the workflows this code starts (``RolloutInput.revision``,
 ``GroupInput.revision``). A change of commands that only workflows started after the upgrade may take rides
 on it instead of a patch: the parent sets it in the child's input, inputs written before lack it (0), so a
@@ -32,7 +32,9 @@ marker and upserts ``TemporalChangeVersion``: two events and a visibility write 
 retired like one (docs/upgrades.md). Revision 1: rollouts and groups no longer call
 ``deprecate_patch(OPS)`` (its marker is in 0.2.0 histories only). Revision 2: a batched group
 (``group.batch_rollouts``) writes its record and signals its run in one local activity instead of a signal
-command (a workflow task and five events fewer per group)."""
+command (a workflow task and five events fewer per group). Revision 3: every group writes its record and
+reports to its run in that local activity, by the run's ``group_report`` update, which the run refuses while
+it drains for continue-as-new (no report lands in the task that carries the continue-as-new)."""
 
 SUPPORTED_FROM = "0.2.0"
 """The oldest release whose in-flight workflows this code continues (the previous release)."""

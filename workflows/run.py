@@ -108,9 +108,14 @@ with workflow.unsafe.imports_passed_through():
 TASK_ID_BATCH = 32
 """Task ids the run looks up at once (one local activity per this many groups, off the critical path)."""
 QUIET_WAIT_S = 2.0
-"""Longest wait at a segment's end for reported groups' closes (patch ``quiet-segment-end``): a close takes
-one task of its group, but a fleet whose groups report faster than that is never quiet, and admits nothing
-meanwhile. Workflow logic: changing it needs a patch."""
+"""Longest wait at a segment's end for reported groups' closes (patch ``quiet-segment-end``) where groups
+report by signal (input revisions below 3): a close takes one task of its group, but a fleet whose groups
+report faster than that is never quiet, and admits nothing meanwhile. Workflow logic: changing it needs a
+patch."""
+DRAIN_WAIT_S = 30.0
+"""Longest wait at a segment's end for reported groups' closes while the run refuses reports (``drain``):
+no report can start another close, so the wait ends with the last close unless a group hangs between its
+report and its close. Workflow logic: changing it needs a patch."""
 
 
 @workflow.defn(name="RunWorkflow")
@@ -130,6 +135,9 @@ class RunWorkflow:
         """Groups that cannot report, being or already accounted for (``_account_for``)."""
         self._closed = ClosedGroups(self._run_id, self._state.slots, self._account_for)
         """This segment's watch for groups closed without reporting (workflows/closed_groups.py)."""
+        self._draining = False
+        """Continuing as new: a report that would start another close of this segment's groups is refused
+        (``group_report``'s validator) until the next segment."""
 
     @workflow.signal
     def group_done(self, record: GroupResult) -> None:
@@ -152,6 +160,21 @@ class RunWorkflow:
             st.breaker, record.group_id, record.infra_failures, record.successes, workflow.now().timestamp(),
             run.breaker_failures, record.environment_failures, env_stop, record.environment_failure,
         )  # fmt: skip
+
+    @workflow.update
+    def group_report(self, record: GroupResult) -> None:
+        """A group closed (input revision 3): as ``group_done``, by update, which the validator refuses
+        while the run drains for continue-as-new."""
+        self.group_done(record)
+
+    @group_report.validator
+    def _report_open(self, record: GroupResult) -> None:
+        """Refused while draining, for a group of this segment still in flight: taking it would start its
+        close (ChildWorkflowExecutionCompleted), which could land in the task carrying the continue-as-new.
+        A refused report leaves no event; its sender tries again and the next segment takes it."""
+        gid = record.group_id
+        if self._draining and gid in self._state.slots and gid in self._closed.handles:
+            raise ApplicationError(f"run {self._run_id}: continuing as new, report again", type="RunDraining")
 
     @workflow.signal
     async def group_terminated(self, inp: TerminatedGroupInput) -> None:
@@ -301,14 +324,22 @@ class RunWorkflow:
             return
         st, closed, since = self._state, self._closed, workflow.now()
         quiet = workflow.patched(patches.QUIET_SEGMENT_END.id)  # reported groups' closes in first
+        drain = quiet  # groups of revision 3 report by update, refused while draining
 
         def settled() -> bool:
             if closed.why or not workflow.all_handlers_finished():
                 return False
             waited = (workflow.now() - since).total_seconds()
-            return not quiet or not closed.closing(st.slots) or waited >= QUIET_WAIT_S
+            return not quiet or not closed.closing(st.slots) or (not drain and waited >= QUIET_WAIT_S)
 
-        await workflow.wait_condition(settled)
+        if drain:  # reports refused from here: the closes settle, and nothing else lands in the last task
+            self._draining = True
+            with contextlib.suppress(asyncio.TimeoutError):
+                await workflow.wait_condition(settled, timeout=DRAIN_WAIT_S)
+            await closed.stop()
+            await workflow.wait_condition(lambda: not closed.why and workflow.all_handlers_finished())
+        else:
+            await workflow.wait_condition(settled)
         st.segment += 1  # the state is taken after every handler of this workflow task ran
         workflow.continue_as_new(inp.model_copy(update={"state": st}))
 

@@ -20,7 +20,8 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from temporalio import activity
-from temporalio.client import Client
+from temporalio.client import Client, WorkflowUpdateFailedError
+from temporalio.exceptions import ApplicationError
 from temporalio.worker import Worker
 
 from durable_rollouts.activities.closed_groups import closed_among, unended_members
@@ -37,6 +38,7 @@ from durable_rollouts.contracts.activity_io import (
     TerminatedGroup,
     TerminatedGroupInput,
 )
+from durable_rollouts.contracts.batch import ReportGroupInput
 from durable_rollouts.contracts.sandbox import SandboxCreated
 from durable_rollouts.contracts.types import (
     RAN_TO_END,
@@ -114,6 +116,7 @@ class Fakes:
             self.generate_turn,
             self.finalize_rollout,
             self.finalize_group,
+            self.report_group,
             self.finish_run,
             self.env_step,
             self.sandbox_create,
@@ -192,6 +195,23 @@ class Fakes:
         new = inp.record.group_id not in self.groups
         self.groups.setdefault(inp.record.group_id, inp)
         return new
+
+    @activity.defn(name="report_group")
+    async def report_group(self, inp: ReportGroupInput) -> bool:
+        """The real close's steps (activities.batch): the record (as ``finalize_group``), then the run told
+        by the real client, its update refused while the run drains (this try fails; a later one lands)."""
+        self._record("report_group", inp)
+        written = await self.finalize_group(inp.finalize)
+        if inp.run_workflow_id:
+            run = activity.client().get_workflow_handle(inp.run_workflow_id)
+            try:
+                if inp.by_update:
+                    await run.execute_update("group_report", inp.finalize.record)
+                else:
+                    await run.signal("group_done", inp.finalize.record)
+            except WorkflowUpdateFailedError as e:
+                raise ApplicationError(f"refused: {e.cause}", type="RunDraining") from e
+        return written
 
     @activity.defn(name="finish_run")
     async def finish_run(self, run_id: str, status: str = "finished") -> None:

@@ -1,5 +1,7 @@
-"""BatchActivities.report_group: a batched group's record written once and its run told ``group_done`` by
-the worker's client (again on a retry: the run ignores a second); a run that is gone fails it for good."""
+"""BatchActivities.report_group: a group's record written once and its run told by the worker's client,
+``group_done`` signal or (input revision 3) ``group_report`` update (again on a retry: the run ignores a
+second); an update the run refuses (draining for continue-as-new) fails the try for a retry; a run that is
+gone fails it for good."""
 
 from __future__ import annotations
 
@@ -7,11 +9,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from temporalio.client import WorkflowUpdateFailedError
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.testing import ActivityEnvironment
 
-from durable_rollouts.activities.batch import GROUP_DONE, BatchActivities
+from durable_rollouts.activities.batch import GROUP_DONE, GROUP_REPORT, BatchActivities
 from durable_rollouts.activities.rollout import RolloutActivities
 from durable_rollouts.contracts.activity_io import FinalizeGroupInput
 from durable_rollouts.contracts.batch import ReportGroupInput
@@ -28,7 +31,7 @@ RECORD = GroupResult(
 class FakeClient:
     """What report_group asks of the worker's client: a handle by workflow id, and its signal."""
 
-    def __init__(self, fail: RPCError | None = None) -> None:
+    def __init__(self, fail: Exception | None = None) -> None:
         self.signals: list[tuple[str, str, Any]] = []
         self.fail = fail
 
@@ -44,14 +47,20 @@ class FakeClient:
                 raise self.client.fail
             self.client.signals.append((self.wid, name, arg))
 
+        async def execute_update(self, name: str, arg: Any) -> None:
+            await self.signal(name, arg)
 
-async def _report(tmp_path: Path, client: FakeClient, run_workflow_id: str | None = "run") -> list[bool]:
+
+async def _report(
+    tmp_path: Path, client: FakeClient, run_workflow_id: str | None = "run", by_update: bool = False
+) -> list[bool]:
     store = RunStore(tmp_path / "home")
     engine = EngineClient()
     acts = BatchActivities(RolloutActivities(store, engine))
     inp = ReportGroupInput(
         finalize=FinalizeGroupInput(record=RECORD, advantages={"run/g00000/0": 1.0, "run/g00000/1": -1.0}),
         run_workflow_id=run_workflow_id,
+        by_update=by_update,
     )
     env = ActivityEnvironment(client=client)  # type: ignore[arg-type]
     try:
@@ -84,3 +93,16 @@ async def test_another_rpc_failure_is_retried(tmp_path: Path) -> None:
     unavailable = RPCError("server unavailable", RPCStatusCode.UNAVAILABLE, b"")
     with pytest.raises(RPCError):
         await _report(tmp_path, FakeClient(unavailable))
+
+
+async def test_by_update_the_run_is_told_by_its_group_report_update(tmp_path: Path) -> None:
+    client = FakeClient()
+    assert await _report(tmp_path, client, by_update=True) == [True, False]
+    assert client.signals == [("run", GROUP_REPORT, RECORD)] * 2
+
+
+async def test_an_update_the_draining_run_refuses_fails_the_try_for_a_retry(tmp_path: Path) -> None:
+    refused = WorkflowUpdateFailedError(ApplicationError("continuing as new", type="RunDraining"))
+    with pytest.raises(ApplicationError) as e:
+        await _report(tmp_path, FakeClient(refused), by_update=True)
+    assert not e.value.non_retryable and e.value.type == "RunDraining"
