@@ -32,11 +32,9 @@ marker and upserts ``TemporalChangeVersion``: two events and a visibility write 
 retired like one (docs/upgrades.md). Revision 1: rollouts and groups no longer call
 ``deprecate_patch(OPS)`` (its marker is in 0.2.0 histories only). Revision 2: a batched group
 (``group.batch_rollouts``) writes its record and signals its run in one local activity instead of a signal
-command (a workflow task and five events fewer per group). Revision 3: a group writes its record and
+command (a workflow task and five events fewer per group). Revision 3: every group writes its record and
 reports to its run in that local activity, by the run's ``group_report`` update, which the run refuses while
-it drains for continue-as-new (no report lands in the task that carries the continue-as-new); the run asks
-it of the groups that may be in flight when a segment ends (``workflows.run.REPORT_TAIL``) and revision 2
-of the others."""
+it drains for continue-as-new (no report lands in the task that carries the continue-as-new)."""
 
 SUPPORTED_FROM = "0.2.0"
 """The oldest release whose in-flight workflows this code continues (the previous release)."""

@@ -112,12 +112,6 @@ QUIET_WAIT_S = 2.0
 report by signal (input revisions below 3): a close takes one task of its group, but a fleet whose groups
 report faster than that is never quiet, and admits nothing meanwhile. Workflow logic: changing it needs a
 patch."""
-REPORT_TAIL = 2
-"""A segment's last ``REPORT_TAIL`` x (groups in flight) groups report by update (``_group_revision``): the
-groups a segment can still have in flight at its end, with room for groups that take twice as long as
-their peers. A group started earlier that is still in flight at the end reports by signal, which can land
-in the task carrying the continue-as-new (the server rejects it and the worker replays the segment: seconds,
-no report lost). Workflow logic: changing it needs a patch."""
 DRAIN_WAIT_S = 30.0
 """Longest wait at a segment's end for reported groups' closes while the run refuses reports (``drain``):
 no report can start another close, so the wait ends with the last close unless a group hangs between its
@@ -141,8 +135,6 @@ class RunWorkflow:
         """Groups that cannot report, being or already accounted for (``_account_for``)."""
         self._closed = ClosedGroups(self._run_id, self._state.slots, self._account_for)
         """This segment's watch for groups closed without reporting (workflows/closed_groups.py)."""
-        self._segment_starts = 0
-        """Groups this segment (this run of the chain) has started."""
         self._draining = False
         """Continuing as new: a report that would start another close of this segment's groups is refused
         (``group_report``'s validator) until the next segment."""
@@ -519,17 +511,6 @@ class RunWorkflow:
         st.breaker = breaker.admitted(st.breaker, group_id(idx))
         st.next_group += 1
 
-    def _group_revision(self) -> int:
-        """The revision a group starting now is asked for: 3 (report by update, refused while the run
-        drains) for the groups that may still be in flight when this segment ends, those among its last
-        ``REPORT_TAIL`` x the groups in flight; 2 (report by signal: a workflow task and an update's round
-        trip cheaper, and the same events for a group's close) for the others, done long before it ends."""
-        run = self._cfg.run
-        n, self._segment_starts = self._segment_starts, self._segment_starts + 1
-        inflight = max(run.max_inflight_groups + run.overprovision, self._cap or 0)
-        tail = n >= run.groups_per_run_segment - REPORT_TAIL * inflight
-        return patches.REVISION if tail else min(patches.REVISION, 2)
-
     def _group_start(
         self, inp: RunInput, template: RolloutInput, healthy: list[str], idx: int, task_id: str
     ) -> Awaitable[workflow.ChildWorkflowHandle]:
@@ -555,7 +536,7 @@ class RunWorkflow:
                 redispatch_cancelled=cfg.admission.redispatch_cancelled,
                 infra_retries=cfg.rollout.infra_retries,
                 on_infra_failure=cfg.group.on_infra_failure,
-                revision=self._group_revision(),
+                revision=patches.REVISION,
             ),
             id=f"{inp.run_id}/{gid}",
             parent_close_policy=ParentClosePolicy.ABANDON,

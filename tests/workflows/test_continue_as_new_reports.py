@@ -36,15 +36,8 @@ from temporalio.worker._workflow_instance import _WorkflowInstanceImpl
 
 from durable_rollouts.config.models import Config, RolloutConfig, RunConfig
 from durable_rollouts.contracts.activity_io import FinalizeGroupInput
-from durable_rollouts.contracts.types import (
-    GroupInput,
-    GroupResult,
-    RunInput,
-    RunProgress,
-    RunState,
-    group_id,
-)
-from durable_rollouts.workflows.run import REPORT_TAIL, RunWorkflow
+from durable_rollouts.contracts.types import GroupResult, RunInput, RunProgress, RunState, group_id
+from durable_rollouts.workflows.run import RunWorkflow
 
 from .fakes import Fakes, fake_worker, wait_for
 from .test_continue_as_new import assert_every_group_ran_once
@@ -138,14 +131,7 @@ class Segment:
             for e in events
             if e.event_type == EventType.EVENT_TYPE_START_CHILD_WORKFLOW_EXECUTION_INITIATED
         }
-        self.revisions = {
-            a.workflow_id.rsplit("/", 1)[-1]: conv.from_payloads(a.input.payloads, [GroupInput])[0].revision
-            for e in events
-            if e.event_type == EventType.EVENT_TYPE_START_CHILD_WORKFLOW_EXECUTION_INITIATED
-            for a in [e.start_child_workflow_execution_initiated_event_attributes]
-        }
         self.reports: list[str] = []
-        self.updates: list[str] = []
         for e in events:
             attrs = e.workflow_execution_signaled_event_attributes
             request = e.workflow_execution_update_accepted_event_attributes.accepted_request.input
@@ -161,7 +147,6 @@ class Segment:
             ):
                 [record] = conv.from_payloads(request.args.payloads, [GroupResult])
                 self.reports.append(record.group_id)
-                self.updates.append(record.group_id)
         self.rejected = sum(
             1
             for e in events
@@ -287,26 +272,3 @@ async def test_a_report_just_before_the_boundary_no_longer_rejects_the_continue_
     assert_each_report_counted_once(segs, n)
     assert segs[0].reports == [g0] and segs[0].carried_out == {group_id(1), group_id(2)}
     assert [s.rejected for s in segs] == [0, 0], "a continue-as-new task was rejected (UNHANDLED_COMMAND)"
-
-
-async def test_only_a_segments_last_groups_report_by_update(client: Client, uid: str) -> None:
-    """12 groups, 2 in flight, segments of 13 (the run never reaches one's end): the groups that may be in
-    flight at a segment's end (from the 13 - REPORT_TAIL x 2 th on) are asked for revision 3 and report by
-    update; the earlier ones, done long before, report by the cheaper signal. Every report is counted
-    once."""
-    n, inflight, segment = 12, 2, 13
-    fakes = GatedFakes(n)
-    for gate in fakes.gates.values():
-        gate.set()
-    inp = fixed_run(uid, n, inflight=inflight, segment=segment)
-    tq = f"tq-{uid}"
-    async with fake_worker(client, tq, fakes):
-        handle = await client.start_workflow(RunWorkflow.run, inp, id=inp.run_id, task_queue=tq)
-        result: RunProgress = await handle.result()
-    assert handle.first_execution_run_id is not None
-    [seg] = await segments(client, inp.run_id, handle.first_execution_run_id)
-    tail = segment - REPORT_TAIL * inflight
-    assert seg.revisions == {group_id(i): 3 if i >= tail else 2 for i in range(n)}
-    assert sorted(seg.updates) == [group_id(i) for i in range(tail, n)]
-    assert (result.groups_done, result.done) == (n, True)
-    assert_each_report_counted_once([seg], n)
