@@ -18,7 +18,7 @@ import pytest
 import requests
 
 from durable_rollouts.faults import containers, freezer
-from durable_rollouts.sandboxes import DEFAULT_IMAGE, DockerBackend, SandboxSpec
+from durable_rollouts.sandboxes import DockerBackend, SandboxSpec
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 
@@ -46,17 +46,14 @@ class UnpauseTimesOut:
 
 
 @pytest.fixture
-def backend() -> DockerBackend:
-    try:
-        backend = DockerBackend()
-        backend.api.inspect_image(DEFAULT_IMAGE)
-    except Exception as exc:  # no daemon, or no image
-        pytest.skip(f"docker daemon or image {DEFAULT_IMAGE} unavailable: {exc}")
-    return backend
+def backend(docker: DockerBackend) -> DockerBackend:
+    """The shared sandbox backend (tests/integration/conftest.py: skips without a daemon or the image)."""
+    return docker
 
 
 @pytest.fixture
 def run_id(backend: DockerBackend):
+    """A run id of this test's own; its containers are reaped after it, and none may be left."""
     run = f"test-pause-{uuid.uuid4().hex[:8]}"
     yield run
     backend.reap(run_id=run)
