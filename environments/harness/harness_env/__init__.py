@@ -31,7 +31,7 @@ from durable_rollouts.gateway.harness import SHIM_PYTHON
 __all__ = ["HARNESS_IMAGE", "PYTHON", "MiniSweAgentEnvironment"]
 
 MSWEA_VERSION = "2.4.6"
-RUNTIME_REVISION = "rt1"
+RUNTIME_REVISION = "rt2"
 """The revision of the harness image's build (``REVISION`` in build_image.sh)."""
 HARNESS_IMAGE = f"dr-harness/mini-swe-agent:{MSWEA_VERSION}-{RUNTIME_REVISION}"
 """The image /opt/harness is copied from (``environments/harness/build_image.sh``)."""
