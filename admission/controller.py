@@ -14,7 +14,9 @@ Each poll (the reference polls every 5 s) the caller passes:
 Rules, in the order a step applies them (every constant is an `AdmissionConfig` field):
 
 1. Health: an engine whose newest reading is older than ``metrics_max_age_s`` is unhealthy and ignored. With
-   no healthy engine nothing is admitted and the cap stays as it is.
+   no healthy engine nothing is admitted and the cap stays as it is. A reading's age is taken at the poll
+   that read the fleet (``read_at``), not at the decision: a decision late because workflow tasks wait for
+   a slot is not an engine gone quiet.
 2. Initial cap: ``initial_cap``, or else the healthy engines' summed KV capacity (tokens) divided by
    ``max_model_len`` (every rollout may grow to the full context); set once, then carried in the state.
 3. Preemption cut: an engine's preemption counter above its previous value → cap := ``preemption_cut`` ×
@@ -191,16 +193,19 @@ class AdmissionController:
         ended: int = 0,
         ended_tokens: float = 0.0,
         backlog: QueueBacklog | None = None,
+        read_at: float | None = None,
     ) -> Decision:
         """Observe one poll and decide the cap, admissions and cancels; ``ended`` rollouts completed or were
         truncated since the previous step, with ``ended_tokens`` summed final contexts (rule P5);
-        ``backlog`` is the run's task queue backlog (rule O; None: not read, the rule has no say)."""
+        ``backlog`` is the run's task queue backlog (rule O; None: not read, the rule has no say);
+        ``read_at`` is when the poll read the fleet, the time readings are aged against (None: ``now``)."""
         cfg, st = self.config, self.state
         newest: dict[str, EngineReading] = {}
         for r in readings:
             if r.engine_id not in newest or r.at > newest[r.engine_id].at:
                 newest[r.engine_id] = r
-        healthy = {e: r for e, r in newest.items() if now - r.at <= cfg.metrics_max_age_s}
+        aged_at = now if read_at is None else read_at
+        healthy = {e: r for e, r in newest.items() if aged_at - r.at <= cfg.metrics_max_age_s}
         reasons = [f"stale metrics: {e}" for e in sorted(newest) if e not in healthy]
         self._observe_admissions(now, inflight)
         n = len(inflight)

@@ -132,6 +132,13 @@ QUIET_SEGMENT_END = Patch(
     "one task of the group, and landing while the run's closing workflow task was in flight it had the "
     "server reject that task (UNHANDLED_COMMAND) and the worker replay the segment.",
 )
+READING_AGE = Patch(
+    "reading-age-at-poll",
+    CURRENT,
+    "An adaptive run ages its engine readings at the poll that read them, not at its decision: a decision "
+    "that waited for a workflow-task slot longer than metrics_max_age_s found every engine stale and "
+    "admitted nothing.",
+)
 
 PATCHES: tuple[Patch, ...] = (
     OPS,
@@ -148,6 +155,7 @@ PATCHES: tuple[Patch, ...] = (
     HARNESS,
     RUN_ACTIVITIES,
     QUIET_SEGMENT_END,
+    READING_AGE,
 )
 
 

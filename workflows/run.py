@@ -365,7 +365,9 @@ class RunWorkflow:
             self._counts = {g: poll.counts.get(g, GroupCounts()) for g in st.slots}
             inflight = inflight_view(st.slots, self._counts, adm.redispatch_cancelled)
             ended, ended_tokens = newly_complete(ds, st.slots, self._counts)
-            d = ctl.step(now, list(ds.readings.values()), inflight, ended, ended_tokens, poll.backlog)
+            read_at = poll.at if workflow.patched(patches.READING_AGE.id) else None
+            readings = list(ds.readings.values())
+            d = ctl.step(now, readings, inflight, ended, ended_tokens, poll.backlog, read_at)
             ds.admission, self._cap = ctl.state, d.cap
             for gid, k in cancels_by_group(d.cancel, st.slots, self._counts).items():
                 st.slots[gid].told += k
@@ -425,7 +427,8 @@ class RunWorkflow:
         now = workflow.now().timestamp()
         for r in last.readings:
             ds.readings[r.engine_id] = r
-        d = ctl.step(now, list(ds.readings.values()), [])
+        read_at = last.at if workflow.patched(patches.READING_AGE.id) else None
+        d = ctl.step(now, list(ds.readings.values()), [], read_at=read_at)
         ds.admission, self._cap = ctl.state, d.cap
         self._log_decision(inp, now, d, ctl, last, 0, 0, ["final", *d.reasons])
         await self._poll(inp, template)  # writes it

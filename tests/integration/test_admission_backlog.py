@@ -96,7 +96,9 @@ async def constrained_run(
                 "enabled": True,
                 "poll_interval_s": 0.5,
                 "admit_window_s": 0.0,
-                "metrics_max_age_s": 10.0,
+                # far below the workflow tasks' waits: a reading is aged at the poll that read it, so a
+                # decision that waited for a slot still sees its engine (it saw none when aged at itself)
+                "metrics_max_age_s": 1.0,
                 "initial_cap": 4,
                 "max_inflight": MAX_INFLIGHT,
                 "max_model_len": 640,
@@ -115,6 +117,7 @@ async def constrained_run(
     assert not result.outcomes.get("failed"), result.outcomes
     # the signal: every poll read the queue's stats and the run's own workflow tasks' wait
     assert all(e["backlog"]["reported"] and e["backlog"]["latency_s"] is not None for e in log), summary(log)
+    assert all(e["healthy"] for e in log), summary(log)  # every decision saw its engine's reading
     assert all(e["kv_usage"] < 0.05 for e in log), summary(log)  # the KV cache stayed near empty
     return result, log
 

@@ -197,6 +197,18 @@ def test_stale_metrics_make_engine_unhealthy_and_admit_nothing():
     assert "stale metrics: e0" in d.reasons
 
 
+def test_readings_age_at_the_poll_that_read_them_not_at_a_late_decision():
+    # the poll read e0 at t=20; the decision runs at t=40 (its workflow task waited for a slot): e0 is fresh
+    ctl = AdmissionController(cfg(metrics_max_age_s=15.0))
+    assert poll(ctl, 0.0, 10).admit == 90
+    d = ctl.step(40.0, [reading(at=20.0)], flight(10), read_at=20.0)
+    assert d.healthy == ["e0"] and d.admit > 0 and not any(r.startswith("stale") for r in d.reasons)
+    # an engine that stopped answering is stale however late the decision: its newest reading is old at
+    # the poll that failed to read it
+    d = ctl.step(60.0, [reading(at=20.0)], flight(10), read_at=40.0)
+    assert (d.admit, d.healthy) == (0, []) and "stale metrics: e0" in d.reasons
+
+
 def test_stale_engine_is_excluded_and_blocks_growth():
     ctl = AdmissionController(cfg())
     d = ctl.step(20.0, [reading(at=20.0, usage=0.3), reading(at=0.0, usage=0.99, engine="e1")], flight(100))
