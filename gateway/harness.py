@@ -13,6 +13,7 @@ Invariants:
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import importlib.resources
 import shlex
@@ -88,18 +89,36 @@ async def _write(box: Sandbox, path: str, text: str) -> None:
         raise SandboxGone(f"cannot write {path} in the sandbox: {res.output[-200:]}")
 
 
-async def poll(box: Sandbox) -> int | None:
+PROBE_TRIES = 3
+"""Probes of the harness's state in a row whose answer says nothing (the probe's own command died without
+output) before the harness counts as gone."""
+
+
+async def poll(box: Sandbox, pause_s: float = 1.0) -> int | None:
     """The harness's exit code, or None while it runs.
 
+    The probe reads the exit code again after finding the launcher gone (it writes the code, then exits:
+    the first read may precede the write and the liveness check follow the exit). A probe whose answer says
+    nothing (its own command killed without output, as seen on a loaded host) is asked again, up to
+    ``PROBE_TRIES`` times ``pause_s`` apart: it tells nothing of the harness.
+
     Raises:
-        SandboxGone: it is neither running nor exited (its process vanished without an exit code).
+        SandboxGone: it is neither running nor exited (its process vanished without an exit code), or
+            ``PROBE_TRIES`` probes in a row said nothing.
     """
-    res = await box.exec(
-        f"cat {STATE}/rc 2>/dev/null || {{ kill -0 $(cat {STATE}/pid) 2>/dev/null && echo RUNNING; }}"
-        " || echo VANISHED",
-        30,
-    )
-    return exit_code_of(res.output)
+    for attempt in range(PROBE_TRIES):
+        res = await box.exec(
+            f"cat {STATE}/rc 2>/dev/null || {{ kill -0 $(cat {STATE}/pid) 2>/dev/null && echo RUNNING; }}"
+            f" || cat {STATE}/rc 2>/dev/null || echo VANISHED",
+            30,
+        )
+        try:
+            return exit_code_of(res.output)
+        except SandboxGone as e:
+            if "vanished" in str(e) or attempt == PROBE_TRIES - 1:
+                raise SandboxGone(f"{e} ({attempt + 1} probes)") from None
+        await asyncio.sleep(pause_s)
+    raise AssertionError("unreachable")
 
 
 def exit_code_of(output: str) -> int | None:
