@@ -139,6 +139,13 @@ READING_AGE = Patch(
     "that waited for a workflow-task slot longer than metrics_max_age_s found every engine stale and "
     "admitted nothing.",
 )
+QUEUE_RACE = Patch(
+    "queued-groups-reported-in-poll",
+    CURRENT,
+    "An adaptive run with max_queued_groups counts the groups that reported while its fleet poll was in "
+    "flight as waiting for the trainer: the poll may have counted the unconsumed groups before their "
+    "records, and the run no longer counts them in flight, so one more group was admitted past the limit.",
+)
 
 PATCHES: tuple[Patch, ...] = (
     OPS,
@@ -156,6 +163,7 @@ PATCHES: tuple[Patch, ...] = (
     RUN_ACTIVITIES,
     QUIET_SEGMENT_END,
     READING_AGE,
+    QUEUE_RACE,
 )
 
 

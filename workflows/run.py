@@ -131,6 +131,9 @@ class RunWorkflow:
         self._task_ids: dict[int, str] = {}
         self._cap: int | None = None
         self._freed = False
+        self._reported_in_poll = 0
+        """Groups that reported since the latest fleet poll was asked: complete, out of the slots, and
+        possibly not yet in the poll's count of unconsumed groups (``QUEUE_RACE``)."""
         self._accounting: set[str] = set()
         """Groups that cannot report, being or already accounted for (``_account_for``)."""
         self._closed = ClosedGroups(self._run_id, self._state.slots, self._account_for)
@@ -149,6 +152,7 @@ class RunWorkflow:
         self._counts.pop(record.group_id, None)
         closed_unseen(st.dispatch, slot, record)
         self._freed = True
+        self._reported_in_poll += 1
         st.groups_done += 1
         st.admission_cancelled += record.admission_cancelled
         st.wasted_tokens += record.wasted_tokens
@@ -358,6 +362,7 @@ class RunWorkflow:
         size, started, over = cfg.run.group_size, 0, cfg.run.overprovision
         ended_at_decision = False
         while (st.next_group < cfg.run.num_groups or st.slots) and st.breaker.stopped is None:
+            self._reported_in_poll = 0
             poll = await self._poll(inp, template)
             now = workflow.now().timestamp()
             for r in poll.readings:
@@ -373,11 +378,12 @@ class RunWorkflow:
                 st.slots[gid].told += k
                 group = workflow.get_external_workflow_handle_for(GroupWorkflow.run, f"{inp.run_id}/{gid}")
                 await group.signal(GroupWorkflow.shed, k)
+            queue_race = adm.max_queued_groups is not None and workflow.patched(patches.QUEUE_RACE.id)
             room = admission_room(
                 d.admit, now, len(inflight), len(st.slots), poll.pool, ds.bucket,
                 cfg.sandbox_pool.tasks_per_minute, size, cfg.run.max_inflight_groups + over,
                 None if adm.max_queued_groups is None else adm.max_queued_groups + over,
-                poll.unconsumed_groups,
+                poll.unconsumed_groups + (self._reported_in_poll if queue_race else 0),
             )  # fmt: skip
             ds.bucket = room.bucket
             healthy = [u for u in cfg.engine.urls if u in d.healthy]
