@@ -9,7 +9,9 @@ import base64
 import hashlib
 import importlib.metadata
 import io
+import ipaddress
 import json
+import subprocess
 import uuid
 import zipfile
 from collections.abc import Iterator
@@ -117,6 +119,22 @@ class StandIns:
         }
 
 
+def bridge_gateway(network: dict) -> str:
+    """The host's address on a Docker bridge network (its ``docker network inspect`` attributes): IPAM's
+    gateway, or, where the daemon leaves it out (Docker 20.10 for the default bridge it made at its first
+    start), the address of the bridge's interface on the host."""
+    config = network["IPAM"]["Config"][0]
+    if config.get("Gateway"):
+        return str(config["Gateway"])
+    iface = (network.get("Options") or {}).get("com.docker.network.bridge.name") or "br-" + network["Id"][:12]
+    shown = subprocess.run(["ip", "-4", "-o", "addr", "show", "dev", iface], capture_output=True, text=True)
+    for line in shown.stdout.splitlines():
+        address = line.split()[3].split("/")[0]
+        if ipaddress.ip_address(address) in ipaddress.ip_network(config["Subnet"]):
+            return address
+    raise AssertionError(f"no address of {network['Name']}'s interface {iface} in {config}: {shown.stderr}")
+
+
 @contextmanager
 def stand_ins(client: docker.DockerClient) -> Iterator[StandIns]:
     """The stand-in server on a fresh --internal network; both removed afterwards."""
@@ -134,7 +152,7 @@ def stand_ins(client: docker.DockerClient) -> Iterator[StandIns]:
         container.reload()
         address = container.attrs["NetworkSettings"]["Networks"][net.name]["IPAddress"]
         net.reload()
-        gateway = net.attrs["IPAM"]["Config"][0]["Gateway"]
+        gateway = bridge_gateway(net.attrs)
         yield StandIns(network=net.name, address=address, gateway=gateway)
     finally:
         if container is not None:

@@ -31,7 +31,7 @@ from durable_rollouts.sandboxes.egress import LABEL_NETWORK, LABEL_PROXY, networ
 from durable_rollouts.sandboxes.egress_policy import EgressPolicy
 from durable_rollouts.simengine import Mode, ModeRule, SimEngine, SimSettings
 from tests import REPO_ROOT
-from tests.integration.egress_standins import PORT, PROBE_TOOL, StandIns, pip_zip, stand_ins
+from tests.integration.egress_standins import PORT, PROBE_TOOL, StandIns, bridge_gateway, pip_zip, stand_ins
 from tests.integration.support import assert_no_containers, export, make_config, run_to_end, worker
 
 pytestmark = pytest.mark.timeout(300)
@@ -130,7 +130,7 @@ def test_a_sandbox_reaches_only_the_allowed_hosts_through_the_proxy(
         assert docker.create(f"{run}/a", run, spec).container_id == a.container_id  # idempotent
         b_address = _address(docker, b.name, network_name(b.name))
         proxy_upstream = _address(docker, proxy_name(policy), upstream.network)
-        docker0 = docker.api.inspect_network("bridge")["IPAM"]["Config"][0]["Gateway"]
+        docker0 = bridge_gateway(docker.api.inspect_network("bridge"))
         targets = {
             "get": {
                 "index": f"http://pypi.org/simple/{PROBE_TOOL}/",
