@@ -97,7 +97,7 @@ down:
 	@if [ -x $(BIN)/rollouts ]; then $(BIN)/rollouts stack down; else echo "no stack: $(BIN)/rollouts is not installed"; fi
 
 test: setup harbor-venv
-	bash .ci/with-services.sh $(BIN)/pytest -q -ra
+	bash .ci/with-services.sh $(BIN)/pytest -q -ra --durations=40
 
 test-unit: setup
 	$(BIN)/pytest -q tests/unit
