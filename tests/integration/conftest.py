@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import uuid
+from collections.abc import Iterator
+
 import pytest
 
 from durable_rollouts.sandboxes import DockerBackend
@@ -16,3 +19,12 @@ def docker() -> DockerBackend:
     except Exception as e:  # daemon down or image missing: the message says which
         pytest.skip(f"Docker sandbox unavailable ({e}); `make test` starts dockerd and builds the image")
     return backend
+
+
+@pytest.fixture
+def run_id(docker: DockerBackend) -> Iterator[str]:
+    """A run id of this test's own for sandboxes; its containers are reaped after it, and none may be left."""
+    run = f"test-{uuid.uuid4().hex[:12]}"
+    yield run
+    docker.reap(run_id=run)
+    assert docker.list_containers(run) == []

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-import uuid
 from typing import Any
 
 import docker
@@ -49,15 +48,6 @@ class UnpauseTimesOut:
 def backend(docker: DockerBackend) -> DockerBackend:
     """The shared sandbox backend (tests/integration/conftest.py: skips without a daemon or the image)."""
     return docker
-
-
-@pytest.fixture
-def run_id(backend: DockerBackend):
-    """A run id of this test's own; its containers are reaped after it, and none may be left."""
-    run = f"test-pause-{uuid.uuid4().hex[:8]}"
-    yield run
-    backend.reap(run_id=run)
-    assert backend.list_containers(run) == []
 
 
 def test_a_paused_sandbox_whose_unpause_times_out_runs_again(

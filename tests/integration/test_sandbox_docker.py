@@ -48,14 +48,6 @@ def backend() -> DockerBackend:
 
 
 @pytest.fixture
-def run_id(backend: DockerBackend):
-    run = f"test-{uuid.uuid4().hex[:12]}"
-    yield run
-    backend.reap(run_id=run)
-    assert backend.list_containers(run) == []
-
-
-@pytest.fixture
 def sandbox(backend: DockerBackend, run_id: str):
     """Factory: `sandbox(spec=SMALL, key=None)` creates a sandbox in this test's run."""
 

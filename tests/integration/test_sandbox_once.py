@@ -12,10 +12,10 @@ import threading
 import pytest
 
 from durable_rollouts.sandboxes import DockerBackend
-from tests.integration.test_sandbox_docker import SMALL, backend, run_id, sandbox, wait_for
+from tests.integration.test_sandbox_docker import SMALL, backend, sandbox, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
-__all__ = ["backend", "run_id", "sandbox"]  # fixtures, imported for their names
+__all__ = ["backend", "sandbox"]  # fixtures, imported for their names
 
 COUNTED = "echo run >> runs.txt; echo out; sleep 2; exit 5"
 
