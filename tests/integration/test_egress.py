@@ -186,6 +186,9 @@ def test_a_sandbox_reaches_only_the_allowed_hosts_through_the_proxy(
         proxy = docker.api.inspect_container(proxy_name(policy))
         assert proxy["HostConfig"]["CapDrop"] == ["ALL"] and proxy["HostConfig"]["ReadonlyRootfs"]
         assert proxy["Config"]["User"] == "65534:65534" and not proxy["HostConfig"]["Binds"]
+    except BaseException:
+        docker.destroy(f"{run}/b")  # a failed check leaves no sandbox behind (b is removed below otherwise)
+        raise
     finally:
         for key in ("a", "plain"):
             docker.destroy(f"{run}/{key}")
