@@ -11,6 +11,7 @@ import pytest
 from math_env import verify
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client
+from temporalio.service import RPCError, RPCStatusCode
 from transformers import AutoTokenizer
 
 from durable_rollouts.config.load import load_config
@@ -78,17 +79,18 @@ async def test_math_run_8x4_gives_complete_provenance_records(
 
 
 @pytest.mark.timeout(600)
-async def test_the_main_job_as_shipped_runs_its_model_calls_as_local_activities_from_a_start_of_8(
+async def test_the_main_job_as_shipped_runs_each_group_as_one_batch_from_a_start_of_8(
     client: Client, engine: Engine, task_queue: str, tmp_path: Path
 ) -> None:
-    """config/examples/math.toml (`make demo`) as it is, but for the engine's URL and the task queue: its
-    model calls are local activities (a marker in the rollout's history, no activity task), its admission
-    starts at 8 rollouts, and every record still carries its exact tokens and the verifier's reward."""
+    """config/examples/math.toml (`make demo`) as it is, but for the engine's URL and the task queue: each
+    group's rollouts run in one batch activity (no rollout workflow; one activity in the group's history),
+    its admission starts at 8 rollouts, and every record still carries its exact tokens and the verifier's
+    reward."""
     cfg = load_config(
         REPO_ROOT / "config" / "examples" / "math.toml",
         [f"engine.urls={json.dumps([engine.url])}", f"temporal.task_queue={json.dumps(task_queue)}"],
     )
-    assert cfg.rollout.local_model_calls and cfg.admission.backlog_start_cap == 8
+    assert cfg.group.batch_rollouts and cfg.admission.backlog_start_cap == 8
     async with worker(client, task_queue, tmp_path) as store:
         result = await run_to_end(client, cfg, "main-job")
         log = store.dispatch_log("main-job")
@@ -102,12 +104,15 @@ async def test_the_main_job_as_shipped_runs_its_model_calls_as_local_activities_
         sampled = [t for t, m in zip(rec["token_ids"], rec["loss_mask"], strict=True) if m]
         text = tok.decode(sampled, skip_special_tokens=False).split("<|end|>")[0]
         assert rec["reward"] == verify(text, tasks[rec["task_id"]]["answer"]), rec["rollout_id"]
-    for rec in rollouts[:4]:
+    for g in {rec["group_id"] for rec in rollouts}:
         types = [
-            e.event_type async for e in client.get_workflow_handle(rec["rollout_id"]).fetch_history_events()
+            e.event_type async for e in client.get_workflow_handle(f"main-job/{g}").fetch_history_events()
         ]
-        assert EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED not in types, rec["rollout_id"]
-        assert EventType.EVENT_TYPE_MARKER_RECORDED in types, rec["rollout_id"]
+        assert EventType.EVENT_TYPE_START_CHILD_WORKFLOW_EXECUTION_INITIATED not in types, g
+        assert types.count(EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED) == 1, g  # the batch
+    with pytest.raises(RPCError) as gone:  # a batched rollout has no workflow of its own
+        await client.get_workflow_handle(rollouts[0]["rollout_id"]).describe()
+    assert gone.value.status == RPCStatusCode.NOT_FOUND
     # the first decision starts at 8 (the orchestration-aware start), not at the engine's KV cap
     first = log[0]
     initial = next(int(r.split()[-1]) for r in first["reasons"] if r.startswith("initial cap "))
