@@ -1,9 +1,8 @@
-"""Rollouts whose model calls are local activities (``rollout.local_model_calls``, on in the main job's
-config), cancelled by signal at random moments around their call: every one gets exactly one record,
-and every rollout's history replays. The SDK regroups local-activity resolutions on replay
-(temporalio 1.32-1.35), which broke the run workflow's replay when a signal and a resolution met in one
-activation (docs/measurements/cost.md); this is the rollout's side of that risk. Real Temporal dev server,
-simulated engine with 50-400 ms calls."""
+"""Rollouts whose model calls are local activities (``rollout.local_model_calls``), cancelled by signal at
+random moments around their call: every one gets exactly one record, and every rollout's history replays.
+The SDK regroups local-activity resolutions on replay (temporalio 1.32-1.35), which broke the run
+workflow's replay when a signal and a resolution met in one activation (docs/measurements/cost.md); this is
+the rollout's side of that risk. Real Temporal dev server, simulated engine with 50-400 ms calls."""
 
 from __future__ import annotations
 
