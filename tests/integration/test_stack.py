@@ -152,31 +152,18 @@ def test_detached_stack_outlives_the_process_that_started_it(home: Path) -> None
 
 
 @needs_model
-@pytest.mark.timeout(300)
-def test_engine_becomes_healthy_with_the_configured_weight_version(home: Path) -> None:
-    components = ("temporal", "engine", "worker") if HAVE_WORKER else ("temporal", "engine")
-    cfg = _config(policy_version="v-it")
-    info = stack.up(cfg, home, detach=True, components=components)
-    rows = {row.name: row for row in stack.status(home)}
-    assert all(rows[name].healthy for name in components), rows
-    assert rows["engine"].detail == "weight version v-it"
-    if HAVE_WORKER:  # the stack's worker serves its metrics and the SDK's on the configured ports
-        served = urllib.request.urlopen(f"http://127.0.0.1:{cfg.worker_metrics_port}/metrics", timeout=5)
-        assert "# TYPE rollouts_records_total counter" in served.read().decode()
-        sdk = urllib.request.urlopen(f"http://127.0.0.1:{cfg.worker_sdk_metrics_port}/metrics", timeout=5)
-        assert "temporal_" in sdk.read().decode()
-    assert info.ready_s["engine"] < 240
-    assert stack.down(home) == list(reversed(components))
-    assert not any(procs.pid_alive(pid) for pid in info.pids.values())
-
-
-@needs_model
 @needs_worker
 @pytest.mark.timeout(600)
-def test_cli_up_status_down_up_keeps_the_database(home: Path, tmp_path: Path) -> None:
-    cfg = _config()
+def test_cli_up_brings_every_component_up_healthy_and_down_then_up_keeps_the_database(
+    home: Path, tmp_path: Path
+) -> None:
+    """`rollouts stack up -d` starts the Temporal server (WAL pragmas), the engine under the configured
+    weight version and the worker (its metrics and the SDK's on the configured ports), all healthy;
+    `down` stops exactly those processes, and `up` again reopens the same database."""
+    cfg = _config(policy_version="v-it")
     toml = tmp_path / "stack.toml"
-    toml.write_text("[stack]\n" + "".join(f"{k} = {v}\n" for k, v in cfg.model_dump().items() if "port" in k))
+    fields = {k: v for k, v in cfg.model_dump().items() if "port" in k or k == "policy_version"}
+    toml.write_text("[stack]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in fields.items()))
 
     res = _cli(home, "up", "-d", "--config", str(toml))
     assert res.returncode == 0, res.stdout + res.stderr
@@ -185,6 +172,12 @@ def test_cli_up_status_down_up_keeps_the_database(home: Path, tmp_path: Path) ->
     status = _cli(home, "status", timeout=60)
     assert status.returncode == 0, status.stdout
     assert status.stdout.count("healthy") == 4 and "unhealthy" not in status.stdout
+    rows = {row.name: row for row in stack.status(home)}
+    assert rows["engine"].detail == "weight version v-it", rows["engine"]
+    served = urllib.request.urlopen(f"http://127.0.0.1:{cfg.worker_metrics_port}/metrics", timeout=5)
+    assert "# TYPE rollouts_records_total counter" in served.read().decode()
+    sdk = urllib.request.urlopen(f"http://127.0.0.1:{cfg.worker_sdk_metrics_port}/metrics", timeout=5)
+    assert "temporal_" in sdk.read().decode()
     with contextlib.closing(sqlite3.connect(f"file:{home / 'temporal.sqlite'}?mode=ro", uri=True)) as db:
         assert db.execute("pragma journal_mode").fetchone() == ("wal",)  # the default pragmas took
     address = f"127.0.0.1:{cfg.temporal_port}"
