@@ -25,6 +25,7 @@ from temporalio.exceptions import ApplicationError
 from temporalio.worker import Worker
 
 from durable_rollouts.activities.closed_groups import closed_among, unended_members
+from durable_rollouts.config.models import AdmissionSection, Config, RolloutConfig, RunConfig
 from durable_rollouts.contracts.activity_io import (
     ClosedGroupsInput,
     EnvStepInput,
@@ -53,6 +54,7 @@ from durable_rollouts.contracts.types import (
     RetrySettings,
     RolloutInput,
     RolloutResult,
+    RunInput,
     SamplingParams,
     SandboxStepInput,
     TurnResult,
@@ -358,6 +360,14 @@ def rollout_input(uid: str, **update: Any) -> RolloutInput:
         revision=REVISION,  # as rollout_template sets it
     )
     return inp.model_copy(update=update)
+
+
+def admitted_run(uid: str, admission: AdmissionSection, groups: int, size: int, inflight: int) -> RunInput:
+    """A run of ``groups`` groups of ``size`` two-turn rollouts under ``admission``, at most ``inflight``
+    groups in flight."""
+    run = RunConfig(num_groups=groups, group_size=size, max_inflight_groups=inflight)
+    cfg = Config(run=run, rollout=RolloutConfig(max_turns=2), admission=admission)
+    return RunInput(run_id=f"run-{uid}", config=cfg)
 
 
 async def wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0, what: str = "condition") -> None:

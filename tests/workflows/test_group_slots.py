@@ -7,10 +7,10 @@ import pytest
 from temporalio.api.enums.v1 import EventType
 from temporalio.testing import WorkflowEnvironment
 
-from durable_rollouts.config.models import AdmissionSection, Config, RolloutConfig, RunConfig
-from durable_rollouts.contracts.types import RunInput, group_id
+from durable_rollouts.config.models import AdmissionSection
+from durable_rollouts.contracts.types import group_id
 
-from .fakes import Fakes
+from .fakes import Fakes, admitted_run
 from .test_breaker import run
 
 
@@ -23,14 +23,7 @@ async def test_groups_admitted_together_start_in_one_workflow_task(
     fakes.clock = ts_env.get_current_time  # readings on the server's (skipped) clock stay fresh
     fakes.done_on_turn = 1
     admission = AdmissionSection(enabled=adaptive, initial_cap=6, max_inflight=6, admit_window_s=0.0)
-    inp = RunInput(
-        run_id=f"run-{uid}",
-        config=Config(
-            run=RunConfig(num_groups=3, group_size=2, max_inflight_groups=3),
-            rollout=RolloutConfig(max_turns=2),
-            admission=admission,
-        ),
-    )
+    inp = admitted_run(uid, admission, groups=3, size=2, inflight=3)
     result, _ = await run(ts_client, fakes, inp, uid)
     assert result.done and result.groups_done == 3
     events = [e async for e in ts_client.get_workflow_handle(inp.run_id).fetch_history_events()]

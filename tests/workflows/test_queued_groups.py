@@ -16,11 +16,10 @@ import asyncio
 from temporalio import activity
 from temporalio.testing import WorkflowEnvironment
 
-from durable_rollouts.config.models import AdmissionSection, Config, RolloutConfig, RunConfig
+from durable_rollouts.config.models import AdmissionSection
 from durable_rollouts.contracts.dispatch import FleetPoll, PollFleetInput
-from durable_rollouts.contracts.types import RunInput
 
-from .fakes import Fakes
+from .fakes import Fakes, admitted_run
 from .test_breaker import run
 
 LIMIT = 1
@@ -67,14 +66,7 @@ async def test_a_group_that_reports_during_a_poll_counts_as_queued(
         enabled=True, initial_cap=8, max_inflight=8, admit_window_s=0.0, poll_interval_s=0.5,
         max_queued_groups=LIMIT,
     )  # fmt: skip
-    inp = RunInput(
-        run_id=f"run-{uid}",
-        config=Config(
-            run=RunConfig(num_groups=4, group_size=1, max_inflight_groups=8),
-            rollout=RolloutConfig(max_turns=2),
-            admission=admission,
-        ),
-    )
+    inp = admitted_run(uid, admission, groups=4, size=1, inflight=8)
     result, _ = await run(ts_env.client, fakes, inp, uid)
     assert result.done and result.groups_done == 4
     raced = [s for s in fakes.seen if s[0] > 0]
