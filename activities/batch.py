@@ -24,6 +24,12 @@ Invariants:
   record and tells the run in one local activity, idempotent on the group (the run ignores a second
   report). From revision 3 it tells the run by update, which the run refuses while it drains for
   continue-as-new: refused, the call is retried, and the next segment takes it (workflows/run.py).
+- A report never holds its worker's workflow-task slot while it waits on the run: the local activity holds
+  the group's workflow task open, and the run's workflow task, which completes the update, needs a slot of
+  its own. A try waits at most ``REPORT_WAIT_S`` for the update, every retry of the close waits on a
+  timer (``local_retry_threshold``), which ends the group's task and frees its slot, and every try sends
+  the update under the group's own id, so a retry after the run answered returns at once; with every slot
+  held by a group waiting on its report, the run could never answer one.
 - Heartbeats every ``HEARTBEAT_EVERY_S`` name every member still running (turn, phase, replica, since
   when): an operator finds a stuck batch in the web UI as its group's pending activity, and a cancel of
   the batch reaches it through the heartbeat. The first comes after one interval, as every activity's
@@ -41,7 +47,7 @@ from functools import partial
 from typing import TypeVar
 
 from temporalio import activity
-from temporalio.client import WorkflowUpdateFailedError
+from temporalio.client import Client, WorkflowUpdateFailedError, WorkflowUpdateRPCTimeoutOrCancelledError
 from temporalio.common import RetryPolicy
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
@@ -55,6 +61,7 @@ from durable_rollouts.contracts.activity_io import EnvStepInput, GenerateInput, 
 from durable_rollouts.contracts.batch import BatchInput, ReportGroupInput
 from durable_rollouts.contracts.types import (
     EnvStepResult,
+    GroupResult,
     Outcome,
     RolloutInput,
     RolloutResult,
@@ -82,6 +89,14 @@ below the workflows, so by name, as ``activities.harness`` signals its rollout).
 GROUP_REPORT = "group_report"
 """The run workflow's update a group's close sends from input revision 3
 (``workflows.run.RunWorkflow.group_report``)."""
+REPORT_WAIT_S = 4.0
+"""Longest one try of a group's report waits for the run's ``group_report`` update; then the try fails and
+the close is retried after a timer, its group's workflow task ended meanwhile. The update stays with the
+server and lands with the run's next task; the retry sends it under the same id (``report_id``), so it is
+answered once and the retry gets that answer."""
+REPORT_RETRY_THRESHOLD = timedelta(milliseconds=500)
+"""The close's retries (RECORD_RETRY: 1 s and up) all wait on a durable timer, never inside the group's
+workflow task."""
 ATTEMPTS_PER_TRY = 10_000
 """Attempt numbers each try of a batch owns for one turn's calls (its retries, failovers and outage waits
 stay below this, so the attempt numbers of two tries never meet)."""
@@ -123,7 +138,9 @@ class BatchActivities:
             with contextlib.suppress(BaseException):
                 await everything
 
-    @options(Options(timedelta(seconds=60), RECORD_RETRY, local=True))
+    @options(
+        Options(timedelta(seconds=60), RECORD_RETRY, local=True, local_retry_threshold=REPORT_RETRY_THRESHOLD)
+    )
     @activity.defn
     async def report_group(self, inp: ReportGroupInput) -> bool:
         """A group's close in one local activity: finalize_group's writes (idempotent), then the run's
@@ -131,27 +148,48 @@ class BatchActivities:
         instead of a signal command of the group's (which costs the group a workflow task and three events
         more); a retry may report again, which the run ignores. An update the run refuses (it is draining
         for continue-as-new) fails this try, and a later try reaches the next segment. A run that is gone
-        fails the call for good, as the group's signal did."""
+        fails the call for good, as the group's signal did. An update not answered within
+        ``REPORT_WAIT_S`` fails this try too (``RunBusy``)."""
         written = await self.rollouts.finalize_group(inp.finalize)
         if inp.run_workflow_id:
-            run = activity.client().get_workflow_handle(inp.run_workflow_id)
-            try:
-                if inp.by_update:
-                    await run.execute_update(GROUP_REPORT, inp.finalize.record)
-                else:
-                    await run.signal(GROUP_DONE, inp.finalize.record)
-            except WorkflowUpdateFailedError as e:  # refused while the run drains: the next segment takes it
-                raise ApplicationError(f"run {inp.run_workflow_id}: {e.cause}", type="RunDraining") from e
-            except RPCError as e:
-                if e.status != RPCStatusCode.NOT_FOUND:
-                    raise
-                raise ApplicationError(
-                    f"run {inp.run_workflow_id}: {e.message}", type="RunGone", non_retryable=True
-                ) from e
+            await tell_run(activity.client(), inp.run_workflow_id, inp.finalize.record, inp.by_update)
         return written
 
     def all(self) -> list:
         return [self.run_batch, self.report_group]
+
+
+def report_id(record: GroupResult) -> str:
+    """The update id of a group's report: the same on every try, so a try after one the run has answered
+    gets that answer from the server at once, without a workflow task of the run."""
+    return f"report/{record.group_id}"
+
+
+async def tell_run(client: Client, run_workflow_id: str, record: GroupResult, by_update: bool) -> None:
+    """Tell the run a group's record: its ``group_report`` update (``by_update``) or ``group_done`` signal.
+    Raises ``RunDraining`` (refused while it continues as new) and ``RunBusy`` (no answer within
+    ``REPORT_WAIT_S``) for a retry, ``RunGone`` (no such run) for good."""
+    run = client.get_workflow_handle(run_workflow_id)
+    try:
+        if by_update:
+            await run.execute_update(
+                GROUP_REPORT, record, id=report_id(record), rpc_timeout=timedelta(seconds=REPORT_WAIT_S)
+            )
+        else:
+            await run.signal(GROUP_DONE, record)
+    except WorkflowUpdateFailedError as e:  # refused while the run drains: the next segment takes it
+        raise ApplicationError(f"run {run_workflow_id}: {e.cause}", type="RunDraining") from e
+    except WorkflowUpdateRPCTimeoutOrCancelledError as e:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():  # this try itself was cancelled, not the wait timed out
+            raise
+        wait = f"no answer to group {record.group_id}'s report within {REPORT_WAIT_S:.0f} s"
+        raise ApplicationError(f"run {run_workflow_id}: {wait}", type="RunBusy") from e
+    except RPCError as e:
+        if e.status != RPCStatusCode.NOT_FOUND:
+            raise
+        gone = f"run {run_workflow_id}: {e.message}"
+        raise ApplicationError(gone, type="RunGone", non_retryable=True) from e
 
 
 def batch_timeout(members: list[RolloutInput]) -> timedelta:

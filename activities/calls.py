@@ -30,6 +30,10 @@ class Options:
     wait_cancellation: bool = False
     """A cancelled call is awaited until the activity has stopped (it learns of the cancel by its next
     heartbeat), so nothing it writes can land after the caller moved on (e.g. after the record)."""
+    local_retry_threshold: timedelta | None = None
+    """Local activities: a retry whose backoff is longer than this waits on a durable timer, which ends
+    the caller's workflow task (and frees its worker slot), instead of inside that task (the SDK's
+    default: one minute)."""
 
     def kwargs(
         self, retry: RetryPolicy | None = None, start_to_close: timedelta | None = None
@@ -42,6 +46,8 @@ class Options:
             kw["heartbeat_timeout"] = self.heartbeat
         if self.wait_cancellation:
             kw["cancellation_type"] = ActivityCancellationType.WAIT_CANCELLATION_COMPLETED
+        if self.local and self.local_retry_threshold is not None:
+            kw["local_retry_threshold"] = self.local_retry_threshold
         return kw
 
 

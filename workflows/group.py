@@ -9,7 +9,8 @@ Invariants:
   continue-as-new while groups are in flight: from input revision 3 by the run's ``group_report`` update,
   sent with its record in one local activity (``BatchActivities.report_group``), which the run refuses
   while it drains for continue-as-new so no report lands in the task carrying it (the activity retries);
-  before, by the ``group_done`` signal.
+  before, by the ``group_done`` signal. The report never holds the group's worker slot while it waits on
+  the run (its tries are bounded and retried on a timer: ``activities.batch.tell_run``).
 - The dispatcher may ``shed`` members (cancel, reason admission): they get a cancelled record, count toward
   the size and stay out of the comparison; with ``redispatch_cancelled`` the slot runs again under id
   ``<run>/<group>/<i>r<n>`` (same sample index), so the group still compares ``size`` finished slots.

@@ -105,7 +105,7 @@ async def constrained_run(
                 "orchestration_backlog": rule,
             },
         )
-        slow = SlowWorkflowTasks(0.2)
+        slow = SlowWorkflowTasks(0.3)
         async with worker(
             client, task_queue, home, sandboxed=False, max_workflow_tasks=4, interceptors=[slow]
         ) as store:

@@ -20,10 +20,10 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from temporalio import activity
-from temporalio.client import Client, WorkflowUpdateFailedError
-from temporalio.exceptions import ApplicationError
+from temporalio.client import Client
 from temporalio.worker import Worker
 
+from durable_rollouts.activities.batch import tell_run
 from durable_rollouts.activities.closed_groups import closed_among, unended_members
 from durable_rollouts.config.models import AdmissionSection, Config, RolloutConfig, RunConfig
 from durable_rollouts.contracts.activity_io import (
@@ -92,6 +92,7 @@ class Fakes:
         self.generate_hook: Hook | None = None
         self.env_hook: Hook | None = None
         self.sandbox_create_hook: Hook | None = None
+        self.report_hook: Hook | None = None
 
         self.calls: dict[str, list[Any]] = defaultdict(list)
         self.context: dict[str, int] = {}
@@ -201,18 +202,14 @@ class Fakes:
     @activity.defn(name="report_group")
     async def report_group(self, inp: ReportGroupInput) -> bool:
         """The real close's steps (activities.batch): the record (as ``finalize_group``), then the run told
-        by the real client, its update refused while the run drains (this try fails; a later one lands)."""
+        by the real client and the real ``tell_run`` (its update refused while the run drains, or not
+        answered in time: this try fails, a later one lands). ``report_hook`` runs before the run is told."""
         self._record("report_group", inp)
         written = await self.finalize_group(inp.finalize)
+        if self.report_hook is not None:
+            await self.report_hook(inp)
         if inp.run_workflow_id:
-            run = activity.client().get_workflow_handle(inp.run_workflow_id)
-            try:
-                if inp.by_update:
-                    await run.execute_update("group_report", inp.finalize.record)
-                else:
-                    await run.signal("group_done", inp.finalize.record)
-            except WorkflowUpdateFailedError as e:
-                raise ApplicationError(f"refused: {e.cause}", type="RunDraining") from e
+            await tell_run(activity.client(), inp.run_workflow_id, inp.finalize.record, inp.by_update)
         return written
 
     @activity.defn(name="finish_run")
@@ -321,14 +318,17 @@ class Fakes:
         return await closed_among(activity.client(), inp.run_id, inp.groups)
 
 
-def fake_worker(client: Client, task_queue: str, fakes: Fakes) -> Worker:
+def fake_worker(client: Client, task_queue: str, fakes: Fakes, workflow_slots: int | None = None) -> Worker:
     """A worker with the real workflows and the fake activities (heartbeats reach the server at once, so
-    a cancellation reaches a heartbeating fake within milliseconds)."""
+    a cancellation reaches a heartbeating fake within milliseconds); ``workflow_slots``: its workflow-task
+    slots (the SDK's default otherwise)."""
+    slots = {} if workflow_slots is None else {"max_concurrent_workflow_tasks": workflow_slots}
     return Worker(
         client,
         task_queue=task_queue,
         workflows=WORKFLOWS,
         activities=fakes.all(),
+        **slots,
         max_heartbeat_throttle_interval=timedelta(milliseconds=50),
         default_heartbeat_throttle_interval=timedelta(milliseconds=50),
     )

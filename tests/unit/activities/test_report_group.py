@@ -5,17 +5,24 @@ gone fails it for good."""
 
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
-from temporalio.client import WorkflowUpdateFailedError
+from temporalio.client import WorkflowUpdateFailedError, WorkflowUpdateRPCTimeoutOrCancelledError
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.testing import ActivityEnvironment
 
-from durable_rollouts.activities.batch import GROUP_DONE, GROUP_REPORT, BatchActivities
-from durable_rollouts.activities.rollout import RolloutActivities
+from durable_rollouts.activities.batch import (
+    GROUP_DONE,
+    GROUP_REPORT,
+    REPORT_WAIT_S,
+    BatchActivities,
+)
+from durable_rollouts.activities.calls import options_of
+from durable_rollouts.activities.rollout import RECORD_RETRY, RolloutActivities
 from durable_rollouts.contracts.activity_io import FinalizeGroupInput
 from durable_rollouts.contracts.batch import ReportGroupInput
 from durable_rollouts.contracts.types import GroupResult
@@ -33,6 +40,7 @@ class FakeClient:
 
     def __init__(self, fail: Exception | None = None) -> None:
         self.signals: list[tuple[str, str, Any]] = []
+        self.update_waits: list[tuple[str | None, timedelta | None]] = []
         self.fail = fail
 
     def get_workflow_handle(self, wid: str) -> FakeClient._Handle:
@@ -47,7 +55,10 @@ class FakeClient:
                 raise self.client.fail
             self.client.signals.append((self.wid, name, arg))
 
-        async def execute_update(self, name: str, arg: Any) -> None:
+        async def execute_update(
+            self, name: str, arg: Any, id: str | None = None, rpc_timeout: timedelta | None = None
+        ) -> None:
+            self.client.update_waits.append((id, rpc_timeout))
             await self.signal(name, arg)
 
 
@@ -99,6 +110,20 @@ async def test_by_update_the_run_is_told_by_its_group_report_update(tmp_path: Pa
     client = FakeClient()
     assert await _report(tmp_path, client, by_update=True) == [True, False]
     assert client.signals == [("run", GROUP_REPORT, RECORD)] * 2
+    # a try never waits without end, and every try is the same update: answered once, by the run
+    assert client.update_waits == [("report/g00000", timedelta(seconds=REPORT_WAIT_S))] * 2
+
+
+async def test_an_update_not_answered_in_time_fails_the_try_for_a_retry_on_a_timer(tmp_path: Path) -> None:
+    """The run's workflow task may wait for a worker slot that groups waiting on their reports hold: the try
+    gives up (RunBusy, retried) and the close's retries wait on a timer, which ends the group's task."""
+    with pytest.raises(ApplicationError) as e:
+        await _report(tmp_path, FakeClient(WorkflowUpdateRPCTimeoutOrCancelledError()), by_update=True)
+    assert not e.value.non_retryable and e.value.type == "RunBusy"
+    opts = options_of(BatchActivities.report_group)
+    assert opts.local and opts.retry is RECORD_RETRY
+    threshold = opts.kwargs()["local_retry_threshold"]
+    assert threshold < RECORD_RETRY.initial_interval  # every retry's backoff exceeds it: a durable timer
 
 
 async def test_an_update_the_draining_run_refuses_fails_the_try_for_a_retry(tmp_path: Path) -> None:
