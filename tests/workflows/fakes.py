@@ -363,8 +363,8 @@ def rollout_input(uid: str, **update: Any) -> RolloutInput:
 
 
 def admitted_run(uid: str, admission: AdmissionSection, groups: int, size: int, inflight: int) -> RunInput:
-    """A run of ``groups`` groups of ``size`` two-turn rollouts under ``admission``, at most ``inflight``
-    groups in flight."""
+    """A run of ``groups`` groups of ``size`` two-turn rollouts under ``admission`` (disabled: the fixed
+    cap), at most ``inflight`` groups in flight."""
     run = RunConfig(num_groups=groups, group_size=size, max_inflight_groups=inflight)
     cfg = Config(run=run, rollout=RolloutConfig(max_turns=2), admission=admission)
     return RunInput(run_id=f"run-{uid}", config=cfg)

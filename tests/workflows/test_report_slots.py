@@ -17,11 +17,11 @@ import pytest
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client
 
-from durable_rollouts.config.models import Config, RolloutConfig, RunConfig
-from durable_rollouts.contracts.types import RunInput, group_id
+from durable_rollouts.config.models import AdmissionSection
+from durable_rollouts.contracts.types import group_id
 from durable_rollouts.workflows.run import RunWorkflow
 
-from .fakes import Fakes, fake_worker
+from .fakes import Fakes, admitted_run, fake_worker
 
 SLOTS = 2
 
@@ -44,11 +44,7 @@ async def test_groups_waiting_on_their_reports_in_every_slot_still_reach_the_run
 
     fakes.report_hook = in_every_slot_at_once
     groups = 4
-    cfg = Config(
-        run=RunConfig(num_groups=groups, group_size=1, max_inflight_groups=groups),
-        rollout=RolloutConfig(max_turns=2),
-    )
-    inp = RunInput(run_id=f"run-{uid}", config=cfg)
+    inp = admitted_run(uid, AdmissionSection(), groups=groups, size=1, inflight=groups)  # a fixed cap
     tq = f"tq-{uid}"
     async with fake_worker(client, tq, fakes, workflow_slots=SLOTS):
         handle = await client.start_workflow(RunWorkflow.run, inp, id=inp.run_id, task_queue=tq)
